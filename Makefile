@@ -1,0 +1,39 @@
+# The two commands: `make run` (a tiny RL job on the CPU) and `make test`.
+# Both set everything up first; `make setup` is idempotent.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@# torch first and pinned: a plain `torch` would pull a multi-GB CUDA build.
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/rlft train examples/tiny-grpo.yaml --out runs/tiny-grpo --overwrite
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""rlft trainer: config, algorithms, rollout, local runs."""

@@ -1,0 +1,1 @@
+"""Pure loss and advantage functions over tensors: no models, no I/O."""

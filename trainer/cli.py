@@ -1,0 +1,79 @@
+"""The `rlft` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlft.trainer.config import JobFileError, load_job
+from rlft.trainer.exit_codes import ExitCode
+
+
+def _print_problems(error: JobFileError) -> None:
+    for problem in error.problems:
+        print(f"{error.source}: {problem}", file=sys.stderr)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.job)
+    except JobFileError as error:
+        _print_problems(error)
+        return ExitCode.INVALID_CONFIG
+    print(f"{args.job}: valid RLFineTune {job.metadata.name!r}")
+    return ExitCode.OK
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.job)
+    except JobFileError as error:
+        _print_problems(error)
+        return ExitCode.INVALID_CONFIG
+    # Imported here so that `rlft validate` works without the trainer's heavy extras.
+    from rlft.trainer.data.jsonl import DataFileError
+    from rlft.trainer.local_run import OutputExistsError, run_job
+    from rlft.trainer.modeling import ModelLoadError
+    from rlft.trainer.rewards import RewardError
+
+    out = Path(args.out) if args.out else Path("runs") / job.metadata.name
+    try:
+        run_job(job, out, max_steps=args.max_steps, overwrite=args.overwrite)
+    except (OutputExistsError, DataFileError, ModelLoadError, RewardError, ValueError) as error:
+        print(f"rlft: {error}", file=sys.stderr)
+        return ExitCode.INVALID_CONFIG
+    return ExitCode.OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlft", description="RL fine-tuning of language models, locally or on Kubernetes."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    validate = commands.add_parser("validate", help="check a job file; exit 2 naming each bad field")
+    validate.add_argument("job", help="RLFineTune manifest (YAML)")
+    validate.set_defaults(handler=cmd_validate)
+
+    train = commands.add_parser("train", help="run a job on this machine")
+    train.add_argument("job", help="RLFineTune manifest (YAML)")
+    train.add_argument("--out", help="output folder (default runs/<metadata.name>)")
+    train.add_argument("--max-steps", type=int, help="stop after this many RL steps")
+    train.add_argument(
+        "--overwrite", action="store_true", help="replace a run already in the output folder"
+    )
+    train.set_defaults(handler=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
+        print("rlft: --max-steps must be ≥ 1", file=sys.stderr)
+        return ExitCode.INVALID_CONFIG
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

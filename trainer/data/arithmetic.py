@@ -1,0 +1,68 @@
+"""Built-in verifiable task: integer arithmetic with exact answers, no download.
+
+The held-out split is drawn first from its own seed and excluded from training, so
+evaluation measures generalisation, not memorisation.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+from rlft.trainer.config import ArithmeticTask
+from rlft.trainer.data.task import Problem
+
+_EVAL_SEED_OFFSET = 1_000_003
+
+
+def solve(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    raise ValueError(f"unknown operator {op!r}")
+
+
+def render(a: int, op: str, b: int) -> Problem:
+    return Problem(prompt=f"{a}{op}{b}=", answer=str(solve(a, op, b)))
+
+
+class ArithmeticProblems:
+    """`a op b =` with operands of up to `digits` digits."""
+
+    def __init__(self, spec: ArithmeticTask, seed: int):
+        self.spec = spec
+        self.high = 10**spec.digits - 1
+        space = (self.high + 1) ** 2 * len(spec.operations)
+        if spec.eval_size > space // 2:
+            raise ValueError(
+                f"spec.data.arithmetic.evalSize: {spec.eval_size} held-out problems leave too "
+                f"few for training among {space} possible; lower evalSize or raise digits"
+            )
+        rng = random.Random(seed + _EVAL_SEED_OFFSET)
+        held_out: dict[tuple[int, str, int], Problem] = {}
+        while len(held_out) < spec.eval_size:
+            key = self._draw(rng)
+            held_out.setdefault(key, render(*key))
+        self._held_out = held_out
+
+    def _draw(self, rng: random.Random) -> tuple[int, str, int]:
+        op = rng.choice(self.spec.operations)
+        return rng.randint(0, self.high), op, rng.randint(0, self.high)
+
+    def train_problem(self, rng: random.Random) -> Problem:
+        while True:
+            key = self._draw(rng)
+            if key not in self._held_out:
+                return render(*key)
+
+    def eval_problems(self) -> list[Problem]:
+        return list(self._held_out.values())
+
+    def corpus(self) -> Iterator[str]:
+        rng = random.Random(0)
+        for _ in range(2000):
+            problem = self.train_problem(rng)
+            yield problem.prompt + problem.answer

@@ -1,0 +1,14 @@
+"""Exit codes of the trainer: how the operator learns what happened (see DESIGN.md)."""
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    """Finished (or stopped cleanly after an emergency checkpoint)."""
+    FAILURE = 1
+    """Anything unexpected: retryable."""
+    INVALID_CONFIG = 2
+    """The job file, its data or its model cannot be used: permanent, do not restart."""
+    COLLAPSED = 3
+    """The collapse detector asks for a rollback to the last healthy checkpoint."""

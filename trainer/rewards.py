@@ -1,0 +1,97 @@
+"""Reward functions by name: `exact_match`, `format`, or user code as `module:function`.
+
+A reward function takes (completion text, reference answer) and returns a float. The
+job's reward is the weighted sum of its terms.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rlft.trainer.config import RewardSpec
+
+RewardFn = Callable[[str, str], float]
+
+_NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+
+
+class RewardError(Exception):
+    """A reward function that cannot be loaded or returned something unusable."""
+
+
+def normalise_answer(text: str) -> str:
+    """Whitespace-insensitive form of an answer: strip and collapse inner runs."""
+    return " ".join(text.split())
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 when the completion is exactly the reference answer (up to whitespace)."""
+    return float(normalise_answer(completion) == normalise_answer(answer))
+
+
+def format_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion has the answer's shape: a bare number for numeric answers,
+    one non-empty line otherwise. Rewards well-formed output regardless of correctness."""
+    text = completion.strip()
+    if _NUMBER.match(answer.strip()):
+        return float(bool(_NUMBER.match(text)))
+    return float(bool(text) and "\n" not in text)
+
+
+BUILTIN: dict[str, RewardFn] = {"exact_match": exact_match, "format": format_reward}
+
+
+def load_reward(name: str) -> RewardFn:
+    """A built-in reward by name, or `package.module:function` imported from user code."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    module_name, _, function_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise RewardError(
+            f"spec.reward.functions: cannot import module {module_name!r} for reward {name!r} "
+            f"({error}); is it installed or on PYTHONPATH?"
+        ) from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise RewardError(
+            f"spec.reward.functions: module {module_name!r} has no function {function_name!r}"
+        )
+    return function
+
+
+@dataclass
+class Scores:
+    total: list[float]
+    """Weighted sum per completion."""
+    per_term: dict[str, list[float]]
+    """Unweighted value of each term per completion."""
+
+
+class RewardModel:
+    """The weighted sum of the job's reward terms."""
+
+    def __init__(self, spec: RewardSpec):
+        self.terms = [(f.name, f.weight, load_reward(f.name)) for f in spec.functions]
+
+    def score(self, completions: Sequence[str], answers: Sequence[str]) -> Scores:
+        per_term: dict[str, list[float]] = {}
+        total = [0.0] * len(completions)
+        for name, weight, function in self.terms:
+            values = []
+            for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
+                value = function(completion, answer)
+                if not isinstance(value, int | float) or not math.isfinite(value):
+                    raise RewardError(
+                        f"reward {name!r} returned {value!r} for completion {completion!r}; "
+                        "a reward must be a finite number"
+                    )
+                values.append(float(value))
+                total[i] += weight * float(value)
+            per_term[name] = values
+        return Scores(total=total, per_term=per_term)
