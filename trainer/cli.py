@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    validate = commands.add_parser("validate", help="check a job file; exit 2 naming each bad field")
+    validate = commands.add_parser(
+        "validate", help="check a job file; exit 2 naming each bad field"
+    )
     validate.add_argument("job", help="RLFineTune manifest (YAML)")
     validate.set_defaults(handler=cmd_validate)
 

@@ -39,7 +39,9 @@ class Section(BaseModel):
 
     model_config = ConfigDict(
         alias_generator=AliasGenerator(alias=to_camel),
-        populate_by_name=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        strict=True,
         extra="forbid",
         use_attribute_docstrings=True,
         validate_default=True,
@@ -149,6 +151,14 @@ class SFTParams(Section):
     """Learning rate of the warm start (AdamW, linear warm-up then constant)."""
     warmup_steps: int = Field(50, ge=0, le=1_000_000)
     """Steps of linear learning-rate warm-up."""
+    stop_at_accuracy: float | None = Field(None, gt=0, le=1)
+    """End the warm start early once greedy exact-match accuracy on a probe of fresh
+    training problems (never the held-out ones) reaches this; `steps` stays the cap.
+    Leaves RL room to improve whatever the seed."""
+    probe_every_steps: int = Field(25, ge=1, le=1_000_000)
+    """How often the probe runs when stopAtAccuracy is set."""
+    probe_problems: int = Field(256, ge=1, le=100_000)
+    """Training problems in each probe."""
 
 
 class AlgorithmSpec(Section):
@@ -169,7 +179,9 @@ class ArithmeticTask(Section):
     """Built-in verifiable task: integer arithmetic with exact answers."""
 
     digits: int = Field(3, ge=1, le=12)
-    """Maximum number of digits of each operand."""
+    """Number of digits of each operand."""
+    exact_digits: bool = True
+    """Operands have exactly `digits` digits (e.g. 100–999); false allows fewer (0–999)."""
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
     """Operators to draw from."""
     eval_size: int = Field(500, ge=1, le=1_000_000)
@@ -335,9 +347,7 @@ class RolloutSpec(Section):
     def _gpus_fit_parallelism(self) -> RolloutSpec:
         parallel = self.tensor_parallel * self.expert_parallel
         if self.gpus_per_instance and self.gpus_per_instance % parallel:
-            raise ValueError(
-                "gpusPerInstance must be divisible by tensorParallel × expertParallel"
-            )
+            raise ValueError("gpusPerInstance must be divisible by tensorParallel × expertParallel")
         return self
 
 
@@ -533,31 +543,68 @@ def _describe(error: dict[str, Any]) -> str:
     return error["msg"][0].lower() + error["msg"][1:]
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "[key]", "none"}
+_INTERNAL_TAGS = ("function-", "literal[", "union[", "json-or-python", "lax-", "strict-")
+
+
 def _location(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif item.startswith(("function-", "literal[", "union[", "json-or-python")):
-            continue  # pydantic's internal validator names, not fields
+        elif item in _TYPE_TAGS or item.startswith(_INTERNAL_TAGS):
+            continue  # pydantic's names for union members and validators, not fields
         else:
             parts.append(("." if parts else "") + item)
     return "".join(parts) or "(top level)"
 
 
 def problems_of(error: ValidationError) -> list[str]:
-    """Turn a pydantic ValidationError into `field.path: what is wrong` lines."""
-    return [f"{_location(e['loc'])}: {_describe(e)}" for e in error.errors(include_url=False)]
+    """Turn a pydantic ValidationError into `field.path: what is wrong` lines, one per
+    field (a value failing every member of a union is one problem, not one per member)."""
+    lines: dict[str, str] = {}
+    for e in error.errors(include_url=False):
+        where = _location(e["loc"])
+        lines.setdefault(where, f"{where}: {_describe(e)}")
+    return list(lines.values())
 
 
 def parse_job(document: Any, source: str = "<job>") -> RLFineTune:
     """Validate a loaded YAML/JSON document; raise JobFileError naming every bad field."""
     if not isinstance(document, dict):
-        raise JobFileError(source, ["(top level): must be a mapping with apiVersion, kind, metadata, spec"])
+        raise JobFileError(
+            source, ["(top level): must be a mapping with apiVersion, kind, metadata, spec"]
+        )
     try:
-        return RLFineTune.model_validate(document)
+        # Files must use the camelCase keys Kubernetes will check; snake_case names are
+        # for Python code constructing sections directly.
+        return RLFineTune.model_validate(document, by_alias=True, by_name=False)
     except ValidationError as error:
         raise JobFileError(source, problems_of(error)) from None
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, which reads `1e-3` as a string; Kubernetes reads YAML
+    1.2, where it is a number. Job files must mean the same thing in both."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML the way Kubernetes does for numbers (YAML 1.2 floats)."""
+    return yaml.load(text, Loader=_Yaml12Loader)
 
 
 def load_job(path: str | Path) -> RLFineTune:
@@ -568,11 +615,13 @@ def load_job(path: str | Path) -> RLFineTune:
     except OSError as error:
         raise JobFileError(str(path), [f"cannot read the file: {error.strerror}"]) from None
     try:
-        document = yaml.safe_load(text)
+        document = read_yaml(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark else ""
-        raise JobFileError(str(path), [f"{where}not valid YAML ({getattr(error, 'problem', error)})"]) from None
+        raise JobFileError(
+            str(path), [f"{where}not valid YAML ({getattr(error, 'problem', error)})"]
+        ) from None
     return parse_job(document, str(path))
 
 

@@ -57,19 +57,27 @@ class RunContext:
         if chat:
             return list(
                 self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                    [{"role": "user", "content": text}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
                 )
             )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode_answer(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.engine.stop_ids[0].item()]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [
+            self.engine.stop_ids[0].item()
+        ]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def eval_accuracy(self) -> float:
-        problems = self.task.eval_problems()[: self.job.spec.eval.max_problems]
+        """Greedy exact-match accuracy on the held-out problems."""
+        return self.accuracy(self.task.eval_problems()[: self.job.spec.eval.max_problems])
+
+    def accuracy(self, problems: list[Problem]) -> float:
         return greedy_accuracy(
             self.engine,
             problems,
@@ -115,9 +123,7 @@ def run_job(
         f"{type(model).__name__}, vocabulary {len(tokenizer)}, output {out}"
     )
 
-    sft_steps = spec.algorithm.sft.steps
-    if sft_steps:
-        warm_start(ctx, seed=spec.trainer.seed)
+    sft_steps = warm_start(ctx, seed=spec.trainer.seed) if spec.algorithm.sft.steps else 0
     eval_sft = ctx.eval_accuracy()
     reporter.log(f"rlft: held-out accuracy after the warm start: {eval_sft:.3f}")
 
@@ -131,6 +137,7 @@ def run_job(
         "job": job.metadata.name,
         "algorithm": spec.algorithm.name,
         "steps": steps,
+        "sft_steps": sft_steps,
         "policy_version": engine.policy_version,
         "eval_problems": len(task.eval_problems()[: spec.eval.max_problems]),
         "eval_accuracy_sft": eval_sft,
@@ -153,11 +160,13 @@ def _warmup(step: int, warmup_steps: int, peak: float) -> float:
     return peak * min(1.0, step / max(1, warmup_steps))
 
 
-def warm_start(ctx: RunContext, seed: int) -> None:
-    """Supervised fine-tuning on reference answers: the standard start before RL."""
+def warm_start(ctx: RunContext, seed: int) -> int:
+    """Supervised fine-tuning on reference answers: the standard start before RL.
+    Returns the number of steps taken."""
     sft = ctx.job.spec.algorithm.sft
     trainer = ctx.job.spec.trainer
     rng = random.Random(seed + 1)
+    probe_rng = random.Random(seed + 2)
     optimizer = torch.optim.AdamW(ctx.model.parameters(), lr=sft.learning_rate, weight_decay=0.0)
     ctx.model.train()
     ctx.reporter.start("SFT warm start", sft.steps)
@@ -173,14 +182,27 @@ def warm_start(ctx: RunContext, seed: int) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         for micro in _micro_batches(batch, trainer.micro_batch_size):
-            logits = ctx.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+            logits = ctx.model(
+                input_ids=micro.input_ids, attention_mask=micro.attention_mask
+            ).logits
             loss = token_mean(sft_token_losses(logits, micro.targets), micro.mask, batch.tokens)
             loss.backward()
             loss_total += loss.item()
         torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), trainer.grad_clip)
         optimizer.step()
         ctx.reporter.advance(step + 1, f"loss {loss_total:.3f}")
+        if sft.stop_at_accuracy is not None and (step + 1) % sft.probe_every_steps == 0:
+            probe = [ctx.task.train_problem(probe_rng) for _ in range(sft.probe_problems)]
+            accuracy = ctx.accuracy(probe)
+            if accuracy >= sft.stop_at_accuracy:
+                ctx.reporter.stop()
+                ctx.reporter.log(
+                    f"rlft: warm start reached {accuracy:.3f} on a probe of training problems "
+                    f"after {step + 1} steps (target {sft.stop_at_accuracy}); starting RL"
+                )
+                return step + 1
     ctx.reporter.stop()
+    return sft.steps
 
 
 def _micro_batches(batch: SequenceBatch, size: int):
@@ -235,7 +257,9 @@ def grpo_step(
     spec = ctx.job.spec
     grpo = spec.algorithm.grpo
     started = time.perf_counter()
-    problems: list[Problem] = [ctx.task.train_problem(rng) for _ in range(spec.trainer.prompts_per_step)]
+    problems: list[Problem] = [
+        ctx.task.train_problem(rng) for _ in range(spec.trainer.prompts_per_step)
+    ]
     prompt_ids = [ctx.encode_prompt(p.prompt) for p in problems]
     completions = ctx.engine.generate(prompt_ids, grpo.group_size, sampling, generator)
     generated = time.perf_counter()
@@ -263,7 +287,8 @@ def grpo_step(
         "train_accuracy": sum(exact) / len(exact) if exact else float("nan"),
         **stats,
         "response_len_mean": sum(lengths) / len(lengths),
-        "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "truncated_fraction": sum(c.finish_reason == "length" for c in completions)
+        / len(completions),
         "gen_time_s": generated - started,
         "train_time_s": finished - generated,
         "step_time_s": finished - started,
@@ -287,7 +312,9 @@ def train_on_batch(
         optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip": 0.0, "ratio": 0.0}
         for micro in _micro_batches(batch, trainer.micro_batch_size):
-            logits = ctx.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+            logits = ctx.model(
+                input_ids=micro.input_ids, attention_mask=micro.attention_mask
+            ).logits
             logp = token_logprobs(logits, micro.targets, temperature)
             ref_logp = None
             if reference is not None:
@@ -297,8 +324,13 @@ def train_on_batch(
                     ).logits
                     ref_logp = token_logprobs(ref_logits, micro.targets, temperature)
             losses = grpo_token_losses(
-                logp, micro.behaviour_logp, micro.advantages, grpo.clip_low, grpo.clip_high,
-                ref_logp, grpo.kl_coef,
+                logp,
+                micro.behaviour_logp,
+                micro.advantages,
+                grpo.clip_low,
+                grpo.clip_high,
+                ref_logp,
+                grpo.kl_coef,
             )
             loss = token_mean(losses.loss, micro.mask, tokens)
             loss.backward()

@@ -30,12 +30,13 @@ def render(a: int, op: str, b: int) -> Problem:
 
 
 class ArithmeticProblems:
-    """`a op b =` with operands of up to `digits` digits."""
+    """`a op b =` with operands of `digits` digits (or up to that many)."""
 
     def __init__(self, spec: ArithmeticTask, seed: int):
         self.spec = spec
         self.high = 10**spec.digits - 1
-        space = (self.high + 1) ** 2 * len(spec.operations)
+        self.low = 10 ** (spec.digits - 1) if spec.exact_digits and spec.digits > 1 else 0
+        space = (self.high - self.low + 1) ** 2 * len(spec.operations)
         if spec.eval_size > space // 2:
             raise ValueError(
                 f"spec.data.arithmetic.evalSize: {spec.eval_size} held-out problems leave too "
@@ -50,7 +51,7 @@ class ArithmeticProblems:
 
     def _draw(self, rng: random.Random) -> tuple[int, str, int]:
         op = rng.choice(self.spec.operations)
-        return rng.randint(0, self.high), op, rng.randint(0, self.high)
+        return rng.randint(self.low, self.high), op, rng.randint(self.low, self.high)
 
     def train_problem(self, rng: random.Random) -> Problem:
         while True:

@@ -1,0 +1,230 @@
+"""Reward functions: built-ins, user `module:function` code, and the weighted sum."""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlft.trainer.config import RewardFunction, RewardSpec
+from rlft.trainer.rewards import (
+    BUILTIN,
+    RewardError,
+    RewardModel,
+    exact_match,
+    format_reward,
+    load_reward,
+    normalise_answer,
+)
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Write a uniquely named module into tmp_path, importable for this test only."""
+
+    def write(source: str) -> str:
+        name = f"user_rewards_{uuid.uuid4().hex}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        return name
+
+    yield write
+
+
+def spec(*terms: tuple[str, float]) -> RewardSpec:
+    return RewardSpec(functions=[RewardFunction(name=n, weight=w) for n, w in terms])
+
+
+# ----------------------------------------------------------------------- built-ins
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer"),
+    [("579", "579"), (" 579\n", "579"), ("579", "  579 "), ("a  b", "a b"), ("a\tb\n", " a b")],
+)
+def test_exact_match_ignores_whitespace(completion: str, answer: str) -> None:
+    assert exact_match(completion, answer) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer"),
+    [
+        ("578", "579"),
+        ("5 79", "579"),
+        ("", "579"),
+        ("579.0", "579"),
+        ("-579", "579"),
+        ("ab", "a b"),
+    ],
+)
+def test_exact_match_wrong_answers_score_zero(completion: str, answer: str) -> None:
+    assert exact_match(completion, answer) == 0.0
+
+
+@given(st.text(), st.text(alphabet=" \t\n", max_size=3), st.text(alphabet=" \t\n", max_size=3))
+def test_exact_match_padding_property(text: str, left: str, right: str) -> None:
+    assert exact_match(left + text + right, text) == 1.0
+    assert normalise_answer(left + text + right) == normalise_answer(text)
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("579", "579", 1.0),
+        ("12", "579", 1.0),  # wrong, but well formed
+        (" -3 \n", "-7", 1.0),
+        ("3.25", "1.5", 1.0),
+        ("579 apples", "579", 0.0),
+        ("five", "5", 0.0),
+        ("", "5", 0.0),
+        ("1 2", "12", 0.0),
+        ("Paris", "Paris", 1.0),
+        ("Lyon", "Paris", 1.0),
+        ("  Paris is big ", "Paris", 1.0),
+        ("Paris\nFrance", "Paris", 0.0),
+        ("   ", "Paris", 0.0),
+        ("", "Paris", 0.0),
+    ],
+)
+def test_format_reward(completion: str, answer: str, expected: float) -> None:
+    assert format_reward(completion, answer) == expected
+
+
+def test_builtins_by_name() -> None:
+    assert load_reward("exact_match") is exact_match
+    assert load_reward("format") is format_reward
+    assert set(BUILTIN) == {"exact_match", "format"}
+
+
+# ---------------------------------------------------------------------- user code
+
+
+def test_user_function_is_loaded(user_module) -> None:
+    name = user_module(
+        """
+        def length_bonus(completion, answer):
+            return len(completion) / 10
+        """
+    )
+    function = load_reward(f"{name}:length_bonus")
+    assert function("abcde", "x") == pytest.approx(0.5)
+
+
+def test_user_function_in_a_package(user_module, tmp_path: Path) -> None:
+    name = user_module("")
+    package = tmp_path / f"pkg_{name}"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "scores.py").write_text("def half(c, a):\n    return 0.5\n")
+    assert load_reward(f"pkg_{name}.scores:half")("", "") == 0.5
+
+
+def test_missing_module_is_a_clear_error() -> None:
+    module = f"no_such_module_{uuid.uuid4().hex}"
+    with pytest.raises(RewardError) as caught:
+        load_reward(f"{module}:score")
+    message = str(caught.value)
+    assert message.startswith("spec.reward.functions: cannot import module")
+    assert repr(module) in message
+    assert "PYTHONPATH" in message
+
+
+def test_missing_function_is_a_clear_error(user_module) -> None:
+    name = user_module("def other(c, a):\n    return 1.0\n")
+    with pytest.raises(RewardError) as caught:
+        load_reward(f"{name}:score")
+    assert str(caught.value) == (f"spec.reward.functions: module {name!r} has no function 'score'")
+
+
+def test_non_callable_attribute_is_not_a_function(user_module) -> None:
+    name = user_module("score = 3\n")
+    with pytest.raises(RewardError, match="has no function 'score'"):
+        load_reward(f"{name}:score")
+
+
+def test_reward_model_loads_at_construction() -> None:
+    with pytest.raises(RewardError):
+        RewardModel(spec(("exact_match", 1.0), (f"absent_{uuid.uuid4().hex}:f", 1.0)))
+
+
+# --------------------------------------------------------------------- RewardModel
+
+
+def test_weighted_sum_and_per_term_values(user_module) -> None:
+    name = user_module(
+        """
+        def brevity(completion, answer):
+            return -len(completion.strip())
+        """
+    )
+    model = RewardModel(spec(("exact_match", 2.0), ("format", 0.5), (f"{name}:brevity", 0.25)))
+    completions = ["579", " 12 ", "five", "579\n"]
+    answers = ["579", "579", "5", "579"]
+    scores = model.score(completions, answers)
+    assert scores.per_term == {
+        "exact_match": [1.0, 0.0, 0.0, 1.0],
+        "format": [1.0, 1.0, 0.0, 1.0],
+        f"{name}:brevity": [-3.0, -2.0, -4.0, -3.0],
+    }
+    # 2*em + 0.5*format + 0.25*brevity, written out.
+    assert scores.total == pytest.approx([1.75, 0.0, -1.0, 1.75])
+    assert all(isinstance(v, float) for values in scores.per_term.values() for v in values)
+
+
+def test_default_reward_spec_is_exact_match() -> None:
+    scores = RewardModel(RewardSpec()).score(["7", "8"], ["7", "7"])
+    assert scores.total == [1.0, 0.0]
+    assert list(scores.per_term) == ["exact_match"]
+
+
+def test_negative_weight() -> None:
+    scores = RewardModel(spec(("format", -3.0))).score(["12", "x y\nz"], ["1", "1"])
+    assert scores.total == [-3.0, 0.0]
+
+
+def test_integer_return_values_are_floats(user_module) -> None:
+    name = user_module("def one(c, a):\n    return 1\n")
+    scores = RewardModel(spec((f"{name}:one", 1.5))).score(["a"], ["b"])
+    assert scores.total == [1.5]
+    assert scores.per_term[f"{name}:one"] == [1.0]
+    assert type(scores.per_term[f"{name}:one"][0]) is float
+
+
+def test_mismatched_lengths_raise() -> None:
+    with pytest.raises(ValueError):
+        RewardModel(RewardSpec()).score(["1", "2"], ["1"])
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [
+        ("return float('nan')", "nan"),
+        ("return float('inf')", "inf"),
+        ("return '1.0'", "'1.0'"),
+        ("return None", "None"),
+        ("return [1.0]", "[1.0]"),
+    ],
+)
+def test_unusable_user_values_raise(user_module, body: str, shown: str) -> None:
+    name = user_module(f"def bad(completion, answer):\n    {body}\n")
+    model = RewardModel(spec(("exact_match", 1.0), (f"{name}:bad", 1.0)))
+    with pytest.raises(RewardError) as caught:
+        model.score(["579"], ["579"])
+    message = str(caught.value)
+    assert f"reward '{name}:bad' returned {shown}" in message
+    assert "'579'" in message
+    assert "finite number" in message
+
+
+def test_scores_are_finite_for_builtins() -> None:
+    scores = RewardModel(spec(("exact_match", 1.0), ("format", 1.0))).score(
+        ["", "\n", "1", "x"], ["1", "1", "1", "y"]
+    )
+    assert all(math.isfinite(v) for v in scores.total)
