@@ -111,13 +111,20 @@ def run_job(
     reporter = reporter or Reporter()
     spec = job.spec
     started = time.perf_counter()
-    prepare_output(out, overwrite)
-    (out / "job.yaml").write_text(yaml.safe_dump(dump_job(job), sort_keys=False))
-
+    # Everything that can reject the job (data, rewards, model) runs before anything is
+    # written, so a bad job leaves no half-made output folder behind.
     task = build_task(spec.data, spec.trainer.seed)
+    rewards = RewardModel(spec.reward)
     model, tokenizer = build_policy(spec.model, task.corpus(), spec.trainer.seed)
     engine = TransformersEngine(model, tokenizer.pad_token_id, stop_token_ids(tokenizer))
-    ctx = RunContext(job, task, model, tokenizer, engine, RewardModel(spec.reward), reporter)
+    ctx = RunContext(job, task, model, tokenizer, engine, rewards, reporter)
+    if spec.rollout.engine != "transformers":
+        reporter.log(
+            f"rlft: warning: spec.rollout.engine={spec.rollout.engine!r} is not available to "
+            "local runs yet; generating with the in-process transformers engine"
+        )
+    prepare_output(out, overwrite)
+    (out / "job.yaml").write_text(yaml.safe_dump(dump_job(job), sort_keys=False))
     reporter.log(
         f"rlft: job {job.metadata.name}: {count_parameters(model) / 1e6:.2f}M-parameter "
         f"{type(model).__name__}, vocabulary {len(tokenizer)}, output {out}"

@@ -1,0 +1,175 @@
+"""Whole local jobs through the real CLI: outputs, learning signal, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlft.trainer.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+TINY_MODEL = {
+    "init": {
+        "family": "qwen3",
+        "hiddenSize": 32,
+        "numLayers": 2,
+        "numHeads": 2,
+        "numKvHeads": 2,
+        "intermediateSize": 64,
+        "maxPositionEmbeddings": 64,
+    },
+    "tokenizer": {"kind": "byte"},
+}
+
+METRIC_KEYS = {
+    "step",
+    "policy_version",
+    "reward_mean",
+    "loss",
+    "grad_norm",
+    "kl",
+    "entropy",
+    "response_len_mean",
+    "step_time_s",
+}
+SUMMARY_KEYS = {"eval_accuracy_sft", "eval_accuracy_final", "eval_problems", "steps", "wall_time_s"}
+
+
+def write_job(path: Path, spec: dict, name: str = "tiny") -> Path:
+    document = {
+        "apiVersion": "rlft.dev/v1alpha1",
+        "kind": "RLFineTune",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def arithmetic_spec(rl_steps: int = 3, kl: float = 0.0) -> dict:
+    return {
+        "model": TINY_MODEL,
+        "data": {"source": "arithmetic", "arithmetic": {"digits": 2, "evalSize": 40}},
+        "algorithm": {
+            "sft": {"steps": 5, "batchSize": 16, "warmupSteps": 1},
+            "grpo": {"groupSize": 4, "klCoef": kl},
+        },
+        "trainer": {"steps": rl_steps, "promptsPerStep": 4, "microBatchSize": 5},
+        "rollout": {"sampling": {"maxNewTokens": 4}},
+    }
+
+
+def test_train_writes_metrics_summary_and_a_loadable_model(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", arithmetic_spec(rl_steps=3, kl=0.05))
+    out = tmp_path / "out"
+    assert main(["train", str(job), "--out", str(out)]) == 0
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert METRIC_KEYS <= row.keys()
+        assert row["kl"] >= 0 and row["entropy"] > 0 and row["response_len_mean"] >= 1
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["steps"] == 3 and summary["eval_problems"] == 40
+    assert 0.0 <= summary["eval_accuracy_final"] <= 1.0
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    ids = tokenizer("12+34=", return_tensors="pt").input_ids
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] > ids.shape[1]
+    assert yaml.safe_load((out / "job.yaml").read_text())["metadata"]["name"] == "tiny"
+
+
+def test_max_steps_caps_the_run_and_existing_output_is_kept(tmp_path: Path, capsys) -> None:
+    job = write_job(tmp_path / "job.yaml", arithmetic_spec(rl_steps=50))
+    out = tmp_path / "out"
+    assert main(["train", str(job), "--out", str(out), "--max-steps", "2"]) == 0
+    first = (out / "metrics.jsonl").read_text()
+    assert len(first.splitlines()) == 2
+
+    # A second run into the same folder refuses instead of clobbering the first one...
+    assert main(["train", str(job), "--out", str(out), "--max-steps", "1"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == first
+    # ...unless asked to replace it.
+    assert main(["train", str(job), "--out", str(out), "--max-steps", "1", "--overwrite"]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_grpo_learns_a_user_reward(tmp_path: Path, monkeypatch) -> None:
+    """With a reward only GRPO can see (completions starting with '7'), the policy moves
+    towards it: the learning signal flows end to end (sampling, scoring, advantages,
+    loss, optimizer)."""
+    (tmp_path / "sevens.py").write_text(
+        "def starts_with_seven(completion, answer):\n"
+        "    return 1.0 if completion.startswith('7') else 0.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": "7"}) + "\n" for i in range(20))
+    )
+    spec = {
+        "model": TINY_MODEL,
+        "data": {"source": "jsonl", "jsonl": {"train": str(prompts)}},
+        "reward": {"functions": [{"name": "sevens:starts_with_seven"}]},
+        "algorithm": {"sft": {"steps": 0}, "grpo": {"groupSize": 8}},
+        "trainer": {"steps": 40, "promptsPerStep": 8, "learningRate": 0.01, "seed": 3},
+        "rollout": {"sampling": {"maxNewTokens": 2}},
+    }
+    out = tmp_path / "out"
+    assert main(["train", str(write_job(tmp_path / "job.yaml", spec)), "--out", str(out)]) == 0
+    rewards = [json.loads(line)["reward_mean"] for line in (out / "metrics.jsonl").open()]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.3, rewards
+
+
+def test_bad_job_file_exits_2_naming_the_field(tmp_path: Path, capsys) -> None:
+    spec = arithmetic_spec()
+    spec["trainer"]["microBatchSize"] = 0
+    job = write_job(tmp_path / "job.yaml", spec)
+    assert main(["train", str(job), "--out", str(tmp_path / "out")]) == 2
+    assert "spec.trainer.microBatchSize: must be ≥ 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_user_reward_module_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    spec = arithmetic_spec()
+    spec["reward"] = {"functions": [{"name": "no_such_module_xyz:score"}]}
+    job = write_job(tmp_path / "job.yaml", spec)
+    assert main(["train", str(job), "--out", str(tmp_path / "out")]) == 2
+    assert "no_such_module_xyz" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_rlft_console_script_runs_validate() -> None:
+    rlft = Path(sys.executable).parent / "rlft"
+    result = subprocess.run(
+        [str(rlft), "validate", str(REPO_ROOT / "examples" / "tiny-grpo.yaml")],
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "valid RLFineTune 'tiny-grpo'" in result.stdout
