@@ -6,30 +6,31 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlft.trainer.config import JobFileError, load_job
+from rlft.trainer.config import JobFileError, RLFineTune, load_job
 from rlft.trainer.exit_codes import ExitCode
 
 
-def _print_problems(error: JobFileError) -> None:
-    for problem in error.problems:
-        print(f"{error.source}: {problem}", file=sys.stderr)
+def _load_or_report(path: str) -> RLFineTune | None:
+    """The job, or None after printing one `file: field: problem` line per problem."""
+    try:
+        return load_job(path)
+    except JobFileError as error:
+        for problem in error.problems:
+            print(f"{error.source}: {problem}", file=sys.stderr)
+        return None
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    try:
-        job = load_job(args.job)
-    except JobFileError as error:
-        _print_problems(error)
+    job = _load_or_report(args.job)
+    if job is None:
         return ExitCode.INVALID_CONFIG
     print(f"{args.job}: valid RLFineTune {job.metadata.name!r}")
     return ExitCode.OK
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    try:
-        job = load_job(args.job)
-    except JobFileError as error:
-        _print_problems(error)
+    job = _load_or_report(args.job)
+    if job is None:
         return ExitCode.INVALID_CONFIG
     # Imported here so that `rlft validate` works without the trainer's heavy extras.
     from rlft.trainer.data.jsonl import DataFileError

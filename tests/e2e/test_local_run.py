@@ -173,3 +173,33 @@ def test_rlft_console_script_runs_validate() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "valid RLFineTune 'tiny-grpo'" in result.stdout
+
+
+def test_warm_start_stops_once_the_probe_reaches_its_target(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{i}?", "answer": "7"}) + "\n" for i in range(30))
+    )
+    spec = {
+        "model": TINY_MODEL,
+        "data": {"source": "jsonl", "jsonl": {"train": str(prompts), "eval": str(prompts)}},
+        "algorithm": {
+            "sft": {
+                "steps": 300,
+                "batchSize": 16,
+                "learningRate": 0.01,
+                "warmupSteps": 1,
+                "stopAtAccuracy": 0.9,
+                "probeEverySteps": 5,
+                "probeProblems": 32,
+            },
+            "grpo": {"groupSize": 2},
+        },
+        "trainer": {"steps": 1, "promptsPerStep": 2},
+        "rollout": {"sampling": {"maxNewTokens": 2}},
+    }
+    out = tmp_path / "out"
+    assert main(["train", str(write_job(tmp_path / "job.yaml", spec)), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sft_steps"] < 300 and summary["sft_steps"] % 5 == 0
+    assert summary["eval_accuracy_sft"] >= 0.9
