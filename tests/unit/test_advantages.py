@@ -149,3 +149,13 @@ def test_group_scaled_advantages_have_unit_std(case: tuple[torch.Tensor, int]) -
     got = advantages.std(dim=1, unbiased=False)
     expected = stds / (stds + EPS)  # 1 for spread-out groups, 0 for constant ones
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_rewards_give_exactly_zero_even_when_the_mean_rounds(scale: str) -> None:
+    # 682.726 * 3 / 3 != 682.726 in floating point; dividing that rounding error by a
+    # near-zero std used to give advantages of ~3e-7 instead of 0.
+    rewards = torch.tensor([682.726] * 3 + [0.0, 1.0, 0.0], dtype=torch.float64)
+    advantages = group_relative_advantages(rewards, 3, scale)
+    assert torch.equal(advantages[:3], torch.zeros(3, dtype=torch.float64))
+    assert advantages[4] > 0

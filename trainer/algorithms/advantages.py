@@ -25,6 +25,10 @@ def group_relative_advantages(
         )
     groups = rewards.reshape(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
+    # A group whose rewards are all equal carries no signal: make that exactly zero
+    # rather than the mean's rounding error, which a std near zero would blow up.
+    uniform = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+    centred = centred.masked_fill(uniform, 0.0)
     if scale == "group":
         centred = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
     elif scale == "batch":

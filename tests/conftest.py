@@ -1,0 +1,13 @@
+"""Settings shared by every test folder."""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+# CI replays the same examples every run (a red CI must be reproducible); locally,
+# hypothesis explores new ones each time.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
