@@ -6,6 +6,7 @@ weights, so the policy version it reports is always the trainer's.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -361,8 +362,6 @@ def train_on_batch(
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    import copy
-
     reference = copy.deepcopy(model)
     reference.eval()
     for parameter in reference.parameters():

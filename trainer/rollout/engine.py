@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 
@@ -29,4 +29,3 @@ class Completion:
     """`stop` when a stop token ended it, `length` when it hit maxNewTokens."""
     policy_version: int
     """Version of the weights that produced every token of it."""
-    extra: dict = field(default_factory=dict)
