@@ -1,0 +1,146 @@
+"""Prometheus collectors built from the metric definitions, fed by per-step records.
+
+The loop calls `exporter.record(step_record)` once per step; the stability guard's
+decisions arrive through `exporter.decision(...)`, checkpoints through
+`exporter.checkpoint(...)`. Each exporter owns its own `CollectorRegistry` (never the
+global one), so several trainers or tests in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+from rlft.trainer.telemetry import metrics as M
+
+
+def build_collectors(
+    registry: CollectorRegistry, source: str = "trainer"
+) -> dict[str, Gauge | Counter | Histogram]:
+    """One prometheus_client collector per metric of `source`, registered in `registry`."""
+    collectors: dict[str, Gauge | Counter | Histogram] = {}
+    for metric in M.METRICS:
+        if metric.source != source:
+            continue
+        if metric.kind == "gauge":
+            collectors[metric.name] = Gauge(
+                metric.name, metric.help, metric.labels, registry=registry
+            )
+        elif metric.kind == "counter":
+            # prometheus_client appends `_total` itself.
+            collectors[metric.name] = Counter(
+                metric.name.removesuffix("_total"), metric.help, metric.labels, registry=registry
+            )
+        else:
+            collectors[metric.name] = Histogram(
+                metric.name, metric.help, metric.labels, registry=registry, buckets=metric.buckets
+            )
+    return collectors
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+class MetricsExporter:
+    """The trainer's metrics: a registry plus the record → metric mapping."""
+
+    def __init__(self, source: str = "trainer", start_time: float | None = None):
+        self.registry = CollectorRegistry()
+        self.collectors = build_collectors(self.registry, source)
+        self._lock = threading.Lock()
+        if source == "trainer":
+            self._gauge(M.START_TIME).set(start_time if start_time is not None else time.time())
+            self._gauge(M.HEALTH).set(0)
+            for check in M.CHECKS:
+                self._gauge(M.CHECK_LEVEL).labels(check=check).set(0)
+                for level in ("warning", "critical"):
+                    self._counter(M.ALARMS).labels(check=check, level=level)
+            self._counter(M.SKIPPED)
+            self._counter(M.ROLLBACKS)
+            for result in ("ok", "failed"):
+                self._counter(M.CHECKPOINTS).labels(result=result)
+
+    def _gauge(self, metric: M.Metric) -> Gauge:
+        return self.collectors[metric.name]  # type: ignore[return-value]
+
+    def _counter(self, metric: M.Metric) -> Counter:
+        return self.collectors[metric.name]  # type: ignore[return-value]
+
+    def _export(self, binding: M.Binding, value: float, extra: Mapping[str, str]) -> None:
+        collector = self.collectors[binding.metric.name]
+        labels = {**binding.labels, **extra}
+        child = collector.labels(**labels) if labels else collector
+        if binding.metric.kind == "counter":
+            if value > 0 and math.isfinite(value):
+                child.inc(value)
+        else:
+            child.set(value)
+
+    def record(self, record: Mapping[str, Any]) -> None:
+        """Export one step record (keys as in metrics.jsonl; unknown keys are ignored)."""
+        full = {**record, **M.derived(dict(record))}
+        with self._lock:
+            for key, value in full.items():
+                binding = M.BINDINGS.get(key)
+                if binding is None:
+                    continue
+                if binding.dict_label and isinstance(value, Mapping):
+                    for name, item in value.items():
+                        number = _number(item)
+                        if number is not None:
+                            self._export(binding, number, {binding.dict_label: str(name)})
+                    continue
+                number = _number(value)
+                if number is not None:
+                    self._export(binding, number, {})
+
+    def configure(self, *, staleness_limit: int, checkpoint_interval_s: float) -> None:
+        """Export the job's limits that alert rules compare against."""
+        with self._lock:
+            self._gauge(M.STALENESS_LIMIT).set(staleness_limit)
+            self._gauge(M.CHECKPOINT_INTERVAL).set(checkpoint_interval_s)
+
+    def decision(
+        self,
+        health: str,
+        check_levels: Mapping[str, int],
+        zscore: float | None,
+        action: str,
+    ) -> None:
+        """Export one guard decision: health, per-check levels, alarms, skips, rollbacks."""
+        with self._lock:
+            self._gauge(M.HEALTH).set(M.HEALTH_LEVELS[health])
+            for check in M.CHECKS:
+                level = int(check_levels.get(check, 0))
+                self._gauge(M.CHECK_LEVEL).labels(check=check).set(level)
+                if level:
+                    name = "critical" if level >= 2 else "warning"
+                    self._counter(M.ALARMS).labels(check=check, level=name).inc()
+            if zscore is not None and math.isfinite(zscore):
+                self._gauge(M.GRAD_NORM_ZSCORE).set(zscore)
+            if action == "skip":
+                self._counter(M.SKIPPED).inc()
+            elif action == "rollback":
+                self._counter(M.ROLLBACKS).inc()
+
+    def checkpoint(self, step: int, ok: bool, when: float | None = None) -> None:
+        """Export one checkpoint attempt."""
+        with self._lock:
+            self._counter(M.CHECKPOINTS).labels(result="ok" if ok else "failed").inc()
+            self._gauge(M.CHECKPOINT_OK).set(1 if ok else 0)
+            if ok:
+                self._gauge(M.CHECKPOINT_TIME).set(when if when is not None else time.time())
+                self._gauge(M.CHECKPOINT_STEP).set(step)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
