@@ -1,0 +1,178 @@
+"""The checkpoints stored at one location: scan, verify, commit, choose, prune.
+
+A thin I/O layer over a Storage; the decisions themselves live in manifest.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlft.trainer.checkpoint.errors import (
+    CheckpointError,
+    ManifestError,
+    NoCheckpointError,
+    ObjectMissingError,
+    StorageError,
+)
+from rlft.trainer.checkpoint.manifest import (
+    LATEST,
+    MANIFEST,
+    Manifest,
+    Which,
+    parse_step_dir,
+    problems_with,
+    resume_order,
+    retention_plan,
+    step_dir,
+)
+from rlft.trainer.checkpoint.storage import CHUNK, Storage
+
+log = logging.getLogger("rlft.checkpoint")
+
+
+@dataclass
+class Scan:
+    """What a location holds."""
+
+    manifests: dict[int, Manifest] = field(default_factory=dict)
+    """Committed checkpoints by step."""
+    unreadable: dict[int, str] = field(default_factory=dict)
+    """Folders whose manifest exists but cannot be parsed (damaged), with the reason."""
+    uncommitted: set[int] = field(default_factory=set)
+    """Folders without a manifest: interrupted or in-flight saves."""
+    latest: int | None = None
+    """The step the `latest` pointer names."""
+
+    @property
+    def committed(self) -> dict[int, bool]:
+        return {step: m.healthy for step, m in self.manifests.items()}
+
+
+class Catalog:
+    """Checkpoints at one Storage location."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    def read_latest(self) -> int | None:
+        try:
+            text = self.storage.get_bytes(LATEST).decode(errors="replace").strip()
+        except ObjectMissingError:
+            return None
+        step = parse_step_dir(text)
+        if step is None:
+            log.warning(
+                "%s/%s holds %r, not a checkpoint folder: ignored",
+                self.storage.uri,
+                LATEST,
+                text[:80],
+            )
+        return step
+
+    def scan(self) -> Scan:
+        scan = Scan(latest=self.read_latest())
+        folders: dict[int, set[str]] = {}
+        for info in self.storage.list(""):
+            head, _, rest = info.key.partition("/")
+            step = parse_step_dir(head)
+            if step is not None and rest:
+                folders.setdefault(step, set()).add(rest)
+        for step, names in folders.items():
+            if MANIFEST not in names:
+                scan.uncommitted.add(step)
+                continue
+            where = f"{self.storage.uri}/{step_dir(step)}/{MANIFEST}"
+            try:
+                manifest = Manifest.from_json(
+                    self.storage.get_bytes(f"{step_dir(step)}/{MANIFEST}"), where
+                )
+                if manifest.step != step:
+                    raise ManifestError(f"{where}: says step {manifest.step}")
+                scan.manifests[step] = manifest
+            except ManifestError as error:
+                scan.unreadable[step] = str(error)
+        return scan
+
+    def verify(self, manifest: Manifest, *, checksums: bool = True) -> list[str]:
+        """Problems with a committed checkpoint's files (empty: intact). Without
+        `checksums` only presence and sizes are checked (one listing, no reads)."""
+        folder = manifest.folder
+        listed = {
+            info.key[len(folder) + 1 :]: info.size for info in self.storage.list(f"{folder}/")
+        }
+        found: dict[str, tuple[int, str | None]] = {}
+        for entry in manifest.files:
+            if entry.path not in listed:
+                continue
+            if not checksums or listed[entry.path] != entry.size:
+                found[entry.path] = (listed[entry.path], None)
+                continue
+            digest = hashlib.sha256()
+            with self.storage.open_read(f"{folder}/{entry.path}") as stream:
+                while chunk := stream.read(CHUNK):
+                    digest.update(chunk)
+            found[entry.path] = (entry.size, digest.hexdigest())
+        return problems_with(manifest, found)
+
+    def choose(
+        self,
+        which: Which,
+        check: Callable[[Manifest], list[str]] | None = None,
+        scan: Scan | None = None,
+    ) -> Manifest:
+        """The checkpoint a resume takes: the first in resume order that `check` (default:
+        full checksum verification) finds intact. Each damaged one is skipped with a
+        warning naming it and why."""
+        scan = scan or self.scan()
+        check = check or self.verify
+        order = resume_order(scan.committed, scan.latest, which)
+        for step, reason in sorted(scan.unreadable.items(), reverse=True):
+            log.warning(
+                "checkpoint %s/%s is damaged and skipped: %s",
+                self.storage.uri,
+                step_dir(step),
+                reason,
+            )
+        for step in order:
+            manifest = scan.manifests[step]
+            problems = check(manifest)
+            if not problems:
+                return manifest
+            log.warning(
+                "checkpoint %s/%s is damaged (%s); falling back to the previous one",
+                self.storage.uri,
+                step_dir(step),
+                "; ".join(problems[:3]) + (" …" if len(problems) > 3 else ""),
+            )
+        available = ", ".join(str(s) for s in sorted(scan.manifests)) or "none"
+        raise NoCheckpointError(
+            f"no intact checkpoint for --resume={which} at {self.storage.uri} "
+            f"(committed steps: {available})"
+        )
+
+    def commit(self, manifest: Manifest) -> None:
+        """Write the manifest (the commit), then move the `latest` pointer to it."""
+        self.storage.put_bytes(f"{manifest.folder}/{MANIFEST}", manifest.to_json().encode())
+        self.storage.put_bytes(LATEST, f"{manifest.folder}\n".encode())
+
+    def prune(self, keep_last: int) -> set[int]:
+        """Apply retention after a commit; returns the steps deleted. Failures are logged,
+        not raised: a missed deletion is retried after the next commit."""
+        try:
+            scan = self.scan()
+            leftovers = scan.uncommitted | set(scan.unreadable)
+            doomed = retention_plan(scan.committed, leftovers, scan.latest, keep_last)
+            for step in sorted(doomed):
+                # The manifest goes first, so a half-deleted folder is never "committed".
+                if step in scan.manifests:
+                    self.storage.delete_prefix(f"{step_dir(step)}/{MANIFEST}")
+                self.storage.delete_prefix(f"{step_dir(step)}/")
+        except (StorageError, CheckpointError) as error:
+            log.warning(
+                "checkpoint retention at %s failed (retried later): %s", self.storage.uri, error
+            )
+            return set()
+        return doomed

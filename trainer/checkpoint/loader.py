@@ -1,0 +1,181 @@
+"""Resume: choose a checkpoint, verify it, load it, at any world size.
+
+Every rank takes part: rank 0 scans the location and shares what it found, so all ranks
+try the same checkpoints in the same order. A checkpoint is used only when every rank
+found its files intact (sizes and SHA-256); a damaged one is skipped with a warning and
+the previous one is tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from rlft.trainer.checkpoint import rng
+from rlft.trainer.checkpoint.catalog import Catalog, Scan
+from rlft.trainer.checkpoint.errors import StorageError
+from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, problems_with
+from rlft.trainer.checkpoint.saver import RANKS
+from rlft.trainer.checkpoint.state import apply_tensor_state, tensor_state
+from rlft.trainer.checkpoint.storage import FileStorage, Storage, sha256_file
+
+log = logging.getLogger("rlft.checkpoint")
+
+
+@dataclass
+class Resumed:
+    """What a resume restored, besides the model and optimizer."""
+
+    manifest: Manifest
+    uri: str
+    """The checkpoint folder's URI."""
+    extra: dict[str, Any]
+    """The `extra` dict given to save() (rank 0's run state)."""
+    rank_state: dict[str, Any] | None
+    """This rank's `rank_state`; None when the world size changed."""
+    rng_restored: bool
+    """Whether this rank's RNG states were restored (same world size only)."""
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+class LocalCopy:
+    """A checkpoint folder readable by DCP on this machine: the folder itself on
+    file://, a verified download elsewhere (removed by `cleanup`)."""
+
+    def __init__(self, storage: Storage, cache_dir: Path | None, rank: int, world_size: int):
+        self.storage = storage
+        self.rank = rank
+        self.world_size = world_size
+        self.cache = cache_dir or Path(tempfile.mkdtemp(prefix="rlft-resume-"))
+        self.owned = cache_dir is None
+        self.path: Path | None = None
+
+    def fetch(self, manifest: Manifest) -> list[str]:
+        """Make the checkpoint readable at `self.path`; the problems found (empty: ok).
+        On file:// the ranks split the checksum work; downloads are checked in full."""
+        if isinstance(self.storage, FileStorage):
+            self.path = self.storage.root / manifest.folder
+            mine = manifest.files[self.rank :: self.world_size]
+            found = {}
+            for entry in mine:
+                file = self.path / entry.path
+                if file.is_file():
+                    found[entry.path] = sha256_file(file)
+            subset = dataclasses.replace(manifest, files=mine)
+            return problems_with(subset, found)
+        self.cleanup_download()
+        self.path = self.cache / f"rank-{self.rank}" / manifest.folder
+        shutil.rmtree(self.path, ignore_errors=True)
+        found = {}
+        for entry in manifest.files:
+            target = self.path / entry.path
+            try:
+                self.storage.get_file(f"{manifest.folder}/{entry.path}", target)
+            except StorageError as error:
+                if error.transient:
+                    raise
+                continue
+            found[entry.path] = sha256_file(target)
+        return problems_with(manifest, found)
+
+    def cleanup_download(self) -> None:
+        if not isinstance(self.storage, FileStorage) and self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def cleanup(self) -> None:
+        self.cleanup_download()
+        if self.owned:
+            shutil.rmtree(self.cache, ignore_errors=True)
+
+
+def _all_ok(problems: list[str], group: Any) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return not problems
+    flag = torch.tensor([1 if problems else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return not flag.item()
+
+
+def shared_scan(catalog: Catalog, group: Any = None) -> Scan:
+    """Rank 0's scan of the location, on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return catalog.scan()
+    box = [catalog.scan() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def load(
+    storage: Storage,
+    which: str | int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: Any = None,
+    cache_dir: Path | None = None,
+    restore_rng: bool = True,
+) -> Resumed:
+    """Restore model and optimizer (and this rank's RNG states) from the checkpoint that
+    `which` selects (`auto`, `latest-healthy` or a step); returns the rest of the state.
+
+    Call on every rank after the model is built (and wrapped with FSDP2, if it is) and
+    the optimizer created. NoCheckpointError when nothing intact matches. A group other
+    than the default one can be passed (it must have a CPU backend).
+    """
+    which = parse_which(which)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world_size = dist.get_world_size() if distributed else 1
+    catalog = Catalog(storage)
+    local = LocalCopy(storage, cache_dir, rank, world_size)
+
+    def check(manifest: Manifest) -> list[str]:
+        problems = local.fetch(manifest)
+        return [] if _all_ok(problems, process_group) else (problems or ["another rank"])
+
+    try:
+        manifest = catalog.choose(which, check=check, scan=shared_scan(catalog, process_group))
+        assert local.path is not None
+        state = tensor_state(model, optimizer)
+        dcp.load(
+            state,
+            checkpoint_id=str(local.path),
+            process_group=process_group,
+            no_dist=not distributed,
+        )
+        apply_tensor_state(model, optimizer, state)
+        extra = json.loads((local.path / EXTRA).read_text())
+        ranks = json.loads((local.path / RANKS).read_text())
+    finally:
+        local.cleanup()
+    same_world = len(ranks) == world_size
+    if restore_rng and same_world:
+        rng.restore(ranks[rank]["rng"])
+    elif not same_world and rank == 0:
+        log.warning(
+            "resuming step %d saved at world size %d on %d ranks: model and optimizer are "
+            "resharded; per-rank RNG streams and rank_state start fresh",
+            manifest.step,
+            len(ranks),
+            world_size,
+        )
+    return Resumed(
+        manifest=manifest,
+        uri=f"{storage.uri}/{manifest.folder}",
+        extra=extra,
+        rank_state=ranks[rank]["state"] if same_world else None,
+        rng_restored=bool(restore_rng and same_world),
+    )

@@ -1,0 +1,221 @@
+"""The checkpoint layout and its pure decisions: manifests, resume choice, retention.
+
+Layout under the checkpoint URI (DESIGN.md, "Contracts"):
+
+    step-000120/               one folder per checkpoint
+        .metadata, __0_0.distcp, __1_0.distcp, …   DCP shards (each rank writes its own)
+        extra.json             the caller's state (step, cursors, schedules, job config…)
+        rng.json               RNG states of every rank
+        hf/config.json, hf/tokenizer.json, …       what `rlft export` needs
+        manifest.json          written LAST: the commit
+    latest                     names the newest committed folder (moves after a commit)
+
+A checkpoint without a manifest does not exist. Everything here is plain data, so the
+rules (which checkpoint a resume takes, what retention deletes) are tested exhaustively.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from rlft.trainer.checkpoint.errors import ManifestError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+EXTRA = "extra.json"
+RNG = "rng.json"
+HF_DIR = "hf"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_dir(step: int) -> str:
+    """The folder of a step: `step-000120` (zero-padded so names sort by step)."""
+    if step < 0:
+        raise ValueError("a checkpoint step is ≥ 0")
+    return f"step-{step:06d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a checkpoint folder name, None for anything else."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def config_hash(config: Any) -> str:
+    """A stable hash of the job config (canonical JSON), to tell runs apart."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint, relative to its folder."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one checkpoint."""
+
+    step: int
+    policy_version: int
+    world_size: int
+    config_hash: str
+    healthy: bool
+    files: tuple[FileEntry, ...]
+    created_at: str = field(default_factory=now_iso)
+    emergency: bool = False
+    """Written on SIGTERM rather than on schedule."""
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def folder(self) -> str:
+        return step_dir(self.step)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        document = {
+            "formatVersion": data["format_version"],
+            "step": self.step,
+            "policyVersion": self.policy_version,
+            "worldSize": self.world_size,
+            "configHash": self.config_hash,
+            "healthy": self.healthy,
+            "emergency": self.emergency,
+            "createdAt": self.created_at,
+            "files": [asdict(entry) for entry in self.files],
+        }
+        return json.dumps(document, indent=1) + "\n"
+
+    @staticmethod
+    def from_json(text: str | bytes, where: str) -> Manifest:
+        """Parse a manifest; ManifestError naming `where` for anything malformed."""
+        try:
+            doc = json.loads(text)
+            version = doc["formatVersion"]
+            if version > FORMAT_VERSION:
+                raise ManifestError(
+                    f"{where}: format version {version} is newer than this rlft understands "
+                    f"({FORMAT_VERSION}); upgrade rlft"
+                )
+            files = tuple(
+                FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in doc["files"]
+            )
+            manifest = Manifest(
+                step=int(doc["step"]),
+                policy_version=int(doc["policyVersion"]),
+                world_size=int(doc["worldSize"]),
+                config_hash=str(doc["configHash"]),
+                healthy=bool(doc["healthy"]),
+                files=files,
+                created_at=str(doc["createdAt"]),
+                emergency=bool(doc.get("emergency", False)),
+                format_version=int(version),
+            )
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError) as error:
+            raise ManifestError(f"{where}: not a valid manifest ({error!r})") from None
+        return manifest
+
+
+def problems_with(manifest: Manifest, found: dict[str, tuple[int, str | None]]) -> list[str]:
+    """What is wrong with a checkpoint's files: `found` maps each path to its size and
+    SHA-256 (None when only the size was checked)."""
+    problems = []
+    for entry in manifest.files:
+        if entry.path not in found:
+            problems.append(f"{entry.path}: missing")
+            continue
+        size, digest = found[entry.path]
+        if size != entry.size:
+            problems.append(f"{entry.path}: {size} bytes, the manifest says {entry.size}")
+        elif digest is not None and digest != entry.sha256:
+            problems.append(f"{entry.path}: checksum mismatch (corrupted)")
+    return problems
+
+
+# -------------------------------------------------------------------------- resume
+
+
+Which = str | int
+"""`auto`, `latest-healthy`, or a step number."""
+
+
+def parse_which(text: str | int) -> Which:
+    """Validate a --resume value."""
+    if isinstance(text, int) or (isinstance(text, str) and text.isdigit()):
+        return int(text)
+    if text in ("auto", "latest", "latest-healthy"):
+        return "auto" if text == "latest" else text
+    raise ValueError(f"--resume must be auto, latest-healthy or a step number, not {text!r}")
+
+
+def resume_order(committed: dict[int, bool], latest: int | None, which: Which) -> list[int]:
+    """Checkpoints to try for a resume, best first (later ones are the fallbacks when an
+    earlier one turns out damaged).
+
+    `committed` maps step → healthy; `latest` is the step the pointer names. The pointer
+    defines the current timeline: after a rollback to step 100, a later commit at 110
+    moves it there, and folders above it (the abandoned 120) are never resumed.
+    """
+    if latest is None or latest not in committed:
+        # No pointer (crash between the first manifest and the pointer) or a dangling one:
+        # the newest manifest not above the pointer is the newest commit on the timeline.
+        ceiling = max((s for s in committed if latest is None or s <= latest), default=None)
+    else:
+        ceiling = latest
+    if ceiling is None:
+        return []
+    steps = sorted((s for s in committed if s <= ceiling), reverse=True)
+    if which == "auto":
+        return steps
+    if which == "latest-healthy":
+        return [s for s in steps if committed[s]]
+    if isinstance(which, int):
+        # An explicit step may lie off the timeline (the user asked for it by name).
+        if which not in committed:
+            return []
+        return [s for s in sorted(committed, reverse=True) if s <= which]
+    raise ValueError(f"unknown resume choice {which!r}")
+
+
+# ----------------------------------------------------------------------- retention
+
+
+def retention_plan(
+    committed: dict[int, bool], uncommitted: set[int], latest: int | None, keep_last: int
+) -> set[int]:
+    """Steps whose folders retention deletes, right after `latest` was committed.
+
+    Kept: the newest `keep_last` committed checkpoints up to `latest`, every healthy one
+    up to `latest`, and always `latest` itself. Deleted: older committed ones beyond
+    those, committed ones above `latest` (an abandoned timeline after a rollback), and
+    uncommitted leftovers (interrupted saves) below `latest`.
+    """
+    if keep_last < 1:
+        raise ValueError("keep_last must be ≥ 1")
+    if latest is None:
+        return set()
+    timeline = sorted((s for s in committed if s <= latest), reverse=True)
+    keep = set(timeline[:keep_last]) | {s for s in timeline if committed[s]} | {latest}
+    doomed = {s for s in committed if s not in keep}
+    doomed |= {s for s in uncommitted if s < latest and s not in committed}
+    return doomed

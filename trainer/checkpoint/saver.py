@@ -1,0 +1,398 @@
+"""Asynchronous sharded checkpoints: stage, write, upload, commit.
+
+On every rank, `save()` blocks only while DCP copies the tensors to CPU staging memory;
+a background thread then writes the shards to a local staging folder (DCP, each rank its
+own part), uploads this rank's files in parallel with retries, and hands the file list
+to rank 0, which writes the manifest (the commit), moves `latest` and applies retention.
+At most one checkpoint is in flight. Failures are retried with backoff until a deadline,
+counted, logged and reported to `on_event`; training goes on meanwhile.
+
+Two private gloo groups keep the collectives of the training loop's thread (`poll`) and
+of the background thread (DCP planning, gather, commit verdict) from ever interleaving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from rlft.trainer.checkpoint import rng
+from rlft.trainer.checkpoint.catalog import Catalog
+from rlft.trainer.checkpoint.errors import CheckpointError, StorageError
+from rlft.trainer.checkpoint.manifest import (
+    EXTRA,
+    HF_DIR,
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    config_hash,
+    step_dir,
+)
+from rlft.trainer.checkpoint.policy import SavePolicy
+from rlft.trainer.checkpoint.retry import with_retries
+from rlft.trainer.checkpoint.state import tensor_state
+from rlft.trainer.checkpoint.storage import TEMP_MARK, FileStorage, Storage, sha256_file
+
+log = logging.getLogger("rlft.checkpoint")
+RANKS = "ranks.json"
+
+
+@dataclass
+class CheckpointStats:
+    """Counters for metrics and /status (read them from any thread)."""
+
+    started: int = 0
+    committed: int = 0
+    failed: int = 0
+    upload_retries: int = 0
+    """Retried storage operations (each logged): non-zero during an outage."""
+    deferred: int = 0
+    """Steps on which a due save waited because the previous one was still in flight."""
+    last_step: int | None = None
+    """Step of the last committed checkpoint."""
+    last_time: float | None = None
+    """Unix time of the last commit."""
+    last_healthy: bool | None = None
+    last_blocking_s: float = 0.0
+    """How long the training loop was blocked by the last save() call."""
+    last_total_s: float = 0.0
+    """From save() to commit, for the last committed checkpoint."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the loop does after a step: save now, and/or stop (SIGTERM on some rank)."""
+
+    save: bool
+    stop: bool
+
+
+@dataclass
+class _Job:
+    step: int
+    policy_version: int
+    healthy: bool
+    emergency: bool
+    future: Any
+    stage: Path
+    side_files: dict[str, bytes] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    retry_s: float = 900.0
+
+
+class Checkpointer:
+    """Saves checkpoints of one training run to one location. Create it on every rank
+    (after the default process group, if any, was initialised): it makes collective
+    calls."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        interval_steps: int = 50,
+        interval_minutes: float = 30.0,
+        keep_last: int = 3,
+        retry_seconds: float = 900.0,
+        upload_concurrency: int = 8,
+        staging_dir: Path | None = None,
+        job_config: dict[str, Any] | None = None,
+        hf_files: dict[str, bytes] | None = None,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.storage = storage
+        self.catalog = Catalog(storage)
+        self.policy = SavePolicy(interval_steps, interval_minutes, clock)
+        self.keep_last = keep_last
+        self.retry_seconds = retry_seconds
+        self.upload_concurrency = upload_concurrency
+        self.job_config = job_config or {}
+        self.hf_files = dict(hf_files or {})
+        self.on_event = on_event
+        self.stats = CheckpointStats()
+        self._thread: threading.Thread | None = None
+        self._last_error: str | None = None
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self._control = self._io = None
+        if self.distributed:
+            self._control = dist.new_group(backend="gloo")
+            self._io = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=retry_seconds + 600)
+            )
+        if staging_dir is None:
+            if isinstance(storage, FileStorage):
+                # Same file system as the destination: an "upload" is a rename.
+                staging_dir = storage.root / f"{TEMP_MARK}staging"
+            else:
+                tag = sha256(storage.uri.encode()).hexdigest()[:12]
+                staging_dir = Path(tempfile.gettempdir()) / f"rlft-staging-{tag}"
+        self.staging_dir = Path(staging_dir) / f"rank-{self.rank}"
+
+    # ---------------------------------------------------------------- the loop
+
+    @property
+    def busy(self) -> bool:
+        """A checkpoint of this rank is still in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def poll(self, step: int, stop_requested: bool = False) -> Decision:
+        """Call after every optimizer step, on every rank: whether to save now, and
+        whether to stop. One tiny all-reduce, so every rank decides the same."""
+        flags = torch.tensor([self.policy.due(step), self.busy, stop_requested], dtype=torch.int32)
+        if self.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+        due, busy, stop = (bool(x) for x in flags.tolist())
+        if stop:
+            return Decision(save=True, stop=True)
+        if due and busy:
+            self.stats.deferred += 1
+            return Decision(save=False, stop=False)
+        return Decision(save=due, stop=False)
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        extra: dict[str, Any],
+        policy_version: int | None = None,
+        healthy: bool = True,
+        rank_state: dict[str, Any] | None = None,
+        wait: bool = False,
+        emergency: bool = False,
+        retry_seconds: float | None = None,
+    ) -> bool:
+        """Checkpoint `step` (on every rank at once, as `poll` decided).
+
+        `extra` is rank 0's JSON-able run state (LR schedule, data cursor, detector…);
+        `rank_state` is per-rank JSON-able state stored next to each rank's RNG states.
+        Returns after staging (False) or, with `wait`, after the commit (True if it
+        committed). A previous save still in flight is waited for first.
+        """
+        started = time.monotonic()
+        self.wait()
+        extra_text = _json_or_error(extra, "extra")
+        mine = {"rng": rng.capture(), "state": rank_state or {}}
+        _json_or_error(mine["state"], "rank_state")
+        ranks = [mine]
+        if self.distributed:
+            ranks = [None] * self.world_size
+            dist.all_gather_object(ranks, mine, group=self._control)
+        stage = self.staging_dir / step_dir(step)
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True, exist_ok=True)
+        writer = dcp.FileSystemWriter(str(stage), sync_files=False)
+        future = dcp.async_save(
+            tensor_state(model, optimizer),
+            storage_writer=writer,
+            process_group=self._io,
+            no_dist=not self.distributed,
+        )
+        side: dict[str, bytes] = {}
+        if self.rank == 0:
+            side[EXTRA] = extra_text.encode()
+            side[RANKS] = json.dumps(ranks).encode()
+            side.update({f"{HF_DIR}/{name}": data for name, data in self.hf_files.items()})
+        job = _Job(
+            step=step,
+            policy_version=step if policy_version is None else policy_version,
+            healthy=healthy,
+            emergency=emergency,
+            future=future,
+            stage=stage,
+            side_files=side,
+            started=started,
+            retry_s=self.retry_seconds if retry_seconds is None else retry_seconds,
+        )
+        self.policy.saved()
+        self.stats.started += 1
+        self.stats.last_blocking_s = time.monotonic() - started
+        if wait:
+            return self._run(job)
+        self._thread = threading.Thread(
+            target=self._run, args=(job,), name=f"rlft-checkpoint-{step}", daemon=True
+        )
+        self._thread.start()
+        return False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the checkpoint in flight, if any; False if it is still running."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        return True
+
+    def close(self) -> None:
+        """Wait for the last checkpoint and release the process groups."""
+        self.wait()
+        for group in (self._control, self._io):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self._control = self._io = None
+
+    # --------------------------------------------------------- the background
+
+    def _emit(self, name: str, **info: Any) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(name, info)
+            except Exception:
+                log.exception("checkpoint event handler failed on %r", name)
+
+    def _retried(self, what: str, call: Callable[[], Any], deadline: float) -> Any:
+        def on_retry(attempt: int, error: BaseException, delay: float) -> None:
+            self.stats.upload_retries += 1
+            log.warning(
+                "checkpoint: %s failed (attempt %d): %s; retrying in %.1fs",
+                what,
+                attempt,
+                error,
+                delay,
+            )
+            self._emit("retry", what=what, attempt=attempt, error=str(error))
+
+        return with_retries(
+            call, deadline_s=max(0.0, deadline - time.monotonic()), on_retry=on_retry
+        )
+
+    def _upload(self, job: _Job, deadline: float) -> list[FileEntry]:
+        """Write rank 0's side files into the staging folder, then upload this rank's
+        files, several at once, each retried until the deadline."""
+        for name, data in job.side_files.items():
+            path = job.stage / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        ours = [p for p in job.stage.rglob("*") if p.is_file() and self._owns(p, job.stage)]
+        folder = step_dir(job.step)
+        if self.rank == 0:
+            # A stale manifest (a save of this step on an abandoned timeline) must not
+            # vouch for the files about to replace the ones it lists.
+            stale = f"{folder}/{MANIFEST}"
+            self._retried(f"clearing {stale}", lambda: self.storage.delete_prefix(stale), deadline)
+
+        def one(path: Path) -> FileEntry:
+            size, digest = sha256_file(path)
+            rel = path.relative_to(job.stage).as_posix()
+            self._retried(
+                f"uploading {folder}/{rel}",
+                lambda: self.storage.put_file(f"{folder}/{rel}", path, move=True),
+                deadline,
+            )
+            return FileEntry(rel, size, digest)
+
+        with ThreadPoolExecutor(max(1, min(self.upload_concurrency, len(ours)))) as pool:
+            return list(pool.map(one, ours))
+
+    def _owns(self, path: Path, stage: Path) -> bool:
+        rel = path.relative_to(stage).as_posix()
+        if rel.startswith(f"__{self.rank}_"):
+            return True
+        return self.rank == 0 and not rel.startswith("__")
+
+    def _run(self, job: _Job) -> bool:
+        deadline = job.started + job.retry_s
+        entries: list[FileEntry] = []
+        error: str | None = None
+        try:
+            job.future.result()
+            entries = self._upload(job, deadline)
+        except (StorageError, CheckpointError) as failure:
+            error = str(failure)
+        except Exception as failure:  # DCP write, staging disk full…
+            error = f"{type(failure).__name__}: {failure}"
+        results = [(error, entries)]
+        if self.distributed:
+            results = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object((error, entries), results, dst=0, group=self._io)
+        committed = False
+        if self.rank == 0:
+            committed = self._commit(job, results, deadline)
+        if self.distributed:
+            verdict = [committed]
+            dist.broadcast_object_list(verdict, src=0, group=self._io)
+            committed = bool(verdict[0])
+        shutil.rmtree(job.stage, ignore_errors=True)
+        if committed:
+            self.stats.committed += 1
+            self.stats.last_step = job.step
+            self.stats.last_time = time.time()
+            self.stats.last_healthy = job.healthy
+            self.stats.last_total_s = time.monotonic() - job.started
+        else:
+            self.stats.failed += 1
+        return committed
+
+    def _commit(self, job: _Job, results: list, deadline: float) -> bool:
+        folder = f"{self.storage.uri}/{step_dir(job.step)}"
+        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(results) if e]
+        if errors:
+            log.error("checkpoint %s failed and was not committed: %s", folder, "; ".join(errors))
+            self._emit("failed", step=job.step, uri=folder, error="; ".join(errors))
+            return False
+        files = tuple(sorted((e for _, entries in results for e in entries), key=lambda e: e.path))
+        manifest = Manifest(
+            step=job.step,
+            policy_version=job.policy_version,
+            world_size=self.world_size,
+            config_hash=config_hash(self.job_config),
+            healthy=job.healthy,
+            files=files,
+            emergency=job.emergency,
+        )
+        try:
+            self._retried(f"committing {folder}", lambda: self.catalog.commit(manifest), deadline)
+        except (StorageError, CheckpointError) as failure:
+            log.error("checkpoint %s uploaded but not committed: %s", folder, failure)
+            self._emit("failed", step=job.step, uri=folder, error=str(failure))
+            return False
+        retries = self.stats.upload_retries
+        log.info(
+            "checkpoint %s committed (%.1f MB, %d files, %.1fs%s)",
+            folder,
+            manifest.total_bytes / 1e6,
+            len(files),
+            time.monotonic() - job.started,
+            f", {retries} retries so far" if retries else "",
+        )
+        self._emit("committed", step=job.step, uri=folder, healthy=job.healthy, time=time.time())
+        deleted = self.catalog.prune(self.keep_last)
+        if deleted:
+            log.info("checkpoint retention deleted steps %s", sorted(deleted))
+        return True
+
+
+def _json_or_error(value: dict[str, Any], name: str) -> str:
+    """JSON text of `value`; a CheckpointError naming the first bad key otherwise."""
+    try:
+        return json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        for key, item in value.items():
+            try:
+                json.dumps(item)
+            except (TypeError, ValueError) as error:
+                raise CheckpointError(
+                    f"checkpoint {name}[{key!r}] is not JSON-serialisable ({error}): store "
+                    "plain numbers, strings, lists and dicts (tensors go in the model or "
+                    "optimizer state; RNG states through rlft.trainer.checkpoint.rng)"
+                ) from None
+        raise CheckpointError(f"checkpoint {name} is not JSON-serialisable") from None
