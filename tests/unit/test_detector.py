@@ -1,0 +1,239 @@
+"""The collapse detector: each check on planted faults, silence on healthy noise, and
+state that survives a checkpoint exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlft.trainer.stability.detector import (
+    CHECKS,
+    CRITICAL,
+    OK,
+    WARNING,
+    Detector,
+    non_finite_keys,
+    robust_z,
+)
+from rlft.trainer.stability.spec import DetectorSpec
+
+
+def healthy(step: int, rng: random.Random, **overrides) -> dict:
+    """A record like a healthy tiny GRPO step (grad norm log-normal, σ≈0.25)."""
+    record = {
+        "step": step,
+        "policy_version": step,
+        "loss": rng.gauss(0, 0.003),
+        "grad_norm": math.exp(rng.gauss(0.2, 0.25)),
+        "entropy": 0.3 * math.exp(rng.gauss(0, 0.1)),
+        "kl": 0.02 * math.exp(rng.gauss(0, 0.1)),
+        "reward_mean": min(1.0, max(0.0, rng.gauss(0.6, 0.05))),
+        "ratio_mean": 1.0 + rng.gauss(0, 0.01),
+        "ratio_max": 1.5 + abs(rng.gauss(0, 0.2)),
+        "train_accuracy": 0.6,
+    }
+    record.update(overrides)
+    return record
+
+
+def run(records: list[dict], spec: DetectorSpec | None = None):
+    detector = Detector(spec)
+    return detector, [detector.observe(r) for r in records]
+
+
+def stream(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [healthy(step, rng) for step in range(1, n + 1)]
+
+
+def test_nan_anywhere_is_critical_from_the_first_step():
+    for key in ("loss", "grad_norm", "entropy", "reward_mean"):
+        record = healthy(1, random.Random(0), **{key: math.nan})
+        _, [verdict] = run([record])
+        assert verdict.levels["non_finite"] == CRITICAL
+        assert verdict.skip_update and key in verdict.reasons[0]
+    nested = healthy(1, random.Random(0), grad_norm_groups={"embed": 1.0, "mlp": math.inf})
+    _, [verdict] = run([nested])
+    assert verdict.skip_update and "grad_norm_groups.mlp" in verdict.reasons[0]
+
+
+def test_ignored_keys_may_be_nan():
+    record = healthy(1, random.Random(0), train_accuracy=math.nan)
+    _, [verdict] = run([record])
+    assert verdict.level == OK
+    assert non_finite_keys({"a": 1.0, "b": math.nan, "c": "text", "d": True}, []) == ["b"]
+
+
+def test_spike_of_10x_is_skipped_and_does_not_raise_the_bar():
+    records = stream(60)
+    base = records[49]["grad_norm"]
+    records[50]["grad_norm"] = base * 10
+    records[51]["grad_norm"] = base * 10
+    detector, verdicts = run(records)
+    assert all(v.level == OK for v in verdicts[:50])
+    assert verdicts[50].skip_update and verdicts[51].skip_update
+    assert verdicts[50].levels["grad_norm_spike"] == CRITICAL
+    assert verdicts[50].zscore > DetectorSpec().grad_norm.critical_z
+    assert "×" in verdicts[50].reasons[0]
+    # Neither spike entered the rolling statistics.
+    assert max(detector.log_grad) < math.log(base * 5)
+
+
+def test_spikes_are_not_judged_during_warm_up():
+    records = stream(30)
+    records[5]["grad_norm"] = 1000.0
+    _, verdicts = run(records)
+    assert verdicts[5].levels["grad_norm_spike"] == OK
+    records[25]["grad_norm"] = 1000.0
+    _, verdicts = run(records)
+    assert verdicts[25].levels["grad_norm_spike"] == CRITICAL
+
+
+@given(seed=st.integers(0, 2**32 - 1), sigma=st.floats(0.05, 0.5))
+def test_stationary_noise_raises_no_critical_alarm(seed: int, sigma: float):
+    rng = random.Random(seed)
+    records = [healthy(s, rng, grad_norm=math.exp(rng.gauss(0, sigma))) for s in range(1, 301)]
+    _, verdicts = run(records)
+    assert not any(v.skip_update or v.collapsed for v in verdicts)
+
+
+def test_three_skipped_spikes_in_the_window_declare_collapse():
+    records = stream(80)
+    for step in (50, 55, 60):
+        records[step]["grad_norm"] *= 50
+    _, verdicts = run(records)
+    assert verdicts[50].skip_update and not verdicts[50].collapsed
+    assert verdicts[55].levels["sustained_spikes"] == OK
+    assert verdicts[60].levels["sustained_spikes"] == CRITICAL
+    assert verdicts[60].health == "collapsed"
+    # The window moves on: 20 clean steps later it is over.
+    assert verdicts[79].levels["sustained_spikes"] == OK
+
+
+def test_slow_entropy_collapse_warns_then_declares_collapse():
+    records = stream(200)
+    for i in range(120, 200):
+        records[i]["entropy"] *= math.exp(-(i - 120) / 15)
+    _, verdicts = run(records)
+    levels = [v.levels["entropy_collapse"] for v in verdicts]
+    assert max(levels[:120]) == OK
+    first_warning, first_critical = levels.index(WARNING), levels.index(CRITICAL)
+    assert 120 < first_warning < first_critical < 160
+    assert verdicts[first_critical].health == "collapsed"
+    assert verdicts[-1].levels["entropy_collapse"] == CRITICAL  # reference was frozen
+
+
+def test_slow_healthy_entropy_decline_is_not_a_collapse():
+    records = stream(500)
+    for i, record in enumerate(records):
+        record["entropy"] *= math.exp(-i / 250)  # ×0.13 over the run, like real runs
+    _, verdicts = run(records)
+    assert max(v.levels["entropy_collapse"] for v in verdicts) == OK
+
+
+def test_entropy_floor():
+    spec = DetectorSpec.model_validate({"entropy": {"floor": 0.05}})
+    _, [verdict] = run([healthy(1, random.Random(0), entropy=0.01)], spec)
+    assert verdict.levels["entropy_collapse"] == CRITICAL
+
+
+def test_reward_collapse():
+    records = stream(100)
+    for record in records[60:]:
+        record["reward_mean"] = 0.02
+    _, verdicts = run(records)
+    levels = [v.levels["reward_collapse"] for v in verdicts]
+    assert max(levels[:60]) == OK
+    assert levels.index(CRITICAL) <= 62
+    assert "reward fell" in " ".join(verdicts[62].reasons)
+
+
+def test_kl_blowup_relative_and_absolute():
+    records = stream(100)
+    for record in records[60:]:
+        record["kl"] = 2.0  # 100× its level
+    _, verdicts = run(records)
+    levels = [v.levels["kl_blowup"] for v in verdicts]
+    assert max(levels[:60]) == OK and CRITICAL in levels[60:65]
+    _, [verdict] = run([healthy(1, random.Random(0), kl=50.0)])
+    assert verdict.levels["kl_blowup"] == CRITICAL
+
+
+def test_kl_growing_from_zero_is_not_a_blowup():
+    records = stream(300)
+    for i, record in enumerate(records):
+        record["kl"] = 0.0004 * i  # steady drift away from the reference
+    _, verdicts = run(records)
+    assert max(v.levels["kl_blowup"] for v in verdicts) == OK
+
+
+@pytest.mark.parametrize(
+    ("overrides", "level"),
+    [
+        ({"ratio_max": 20.0}, WARNING),
+        ({"ratio_max": 5000.0}, CRITICAL),
+        ({"ratio_mean": 1.3}, WARNING),
+        ({"ratio_mean": 2.5}, CRITICAL),
+        ({"ratio_masked_fraction": 0.6}, CRITICAL),
+        ({"ratio_masked_fraction": 0.01}, OK),
+    ],
+)
+def test_importance_ratio_blowup(overrides: dict, level: int):
+    _, [verdict] = run([healthy(1, random.Random(0), **overrides)])
+    assert verdict.levels["importance_ratio_blowup"] == level
+    assert verdict.skip_update == (level == CRITICAL)
+
+
+def test_expert_load_collapse_uses_the_recent_median():
+    rng = random.Random(0)
+    records = [
+        healthy(s, rng, expert_imbalance=1.5, expert_dead_fraction=0.0) for s in range(1, 20)
+    ]
+    records[10]["expert_imbalance"] = 50.0  # one odd step: the median ignores it
+    for record in records[14:]:
+        record["expert_imbalance"] = 12.0
+    _, verdicts = run(records)
+    levels = [v.levels["expert_load_collapse"] for v in verdicts]
+    assert max(levels[:14]) == OK and levels[-1] == CRITICAL
+    _, verdicts = run([healthy(1, rng, expert_dead_fraction=0.3)])
+    assert verdicts[0].levels["expert_load_collapse"] == WARNING
+
+
+def test_every_check_is_reported():
+    _, [verdict] = run(stream(1))
+    assert set(verdict.levels) == set(CHECKS)
+    assert verdict.to_dict()["health"] == "ok"
+
+
+def test_robust_z():
+    assert robust_z([1.0, 1.0, 1.0], 2.0, 0.5) == pytest.approx(2.0)
+    assert robust_z([0.0, 1.0, 2.0], 4.0, 0.01) == pytest.approx(3 / 1.4826)
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    split=st.integers(0, 120),
+    spikes=st.lists(st.integers(0, 119), max_size=6),
+)
+def test_state_dict_resume_gives_identical_verdicts(seed: int, split: int, spikes: list[int]):
+    records = stream(120, seed)
+    for i in spikes:
+        records[i]["grad_norm"] *= 30
+    spec = DetectorSpec.model_validate({"gradNorm": {"window": 30, "warmupSteps": 10}})
+    _, straight = run(records, spec)
+    first, _ = run(records[:split], spec)
+    saved = json.loads(json.dumps(first.state_dict()))  # must survive JSON
+    resumed = Detector(spec)
+    resumed.load_state_dict(saved)
+    after = [resumed.observe(r) for r in records[split:]]
+    assert [v.to_dict() for v in after] == [v.to_dict() for v in straight[split:]]
+
+
+def test_unknown_state_version_is_refused():
+    with pytest.raises(ValueError, match="version"):
+        Detector().load_state_dict({"version": 99})

@@ -1,0 +1,119 @@
+"""The Grafana dashboard, written from the metric definitions.
+
+One row per `Metric.panel`, one time-series panel per metric: gauges as they are,
+counters as per-second rates, histograms as p50/p95. A `job`/`instance` variable
+selects the run. `python -m rlft.trainer.telemetry.generate` writes it to
+observability/grafana/rlft.json (import it in Grafana, pick the Prometheus source).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlft.trainer.telemetry import metrics as M
+
+UID = "rlft-training"
+_SELECTOR = 'job=~"$job", instance=~"$instance"'
+_UNITS = {
+    "seconds": "s",
+    "tokens": "short",
+    "tokens_per_second": "short",
+    "ratio": "percentunit",
+    "nats": "short",
+    "step": "short",
+    "version": "short",
+    "": "short",
+}
+
+
+def _targets(metric: M.Metric) -> list[dict[str, Any]]:
+    legend = "{{instance}}" + "".join(f" {label}={{{{{label}}}}}" for label in metric.labels)
+    if metric.kind == "counter":
+        expr = f"rate({metric.name}{{{_SELECTOR}}}[5m])"
+        return [{"refId": "A", "expr": expr, "legendFormat": legend}]
+    if metric.kind == "histogram":
+        return [
+            {
+                "refId": ref,
+                "expr": f"histogram_quantile({q}, sum by (le, instance) "
+                f"(rate({metric.name}_bucket{{{_SELECTOR}}}[5m])))",
+                "legendFormat": f"p{int(q * 100)} {{{{instance}}}}",
+            }
+            for ref, q in (("A", 0.5), ("B", 0.95))
+        ]
+    return [{"refId": "A", "expr": f"{metric.name}{{{_SELECTOR}}}", "legendFormat": legend}]
+
+
+def _panel(metric: M.Metric, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    title = metric.name.removeprefix("rlft_").replace("_", " ")
+    if metric.kind == "counter":
+        title += " (per second)"
+    return {
+        "id": panel_id,
+        "type": "timeseries",
+        "title": title,
+        "description": metric.help,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 8, "w": 8, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": _UNITS[metric.unit]}, "overrides": []},
+        "targets": _targets(metric),
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    """The dashboard JSON model."""
+    panels: list[dict[str, Any]] = []
+    rows: dict[str, list[M.Metric]] = {}
+    for metric in M.METRICS:
+        rows.setdefault(metric.panel, []).append(metric)
+    panel_id, y = 1, 0
+    for row, metrics in rows.items():
+        panels.append(
+            {
+                "id": panel_id,
+                "type": "row",
+                "title": row,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
+        panel_id, y = panel_id + 1, y + 1
+        for index, metric in enumerate(metrics):
+            x = (index % 3) * 8
+            if index and index % 3 == 0:
+                y += 8
+            panels.append(_panel(metric, panel_id, x, y))
+            panel_id += 1
+        y += 8
+    variable = {
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "includeAll": True,
+        "multi": True,
+        "refresh": 2,
+        "current": {},
+    }
+    return {
+        "uid": UID,
+        "title": "rlft: RL post-training",
+        "description": "Generated from rlft.trainer.telemetry.metrics; do not edit by hand.",
+        "tags": ["rlft"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "30s",
+        "templating": {
+            "list": [
+                {"name": "datasource", "type": "datasource", "query": "prometheus", "current": {}},
+                {**variable, "name": "job", "query": f"label_values({M.TRAIN_STEP.name}, job)"},
+                {
+                    **variable,
+                    "name": "instance",
+                    "query": f'label_values({M.TRAIN_STEP.name}{{job=~"$job"}}, instance)',
+                },
+            ]
+        },
+        "panels": panels,
+    }
