@@ -1,0 +1,128 @@
+"""`python -m rlft.operator` (also `rlft operator`): run the operator.
+
+Leader election: replicas share a kopf peering object (`--peering`, created at start-up);
+each gets a priority (`--priority`, random by default), the highest one works and the
+others stand by, taking over when its keep-alive lapses (`--peering-lifetime` seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+
+from rlft.operator.manifests import Settings
+
+
+def build_parser(prog: str = "python -m rlft.operator") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Run the RLFineTune operator.")
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="serve this namespace (repeatable; default: the pod's own namespace)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve all namespaces")
+    parser.add_argument("--peering", default="rlft", help="peering object for leader election")
+    parser.add_argument("--standalone", action="store_true", help="no leader election")
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="leader-election priority (highest wins; default: random, env RLFT_OPERATOR_PRIORITY)",
+    )
+    parser.add_argument(
+        "--peering-lifetime", type=int, default=60, help="seconds a silent peer counts as alive"
+    )
+    parser.add_argument(
+        "--metrics-bind",
+        default="0.0.0.0:9090",
+        help="HOST:PORT of /metrics (port 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=15.0,
+        help="reconcile every job at least this often (and poll /status)",
+    )
+    parser.add_argument(
+        "--trainer-status-port",
+        type=int,
+        default=8080,
+        help="port of the trainers' /status and /metrics",
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=int,
+        default=300,
+        help="terminationGracePeriodSeconds of pods (emergency checkpoint time)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _own_namespace() -> str:
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return os.environ.get("POD_NAMESPACE", "default")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: `rlft crd` and `rlft --help` must not need kopf.
+    import kopf
+
+    from rlft.operator import handlers
+
+    host, _, port = args.metrics_bind.rpartition(":")
+    if not port.isdigit():
+        print(
+            f"rlft operator: --metrics-bind {args.metrics_bind!r}: expected HOST:PORT",
+            file=sys.stderr,
+        )
+        return 2
+    priority = args.priority
+    if priority is None:
+        env = os.environ.get("RLFT_OPERATOR_PRIORITY")
+        priority = int(env) if env else random.randint(1, 2**31 - 1)
+    namespaces = [] if args.all_namespaces else (args.namespace or [_own_namespace()])
+    options = handlers.Options(
+        settings=Settings(status_port=args.trainer_status_port, grace_seconds=args.grace_seconds),
+        poll_seconds=args.poll_seconds,
+        priority=priority,
+        peering_lifetime=args.peering_lifetime,
+        metrics_host=host or "0.0.0.0",
+        metrics_port=int(port),
+        identity=os.environ.get("POD_NAME", f"rlft-operator-{os.getpid()}"),
+    )
+    handlers.configure(options, namespaces)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    kopf.run(
+        clusterwide=args.all_namespaces,
+        namespaces=namespaces,
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        priority=priority,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""kopf handlers: thin glue between the API server and the pure state machine.
+
+Every event that may matter (the RLFineTune changed, one of its pods changed, a timer, a
+backoff expiring) "kicks" the job. A kick runs one reconcile per job at a time and folds
+kicks that arrive meanwhile into one more run, so bursts cost one reconcile. A reconcile:
+
+1. reads the RLFineTune fresh (read-your-writes for the bookkeeping in its status),
+2. takes its pods, Services and ConfigMaps from kopf's in-memory indexes,
+3. polls the trainer's /status (running trainer pods, rank 0 answers),
+4. asks `reconcile.reconcile` what to do,
+5. writes the status first (with a resourceVersion precondition: what was counted stays
+   counted even if the next step fails), then creates/deletes children, posts one Event
+   per decision and updates the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from rlft.operator import crd
+from rlft.operator import manifests as M
+from rlft.operator import names as N
+from rlft.operator.kube import ApiError, Connection, Kube, fetch_json
+from rlft.operator.metrics import OperatorMetrics
+from rlft.operator.observe import PodView, pod_view, trainer_report
+from rlft.operator.reconcile import Decision, Observed, invalid_spec, reconcile
+from rlft.operator.status import RLFineTuneStatus
+from rlft.trainer.config import JobFileError, parse_job
+
+log = logging.getLogger("rlft.operator")
+MANAGED = {"app.kubernetes.io/managed-by": N.MANAGED_BY}
+Key = tuple[str, str]
+
+
+@dataclass
+class Options:
+    """Operator-wide settings (from the command line)."""
+
+    settings: M.Settings = field(default_factory=M.Settings)
+    poll_seconds: float = 15.0
+    """How often every job is reconciled even without events (and /status polled)."""
+    priority: int = 0
+    peering_lifetime: int = 60
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9090
+    identity: str = "rlft-operator"
+
+
+@dataclass
+class _JobState:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    dirty: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+class Runtime:
+    """What the handlers share: options, the API client, per-job kick state, metrics."""
+
+    def __init__(self) -> None:
+        self.options = Options()
+        self.kube: Kube | None = None
+        self.jobs: dict[Key, _JobState] = {}
+        self.metrics = OperatorMetrics()
+        self.indexes: dict[str, Any] = {}
+        self.namespaces: list[str] = []
+
+
+RUNTIME = Runtime()
+
+
+def configure(options: Options, namespaces: list[str]) -> None:
+    RUNTIME.options = options
+    RUNTIME.namespaces = list(namespaces)
+
+
+# ------------------------------------------------------------------------- startup
+
+
+@kopf.on.startup()
+async def _startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    options = RUNTIME.options
+    # Handler progress in annotations, not in status: the status schema is the CRD's.
+    settings.persistence.finalizer = "rlft.dev/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rlft.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="rlft.dev", key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING  # Events are posted per decision, explicitly
+    settings.peering.priority = options.priority
+    settings.peering.lifetime = options.peering_lifetime
+    settings.peering.mandatory = False
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 60
+    port = RUNTIME.metrics.serve(options.metrics_host, options.metrics_port)
+    logger.info(f"metrics on http://{options.metrics_host}:{port}/metrics")
+    _login(settings=settings, logger=logger)
+    if not settings.peering.standalone and RUNTIME.kube is not None:
+        await _ensure_peering(settings, logger)
+
+
+async def _ensure_peering(settings: kopf.OperatorSettings, logger: logging.Logger) -> None:
+    """Create the peering object kopf's leader election uses (it must exist)."""
+    kube = _kube()
+    name = settings.peering.name
+    if settings.peering.clusterwide:
+        paths = ["/apis/kopf.dev/v1/clusterkopfpeerings"]
+        kind = "ClusterKopfPeering"
+    else:
+        paths = [f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings" for ns in RUNTIME.namespaces]
+        kind = "KopfPeering"
+    for path in paths:
+        try:
+            await kube.post(
+                path, {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": {"name": name}}
+            )
+        except ApiError as error:
+            if error.status == 404:
+                logger.warning(
+                    f"no {kind} resource: apply crds/kopf-peering.yaml for leader election"
+                )
+            elif error.status != 409:
+                raise
+
+
+@kopf.on.login()
+def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None and RUNTIME.kube is None:
+        RUNTIME.kube = Kube(Connection.from_kopf(info))
+    return info
+
+
+@kopf.on.cleanup()
+async def _cleanup(**_: Any) -> None:
+    for state in RUNTIME.jobs.values():
+        if state.timer is not None:
+            state.timer.cancel()
+    if RUNTIME.kube is not None:
+        await RUNTIME.kube.close()
+
+
+# ------------------------------------------------------------------------- indexes
+
+
+@kopf.index("pods", labels=MANAGED)
+def pods_by_job(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> Any:
+    view = pod_view(dict(body))
+    return {(namespace, labels.get(N.LABEL_JOB, "")): view} if view else None
+
+
+@kopf.index("services", labels=MANAGED)
+def services_by_job(namespace: str, name: str, labels: dict[str, str], **_: Any) -> Any:
+    return {(namespace, labels.get(N.LABEL_JOB, "")): name}
+
+
+@kopf.index("configmaps", labels=MANAGED)
+def config_maps_by_job(namespace: str, name: str, labels: dict[str, str], **_: Any) -> Any:
+    return {(namespace, labels.get(N.LABEL_JOB, "")): name}
+
+
+# ------------------------------------------------------------------------ triggers
+
+
+@kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
+async def _job_event(
+    event: dict[str, Any], namespace: str, name: str, meta: Any, **kwargs: Any
+) -> None:
+    _remember_indexes(kwargs)
+    if event.get("type") == "DELETED":
+        _forget((namespace, name))
+        return
+    if not meta.get("deletionTimestamp"):
+        await kick((namespace, name))
+
+
+@kopf.on.event("pods", labels=MANAGED)
+async def _pod_event(namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
+    _remember_indexes(kwargs)
+    job = labels.get(N.LABEL_JOB)
+    if job:
+        await kick((namespace, job))
+
+
+@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=15.0, initial_delay=1.0)
+async def _poll(namespace: str, name: str, meta: Any, **kwargs: Any) -> None:
+    _remember_indexes(kwargs)
+    if not meta.get("deletionTimestamp"):
+        await kick((namespace, name))
+
+
+@kopf.on.delete(crd.GROUP, crd.VERSION, crd.PLURAL)
+async def _finalize(body: Any, namespace: str, name: str, spec: Any, **kwargs: Any) -> None:
+    """The finalizer: remove the job's pods, Services and ConfigMap (owner references would
+    too, but not before the CR is gone), keep its checkpoints, say so in an Event."""
+    _forget((namespace, name))
+    kube = _kube()
+    selector = f"{N.LABEL_JOB}={name}"
+    removed = 0
+    for kind in ("Pod", "Service", "ConfigMap"):
+        for child in await kube.list_names(kind, namespace, selector):
+            removed += await kube.delete(kind, namespace, child)
+            RUNTIME.metrics.children.labels(kind=kind, action="delete").inc()
+    uri = (spec.get("checkpoint") or {}).get("uri") or "(the trainer's default location)"
+    await kube.post_event(
+        dict(body),
+        "Normal",
+        "Deleted",
+        f"removed {removed} children; checkpoints kept at {uri}",
+        RUNTIME.options.identity,
+    )
+
+
+# ------------------------------------------------------------------------- the loop
+
+
+def _remember_indexes(kwargs: dict[str, Any]) -> None:
+    for key in ("pods_by_job", "services_by_job", "config_maps_by_job"):
+        if key in kwargs:
+            RUNTIME.indexes[key] = kwargs[key]
+
+
+def _forget(key: Key) -> None:
+    state = RUNTIME.jobs.pop(key, None)
+    if state is not None and state.timer is not None:
+        state.timer.cancel()
+    RUNTIME.metrics.set_phase(key, None)
+
+
+def _kube() -> Kube:
+    if RUNTIME.kube is None:
+        raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
+    return RUNTIME.kube
+
+
+async def kick(key: Key) -> None:
+    """Reconcile the job now; kicks during a run fold into one more run."""
+    state = RUNTIME.jobs.setdefault(key, _JobState())
+    state.dirty = True
+    if state.lock.locked():
+        return
+    async with state.lock:
+        while state.dirty:
+            state.dirty = False
+            started = time.perf_counter()
+            try:
+                result = await _reconcile_once(key, state)
+            except ApiError as error:
+                result = "conflict" if error.status == 409 else "api-error"
+                if error.status != 409:
+                    log.warning(f"{key[0]}/{key[1]}: {error}")
+                _schedule(key, state, 0.5 if error.status == 409 else 5.0)
+            RUNTIME.metrics.reconciles.labels(result=result).inc()
+            RUNTIME.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+
+
+def _schedule(key: Key, state: _JobState, delay: float) -> None:
+    if state.timer is not None:
+        if state.timer.when() <= asyncio.get_running_loop().time() + delay:
+            return
+        state.timer.cancel()
+    loop = asyncio.get_running_loop()
+    state.timer = loop.call_later(delay, lambda: asyncio.ensure_future(_wake(key)))
+
+
+async def _wake(key: Key) -> None:
+    state = RUNTIME.jobs.get(key)
+    if state is not None:
+        state.timer = None
+        await kick(key)
+
+
+def _index_items(index_name: str, key: Key) -> list[Any]:
+    index = RUNTIME.indexes.get(index_name)
+    if index is None:
+        return []
+    try:
+        return list(index.get(key, []))
+    except TypeError:
+        return []
+
+
+async def _poll_trainer(pods: list[PodView]) -> Any:
+    port = RUNTIME.options.settings.status_port
+    for pod in sorted(pods, key=lambda p: p.index):
+        if pod.role == N.ROLE_TRAINER and pod.running and pod.pod_ip:
+            document = await fetch_json(f"http://{pod.pod_ip}:{port}/status")
+            report = trainer_report(document, pod.uid)
+            if report is not None:
+                return report
+    return None
+
+
+async def _reconcile_once(key: Key, state: _JobState) -> str:
+    kube = _kube()
+    namespace, name = key
+    body = await kube.get_job(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return "gone"
+    try:
+        status = RLFineTuneStatus.model_validate(body.get("status") or {})
+    except ValueError:
+        status = RLFineTuneStatus()
+    now = datetime.now(UTC)
+    document = {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body.get("spec"),
+    }
+    try:
+        job = parse_job(document, f"{namespace}/{name}")
+    except JobFileError as error:
+        decision = invalid_spec(status, error.problems, now)
+    else:
+        pods = _index_items("pods_by_job", key)
+        observed = Observed(
+            pods=pods,
+            config_maps=frozenset(_index_items("config_maps_by_job", key)),
+            services=frozenset(_index_items("services_by_job", key)),
+            report=await _poll_trainer(pods) if status.phase not in ("Suspended",) else None,
+        )
+        decision = reconcile(job, body, status, observed, now, RUNTIME.options.settings)
+    await _apply(key, body, status, decision)
+    poll = RUNTIME.options.poll_seconds
+    delay = min(decision.requeue_after or poll, poll)
+    _schedule(key, state, delay)
+    return "ok"
+
+
+async def _apply(key: Key, body: dict[str, Any], old: RLFineTuneStatus, d: Decision) -> None:
+    kube = _kube()
+    namespace, name = key
+    new = d.status.model_dump(mode="json", by_alias=True)
+    if new != old.model_dump(mode="json", by_alias=True) or not body.get("status"):
+        await kube.patch_job_status(namespace, name, new, body["metadata"].get("resourceVersion"))
+    metrics = RUNTIME.metrics
+    if d.status.restarts > old.restarts:
+        metrics.restarts.labels(rlfinetune=f"{namespace}/{name}").inc(
+            d.status.restarts - old.restarts
+        )
+    if d.status.rollbacks > old.rollbacks:
+        metrics.rollbacks.labels(rlfinetune=f"{namespace}/{name}").inc(
+            d.status.rollbacks - old.rollbacks
+        )
+    metrics.set_phase(key, d.status.phase)
+    if d.set_suspend:
+        await kube.patch_job(namespace, name, {"spec": {"suspend": True}})
+    for pod in d.delete_pods:
+        if await kube.delete("Pod", namespace, pod):
+            metrics.children.labels(kind="Pod", action="delete").inc()
+    for manifest in d.create:
+        if await kube.create(manifest):
+            metrics.children.labels(kind=manifest["kind"], action="create").inc()
+    for event in d.events:
+        metrics.decisions.labels(reason=event.reason).inc()
+        log.info(f"{namespace}/{name}: {event.reason}: {event.message}")
+        try:
+            await kube.post_event(
+                body, event.type, event.reason, event.message, RUNTIME.options.identity
+            )
+        except ApiError as error:  # an Event is a courtesy; the status already says it
+            log.warning(f"{namespace}/{name}: could not post an Event: {error}")

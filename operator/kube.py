@@ -1,0 +1,193 @@
+"""A small asynchronous Kubernetes REST client for the handlers' writes.
+
+kopf watches and patches its own resources, but it has no API for creating arbitrary
+objects. Rather than pull in a whole client library (and its dependencies) the operator
+talks REST over aiohttp, which kopf already uses, with the credentials kopf resolved at
+login (kubeconfig or in-cluster service account).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+from rlft.operator import crd
+
+_PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events"}
+
+
+class ApiError(Exception):
+    """A failed API call; `status` is the HTTP status."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(f"HTTP {status}: {message}")
+
+
+@dataclass
+class Connection:
+    """Where the API server is and how to authenticate (from kopf's ConnectionInfo)."""
+
+    server: str
+    headers: dict[str, str]
+    ssl_context: ssl.SSLContext | bool | None = None
+
+    @classmethod
+    def from_kopf(cls, info: Any) -> Connection:
+        context: ssl.SSLContext | bool | None = None
+        if info.server.startswith("https"):
+            context = False if info.insecure else info.as_ssl_context()
+        return cls(
+            server=info.server.rstrip("/"), headers=info.as_http_headers(), ssl_context=context
+        )
+
+
+def _core_path(namespace: str, plural: str, name: str | None = None, sub: str | None = None) -> str:
+    path = f"/api/v1/namespaces/{namespace}/{plural}"
+    return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
+
+
+def job_path(namespace: str, name: str, sub: str | None = None) -> str:
+    path = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{namespace}/{crd.PLURAL}/{name}"
+    return path + (f"/{sub}" if sub else "")
+
+
+class Kube:
+    """The calls the operator makes; one aiohttp session, reused."""
+
+    def __init__(self, connection: Connection, timeout: float = 30.0):
+        self.connection = connection
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> dict[str, Any]:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self.connection.headers, timeout=self._timeout
+            )
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if body is not None else {}
+        async with self._session.request(
+            method,
+            self.connection.server + path,
+            data=data,
+            headers=headers,
+            ssl=self.connection.ssl_context,
+        ) as response:
+            text = await response.text()
+            if response.status >= 400:
+                try:
+                    message = json.loads(text).get("message", text)
+                except (ValueError, AttributeError):
+                    message = text
+                raise ApiError(response.status, str(message)[:500])
+            return json.loads(text) if text else {}
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._request("POST", path, body)
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._request("GET", job_path(namespace, name))
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def patch_job_status(
+        self, namespace: str, name: str, status: dict[str, Any], resource_version: str | None
+    ) -> dict[str, Any]:
+        """Merge-patch the status; with a resourceVersion it is a precondition (409 when the
+        object changed since it was read)."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return await self._request(
+            "PATCH", job_path(namespace, name, "status"), body, "application/merge-patch+json"
+        )
+
+    async def patch_job(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return await self._request(
+            "PATCH", job_path(namespace, name), patch, "application/merge-patch+json"
+        )
+
+    async def create(self, manifest: dict[str, Any]) -> bool:
+        """Create a namespaced core object; False if it already exists."""
+        plural = _PLURALS[manifest["kind"]]
+        namespace = manifest["metadata"]["namespace"]
+        try:
+            await self._request("POST", _core_path(namespace, plural), manifest)
+        except ApiError as error:
+            if error.status == 409:
+                return False
+            raise
+        return True
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete; False if it was already gone."""
+        try:
+            await self._request("DELETE", _core_path(namespace, _PLURALS[kind], name))
+        except ApiError as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    async def list_names(self, kind: str, namespace: str, selector: str) -> list[str]:
+        path = _core_path(namespace, _PLURALS[kind]) + f"?labelSelector={selector}"
+        listing = await self._request("GET", path)
+        return [item["metadata"]["name"] for item in listing.get("items", [])]
+
+    async def post_event(
+        self, job: dict[str, Any], type_: str, reason: str, message: str, instance: str
+    ) -> None:
+        meta = job["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": job.get("apiVersion", f"{crd.GROUP}/{crd.VERSION}"),
+                "kind": job.get("kind", "RLFineTune"),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "rlft-operator"},
+            "reportingComponent": "rlft.dev/operator",
+            "reportingInstance": instance[:128],
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        await self.create(event)
+
+
+async def fetch_json(url: str, timeout: float = 2.0) -> Any | None:
+    """GET a JSON document; None on any failure (the trainer may not be up yet)."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(url) as response,
+        ):
+            if response.status != 200:
+                return None
+            return json.loads(await response.text())
+    except (TimeoutError, aiohttp.ClientError, ValueError, OSError):
+        return None

@@ -1,0 +1,449 @@
+"""Builders of the Kubernetes objects of one job: pure functions from the job to manifests.
+
+What runs where (DESIGN.md, "Processes of one job"):
+
+- a ConfigMap with the rendered job file, mounted read-only into every pod;
+- a headless Service for the trainer gang's rendezvous (pods get stable DNS names);
+- `replicas.max` trainer pods running `torchrun --nnodes=min:max` with the elastic-restart
+  environment FACTS.md asks for (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a short
+  last_call_timeout);
+- one pod per rollout instance, or, for an instance spanning several nodes, a Ray head
+  (which also serves the rollout protocol) and Ray workers; a headless Service gives each
+  instance the same DNS name either way.
+
+Every pod is hardened (non-root, read-only root filesystem, no privilege escalation, all
+capabilities dropped, seccomp RuntimeDefault) and owned by the RLFineTune.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from rlft.operator import names as N
+from rlft.trainer.config import RLFineTune, dump_job
+
+CONFIG_DIR = "/etc/rlft"
+JOB_FILE = f"{CONFIG_DIR}/job.yaml"
+WORKSPACE = "/workspace"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Keys read from spec.checkpoint.credentialsSecret (the usual S3 environment variables).
+CREDENTIAL_KEYS = (
+    ("AWS_ACCESS_KEY_ID", False),
+    ("AWS_SECRET_ACCESS_KEY", False),
+    ("AWS_SESSION_TOKEN", True),
+    ("AWS_ENDPOINT_URL", True),
+    ("AWS_REGION", True),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Operator-wide knobs of the pods it builds (not part of a job's spec)."""
+
+    status_port: int = 8080
+    """Port of the trainer's /metrics and /status (rank 0 serves /status)."""
+    rdzv_port: int = 29400
+    """Port of torchrun's c10d rendezvous store on trainer pod 0."""
+    rollout_port: int = 8000
+    """Port of the rollout protocol (POST /generate, POST /weights, GET /healthz)."""
+    ray_port: int = 6379
+    """Port of a multi-node rollout instance's Ray head."""
+    grace_seconds: int = 300
+    """terminationGracePeriodSeconds: time for the emergency checkpoint after SIGTERM."""
+    last_call_timeout: int = 5
+    """torchrun rendezvous: seconds to wait for more nodes once `min` have joined."""
+    run_as_user: int = 1000
+    """UID (and GID) the containers run as."""
+
+
+def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
+    meta = job["metadata"]
+    return {
+        "apiVersion": job.get("apiVersion", "rlft.dev/v1alpha1"),
+        "kind": job.get("kind", "RLFineTune"),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(
+    body: dict[str, Any], name: str, role: str | None = None, index: int | None = None
+) -> dict[str, Any]:
+    meta = body["metadata"]
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": N.labels(meta["name"], role, index),
+        "ownerReferences": [owner_reference(body)],
+    }
+
+
+def config_map(job: RLFineTune, body: dict[str, Any]) -> dict[str, Any]:
+    """The rendered job file (defaults filled in). Holds no secret: credentials are referenced
+    by Secret name only and reach the pods as secretKeyRef environment variables."""
+    document = dump_job(job)
+    document["metadata"] = {"name": job.metadata.name, "namespace": body["metadata"]["namespace"]}
+    text = yaml.safe_dump(document, sort_keys=False, allow_unicode=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(body, N.config_map_name(job.metadata.name)),
+        "data": {"job.yaml": text},
+    }
+
+
+def _service(
+    body: dict[str, Any], name: str, selector: dict[str, str], ports: list[tuple[str, int]]
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(body, name),
+        "spec": {
+            "clusterIP": "None",
+            # Rendezvous and Ray need the DNS names before the pods are ready.
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [
+                {"name": port_name, "port": port, "targetPort": port, "protocol": "TCP"}
+                for port_name, port in ports
+            ],
+        },
+    }
+
+
+def trainer_service(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str, Any]:
+    name = job.metadata.name
+    selector = {N.LABEL_JOB: name, N.LABEL_ROLE: N.ROLE_TRAINER}
+    ports = [("rdzv", s.rdzv_port), ("status", s.status_port)]
+    return _service(body, N.trainer_service(name), selector, ports)
+
+
+def rollout_service(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str, Any]:
+    name = job.metadata.name
+    selector = {N.LABEL_JOB: name, N.LABEL_SERVES: "rollout"}
+    return _service(body, N.rollout_service(name), selector, [("http", s.rollout_port)])
+
+
+def _namespace(body: dict[str, Any]) -> str:
+    return body["metadata"]["namespace"]
+
+
+def rollout_urls(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[str]:
+    """One stable URL per rollout instance (its DNS name under the rollout Service)."""
+    svc, ns = N.rollout_service(job.metadata.name), _namespace(body)
+    port = s.rollout_port
+    return [f"http://rollout-{i}.{svc}.{ns}.svc:{port}" for i in range(job.spec.rollout.instances)]
+
+
+def _resources(spec_resources: Any, gpus: int) -> dict[str, Any]:
+    requests = dict(spec_resources.requests)
+    limits = dict(spec_resources.limits)
+    if gpus:
+        requests[GPU_RESOURCE] = gpus
+        limits[GPU_RESOURCE] = gpus
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _env(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "RLFT_JOB_NAME", "value": job.metadata.name},
+        {"name": "RLFT_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "RLFT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "RLFT_STATUS_PORT", "value": str(s.status_port)},
+        {"name": "RLFT_ROLLOUT_URLS", "value": ",".join(rollout_urls(job, body, s))},
+        {"name": "HOME", "value": f"{WORKSPACE}/home"},
+        {"name": "HF_HOME", "value": f"{WORKSPACE}/hf"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    secret = job.spec.checkpoint.credentials_secret
+    if secret:
+        for key, optional in CREDENTIAL_KEYS:
+            ref: dict[str, Any] = {"name": secret, "key": key}
+            if optional:
+                ref["optional"] = True
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def _volumes(job: RLFineTune) -> list[dict[str, Any]]:
+    return [
+        {"name": "job", "configMap": {"name": N.config_map_name(job.metadata.name)}},
+        {"name": "workspace", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+
+
+_MOUNTS = [
+    {"name": "job", "mountPath": CONFIG_DIR, "readOnly": True},
+    {"name": "workspace", "mountPath": WORKSPACE},
+    {"name": "tmp", "mountPath": "/tmp"},
+    {"name": "dshm", "mountPath": "/dev/shm"},
+]
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _pod(
+    job: RLFineTune,
+    body: dict[str, Any],
+    s: Settings,
+    *,
+    name: str,
+    role: str,
+    index: int,
+    hostname: str,
+    subdomain: str | None,
+    image: str,
+    command: list[str],
+    ports: list[tuple[str, int]],
+    resources: dict[str, Any],
+    extra_labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    scheduling = job.spec.scheduling
+    metadata = _metadata(body, name, role, index)
+    metadata["labels"].update(extra_labels or {})
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command,
+        "env": _env(job, body, s),
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
+        "volumeMounts": [dict(m) for m in _MOUNTS],
+        "securityContext": _container_security(),
+        # The end of the log becomes the termination message: the failure policy reads it
+        # to tell a rendezvous or NCCL timeout from other errors.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if resources:
+        container["resources"] = resources
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # the operator restarts, so it can count and back off
+        "hostname": hostname,
+        "terminationGracePeriodSeconds": s.grace_seconds,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": s.run_as_user,
+            "runAsGroup": s.run_as_user,
+            "fsGroup": s.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": _volumes(job),
+    }
+    if subdomain:
+        spec["subdomain"] = subdomain
+    if scheduling.node_selector:
+        spec["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations
+        ]
+    if scheduling.affinity:
+        spec["affinity"] = scheduling.affinity
+    if scheduling.priority_class_name:
+        spec["priorityClassName"] = scheduling.priority_class_name
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def torchrun_command(job: RLFineTune, body: dict[str, Any], s: Settings, resume: str) -> list[str]:
+    """The trainer pod's command: an elastic torchrun agent joining the job's rendezvous."""
+    spec = job.spec
+    replicas = spec.trainer.replicas
+    svc = N.trainer_service(job.metadata.name)
+    host = f"trainer-0.{svc}.{_namespace(body)}.svc"
+    timeout = spec.scheduling.scheduling_timeout_seconds
+    return [
+        "torchrun",
+        f"--nnodes={replicas.min}:{replicas.max}",
+        f"--nproc-per-node={max(1, spec.trainer.gpus_per_pod)}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={host}:{s.rdzv_port}",
+        f"--rdzv-id={body['metadata']['uid']}",
+        f"--rdzv-conf=join_timeout={timeout},last_call_timeout={s.last_call_timeout}",
+        f"--max-restarts={spec.restart_policy.max_restarts}",
+        "--no-python",
+        "rlft",
+        "train",
+        JOB_FILE,
+        "--out",
+        f"{WORKSPACE}/run",
+        f"--resume={resume}",
+    ]
+
+
+def trainer_pods(
+    job: RLFineTune, body: dict[str, Any], s: Settings, resume: str
+) -> dict[str, dict[str, Any]]:
+    spec = job.spec
+    command = torchrun_command(job, body, s, resume)
+    resources = _resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
+    pods = {}
+    for i in range(spec.trainer.replicas.max):
+        pod = _pod(
+            job,
+            body,
+            s,
+            name=N.trainer_pod(job.metadata.name, i),
+            role=N.ROLE_TRAINER,
+            index=i,
+            hostname=f"trainer-{i}",
+            subdomain=N.trainer_service(job.metadata.name),
+            image=spec.trainer.image,
+            command=command,
+            ports=[("rdzv", s.rdzv_port), ("status", s.status_port)],
+            resources=resources,
+        )
+        # The elastic agent needs this, or restarted workers hang in gloo/NCCL (FACTS.md).
+        pod["spec"]["containers"][0]["env"].append(
+            {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}
+        )
+        pods[pod["metadata"]["name"]] = pod
+    return pods
+
+
+def rollout_command(job: RLFineTune, s: Settings, instance: int, ray: bool) -> list[str]:
+    rollout = job.spec.rollout
+    command = [
+        "rlft",
+        "rollout",
+        JOB_FILE,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(s.rollout_port),
+        "--instance",
+        str(instance),
+        "--tensor-parallel",
+        str(rollout.tensor_parallel),
+        "--expert-parallel",
+        str(rollout.expert_parallel),
+    ]
+    if ray:
+        command += ["--ray-address", f"127.0.0.1:{s.ray_port}"]
+    return command
+
+
+def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str, dict[str, Any]]:
+    rollout = job.spec.rollout
+    name = job.metadata.name
+    svc = N.rollout_service(name)
+    nodes = rollout.nodes_per_instance
+    gpus_per_node = math.ceil(rollout.gpus_per_instance / nodes)
+    resources = _resources(rollout.resources, gpus_per_node)
+    serves = {N.LABEL_SERVES: "rollout"}
+    pods: dict[str, dict[str, Any]] = {}
+    for k in range(rollout.instances):
+        if nodes == 1:
+            pod = _pod(
+                job,
+                body,
+                s,
+                name=N.rollout_pod(name, k),
+                role=N.ROLE_ROLLOUT,
+                index=k,
+                hostname=f"rollout-{k}",
+                subdomain=svc,
+                image=rollout.image,
+                command=rollout_command(job, s, k, ray=False),
+                ports=[("http", s.rollout_port)],
+                resources=resources,
+                extra_labels=serves,
+            )
+            pods[pod["metadata"]["name"]] = pod
+            continue
+        head_host = f"rollout-{k}.{svc}.{_namespace(body)}.svc"
+        serve = " ".join(rollout_command(job, s, k, ray=True))
+        head = _pod(
+            job,
+            body,
+            s,
+            name=N.ray_head_pod(name, k),
+            role=N.ROLE_RAY_HEAD,
+            index=k,
+            hostname=f"rollout-{k}",
+            subdomain=svc,
+            image=rollout.image,
+            command=[
+                "sh",
+                "-c",
+                f"ray start --head --port={s.ray_port} --num-gpus={gpus_per_node} "
+                f"--dashboard-host=127.0.0.1 --disable-usage-stats && exec {serve}",
+            ],
+            ports=[("http", s.rollout_port), ("ray", s.ray_port)],
+            resources=resources,
+            extra_labels=serves,
+        )
+        pods[head["metadata"]["name"]] = head
+        for j in range(1, nodes):
+            worker = _pod(
+                job,
+                body,
+                s,
+                name=N.ray_worker_pod(name, k, j),
+                role=N.ROLE_RAY_WORKER,
+                index=k,
+                hostname=f"rollout-{k}-worker-{j}",
+                subdomain=None,
+                image=rollout.image,
+                command=[
+                    "ray",
+                    "start",
+                    f"--address={head_host}:{s.ray_port}",
+                    f"--num-gpus={gpus_per_node}",
+                    "--disable-usage-stats",
+                    "--block",
+                ],
+                ports=[],
+                resources=resources,
+                extra_labels={"rlft.dev/node": str(j)},
+            )
+            pods[worker["metadata"]["name"]] = worker
+    return pods
+
+
+@dataclass(frozen=True)
+class Desired:
+    """Every child one job should have."""
+
+    config_maps: dict[str, dict[str, Any]]
+    services: dict[str, dict[str, Any]]
+    pods: dict[str, dict[str, Any]]
+
+    def all(self) -> list[dict[str, Any]]:
+        return [*self.config_maps.values(), *self.services.values(), *self.pods.values()]
+
+
+def desired(job: RLFineTune, body: dict[str, Any], s: Settings, resume: str) -> Desired:
+    """All children of a job; `resume` is the trainer's --resume argument for new pods."""
+    cm = config_map(job, body)
+    services = [trainer_service(job, body, s), rollout_service(job, body, s)]
+    pods = {**trainer_pods(job, body, s, resume), **rollout_pods(job, body, s)}
+    return Desired(
+        config_maps={cm["metadata"]["name"]: cm},
+        services={svc["metadata"]["name"]: svc for svc in services},
+        pods=pods,
+    )

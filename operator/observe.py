@@ -1,0 +1,172 @@
+"""What the operator sees: raw pod objects and the trainer's /status reduced to plain data.
+
+Only the facts the failure policy and the phase machine use are kept, so those can be
+tested with hand-written values and hypothesis without building whole pod objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlft.operator import names as N
+
+
+@dataclass(frozen=True)
+class PodView:
+    """One observed pod."""
+
+    name: str
+    uid: str
+    role: str
+    index: int
+    phase: str = "Pending"
+    """Pending, Running, Succeeded, Failed or Unknown."""
+    reason: str = ""
+    """The pod-level reason (Evicted, NodeLost, Preempting, …)."""
+    scheduled: bool = False
+    deleting: bool = False
+    created: str | None = None
+    pod_ip: str | None = None
+    exit_code: int | None = None
+    """Exit code of the main container, once it terminated."""
+    terminated_reason: str = ""
+    """OOMKilled, Error, Completed, ContainerCannotRun, …"""
+    message: str = ""
+    """Termination message (the end of the log with FallbackToLogsOnError)."""
+    waiting_reason: str = ""
+    """ErrImagePull, ImagePullBackOff, InvalidImageName, CreateContainerConfigError, …"""
+    waiting_message: str = ""
+    disruption: str = ""
+    """Reason of a DisruptionTarget=True condition (PreemptionByScheduler, …)."""
+    unschedulable: str = ""
+    """Message of PodScheduled=False (why the scheduler cannot place it)."""
+
+    @property
+    def active(self) -> bool:
+        """Still holds (or may still hold) resources on a node."""
+        return not self.deleting and self.phase in ("Pending", "Running", "Unknown")
+
+    @property
+    def running(self) -> bool:
+        return not self.deleting and self.phase == "Running"
+
+
+def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for cond in pod.get("status", {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond
+    return None
+
+
+def pod_view(pod: dict[str, Any]) -> PodView | None:
+    """The view of a raw pod, or None if it is not one of ours (no role/index labels)."""
+    meta = pod.get("metadata", {})
+    labels = meta.get("labels") or {}
+    role = labels.get(N.LABEL_ROLE)
+    try:
+        index = int(labels.get(N.LABEL_INDEX, ""))
+    except ValueError:
+        return None
+    if role not in N.ROLES:
+        return None
+    status = pod.get("status") or {}
+    scheduled_cond = _condition(pod, "PodScheduled")
+    scheduled = bool(pod.get("spec", {}).get("nodeName")) or (
+        scheduled_cond is not None and scheduled_cond.get("status") == "True"
+    )
+    unschedulable = ""
+    if scheduled_cond is not None and scheduled_cond.get("status") == "False":
+        unschedulable = scheduled_cond.get("message") or scheduled_cond.get("reason") or ""
+    disruption_cond = _condition(pod, "DisruptionTarget")
+    disruption = ""
+    if disruption_cond is not None and disruption_cond.get("status") == "True":
+        disruption = disruption_cond.get("reason") or "DisruptionTarget"
+    exit_code, terminated_reason, message = None, "", ""
+    waiting_reason, waiting_message = "", ""
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") != "main":
+            continue
+        state = cs.get("state") or {}
+        term = state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
+        if term:
+            exit_code = term.get("exitCode")
+            terminated_reason = term.get("reason") or ""
+            message = term.get("message") or ""
+        waiting = state.get("waiting")
+        if waiting:
+            waiting_reason = waiting.get("reason") or ""
+            waiting_message = waiting.get("message") or ""
+    return PodView(
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        role=role,
+        index=index,
+        phase=status.get("phase") or "Pending",
+        reason=status.get("reason") or "",
+        scheduled=scheduled,
+        deleting=bool(meta.get("deletionTimestamp")),
+        created=meta.get("creationTimestamp"),
+        pod_ip=status.get("podIP"),
+        exit_code=exit_code,
+        terminated_reason=terminated_reason,
+        message=message[-2000:],
+        waiting_reason=waiting_reason,
+        waiting_message=waiting_message[-500:],
+        disruption=disruption,
+        unschedulable=unschedulable[-500:],
+    )
+
+
+@dataclass(frozen=True)
+class TrainerReport:
+    """The trainer's /status document (DESIGN.md), as polled from one pod."""
+
+    pod_uid: str
+    step: int | None = None
+    policy_version: int | None = None
+    phase: str = ""
+    health: str = "ok"
+    reward: float | None = None
+    last_checkpoint: dict[str, Any] | None = None
+    last_healthy_checkpoint: dict[str, Any] | None = None
+    rollbacks: int | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _checkpoint(value: Any) -> dict[str, Any] | None:
+    if not isinstance(value, dict) or _int(value.get("step")) is None:
+        return None
+    out = {"step": value["step"], "uri": str(value.get("uri") or "")}
+    if isinstance(value.get("time"), str):
+        out["time"] = value["time"]
+    if isinstance(value.get("healthy"), bool):
+        out["healthy"] = value["healthy"]
+    return out
+
+
+def trainer_report(document: Any, pod_uid: str) -> TrainerReport | None:
+    """Parse a /status document; None if it is not one (a trainer that is not rank 0, a
+    proxy's error page, …). Unknown or malformed fields are dropped, never trusted."""
+    if not isinstance(document, dict) or "step" not in document:
+        return None
+    health = document.get("health")
+    reward = document.get("reward")
+    return TrainerReport(
+        pod_uid=pod_uid,
+        step=_int(document.get("step")),
+        policy_version=_int(document.get("policyVersion")),
+        phase=str(document.get("phase") or ""),
+        health=health if health in ("ok", "warning", "collapsed") else "ok",
+        reward=float(reward)
+        if isinstance(reward, int | float) and not isinstance(reward, bool)
+        else None,
+        last_checkpoint=_checkpoint(document.get("lastCheckpoint")),
+        last_healthy_checkpoint=_checkpoint(document.get("lastHealthyCheckpoint")),
+        rollbacks=_int(document.get("rollbacks")),
+        events=[e for e in document.get("events") or [] if isinstance(e, dict)][-20:],
+    )

@@ -1,0 +1,197 @@
+"""The failure policy: what went wrong with a pod, and what to do about it. Pure functions.
+
+Kinds (seen as → response):
+
+- OOMKilled: container terminated with reason OOMKilled → recreate the pod, with backoff.
+- Evicted: pod Failed with reason Evicted → recreate the pod, with backoff.
+- Preempted: DisruptionTarget PreemptionByScheduler, reason Preempting → recreate, backoff.
+- NodeLost: phase Unknown, reason NodeLost/NodeShutdown, taint-manager deletion →
+  recreate, with backoff.
+- RendezvousTimeout: a rendezvous / NCCL / gloo timeout in the termination message →
+  restart the whole trainer gang from the latest healthy checkpoint, with backoff.
+- Error: any other non-zero exit → recreate the pod, with backoff.
+- InvalidConfig: exit code 2 (trainer/exit_codes.py) → fail the job: permanent.
+- Collapsed: exit code 3, or /status health=collapsed → spec.stability.onCollapse: roll
+  back, suspend, fail or alert.
+- ImagePull: ErrImagePull/ImagePullBackOff → wait (the kubelet retries) with a warning,
+  fail after schedulingTimeout; InvalidImageName → fail at once.
+- ConfigError: CreateContainerConfigError (e.g. a missing Secret) → wait with a warning,
+  fail after schedulingTimeout.
+
+Restarts are counted per failed pod inside a sliding window (restartPolicy.windowMinutes);
+one more than maxRestarts fails the job. The n-th restart in the window waits
+backoffSeconds × 2^(n-1), capped at MAX_BACKOFF_SECONDS.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from rlft.operator.observe import PodView
+from rlft.trainer.exit_codes import ExitCode
+
+MAX_BACKOFF_SECONDS = 3600.0
+
+OOM = "OOMKilled"
+EVICTED = "Evicted"
+PREEMPTED = "Preempted"
+NODE_LOST = "NodeLost"
+RENDEZVOUS = "RendezvousTimeout"
+ERROR = "Error"
+INVALID_CONFIG = "InvalidConfig"
+COLLAPSED = "Collapsed"
+IMAGE_PULL = "ImagePull"
+CONFIG_ERROR = "ConfigError"
+KINDS = (
+    OOM,
+    EVICTED,
+    PREEMPTED,
+    NODE_LOST,
+    RENDEZVOUS,
+    ERROR,
+    INVALID_CONFIG,
+    COLLAPSED,
+    IMAGE_PULL,
+    CONFIG_ERROR,
+)
+
+# What a wedged collective or a failed rendezvous prints (torch elastic, c10d, NCCL, gloo).
+_RENDEZVOUS = re.compile(
+    r"RendezvousTimeoutError|RendezvousClosedError|RendezvousConnectionError|"
+    r"DistNetworkError|connectFullMesh|Watchdog caught collective operation timeout|"
+    r"NCCL[^\n]*(timeout|timed out)|ProcessGroupNCCL[^\n]*Timeout|"
+    r"Timed out waiting for[^\n]*(clients|store)|Socket Timeout",
+    re.IGNORECASE,
+)
+_PREEMPTION = {"PreemptionByScheduler", "PreemptionByKubeScheduler"}
+_NODE_LOSS = {"DeletionByTaintManager", "DeletionByPodGC"}
+_IMAGE_WAIT = {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "RegistryUnavailable"}
+_CONFIG_WAIT = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A classified pod failure."""
+
+    kind: str
+    pod: str
+    uid: str
+    role: str
+    exit_code: int | None = None
+    message: str = ""
+    permanent: bool = False
+    group: bool = False
+    """The whole trainer gang must restart (not only this pod)."""
+
+
+def classify(pod: PodView) -> Failure | None:
+    """The failure a terminated pod shows, or None if it did not fail (still pending or
+    running, or finished with exit code 0). Waiting states are `waiting_problem`'s."""
+
+    def failure(kind: str, **kw: object) -> Failure:
+        return Failure(
+            kind=kind,
+            pod=pod.name,
+            uid=pod.uid,
+            role=pod.role,
+            exit_code=pod.exit_code,
+            message=pod.message[-500:],
+            **kw,
+        )
+
+    if pod.phase == "Succeeded":
+        # A finished trainer is the job's success; a rollout server must never exit.
+        return None if pod.role == "trainer" else failure(ERROR)
+    if pod.phase in ("Pending", "Running") and pod.exit_code is None and not pod.disruption:
+        return None
+    if pod.phase == "Running" and pod.exit_code is None:
+        return None  # a disruption announced, not happened yet: the pod is still up
+    if pod.reason == "Evicted" or pod.disruption == "EvictionByEvictionAPI":
+        return failure(EVICTED)
+    if pod.reason in ("Preempting", "Preempted") or pod.disruption in _PREEMPTION:
+        return failure(PREEMPTED)
+    if (
+        pod.phase == "Unknown"
+        or pod.reason in ("NodeLost", "NodeShutdown", "Terminated")
+        or pod.disruption in _NODE_LOSS
+    ):
+        return failure(NODE_LOST)
+    if pod.terminated_reason == "OOMKilled":
+        return failure(OOM)
+    if pod.exit_code == ExitCode.INVALID_CONFIG:
+        return failure(INVALID_CONFIG, permanent=True)
+    if pod.exit_code == ExitCode.COLLAPSED and pod.role == "trainer":
+        return failure(COLLAPSED)
+    if pod.exit_code == 0 and pod.phase != "Failed" and pod.role == "trainer":
+        return None
+    if _RENDEZVOUS.search(pod.message):
+        return failure(RENDEZVOUS, group=pod.role == "trainer")
+    if pod.phase == "Failed" or pod.exit_code is not None:
+        return failure(ERROR)
+    return None
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A pod that cannot start (yet): kubelet keeps retrying, the operator warns."""
+
+    kind: str
+    pod: str
+    message: str
+    permanent: bool
+
+
+def waiting_problem(pod: PodView) -> Waiting | None:
+    if pod.phase != "Pending" or not pod.waiting_reason:
+        return None
+    text = f"{pod.waiting_reason}: {pod.waiting_message}".strip(": ")
+    if pod.waiting_reason == "InvalidImageName":
+        return Waiting(IMAGE_PULL, pod.name, text, permanent=True)
+    if pod.waiting_reason in _IMAGE_WAIT:
+        return Waiting(IMAGE_PULL, pod.name, text, permanent=False)
+    if pod.waiting_reason in _CONFIG_WAIT:
+        return Waiting(CONFIG_ERROR, pod.name, text, permanent=False)
+    return None
+
+
+def in_window(history: list[datetime], now: datetime, window_minutes: float) -> list[datetime]:
+    """The restart times that still count."""
+    start = now - timedelta(minutes=window_minutes)
+    return sorted(t for t in history if t > start)
+
+
+def backoff_seconds(first: float, restarts_in_window: int) -> float:
+    """Delay before the n-th restart in the window (n ≥ 1): first × 2^(n-1), capped."""
+    if restarts_in_window < 1 or first <= 0:
+        return 0.0
+    exponent = min(restarts_in_window - 1, 32)
+    return min(first * (2.0**exponent), MAX_BACKOFF_SECONDS)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Outcome of asking for one more restart."""
+
+    allowed: bool
+    history: list[datetime]
+    """Restart times in the window, including this one when allowed."""
+    delay: float
+
+
+def ask_restart(
+    history: list[datetime],
+    now: datetime,
+    *,
+    max_restarts: int,
+    window_minutes: float,
+    backoff: float,
+) -> Budget:
+    """May the job restart once more now? Never lets the window hold more than
+    max_restarts restarts."""
+    recent = in_window(history, now, window_minutes)
+    if len(recent) + 1 > max_restarts:
+        return Budget(allowed=False, history=recent, delay=0.0)
+    recent = [*recent, now]
+    return Budget(allowed=True, history=recent, delay=backoff_seconds(backoff, len(recent)))

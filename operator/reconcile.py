@@ -1,0 +1,559 @@
+"""The operator's state machine: (job, status, observed children, trainer report, now) →
+(new status, children to create, pods to delete, events). Pure: no I/O, no clock.
+
+Phases:
+
+    (new) → Pending ──replicas.min trainer pods running──→ Running ──trainer exit 0──→ Succeeded
+    Running/Pending ──retryable failure──→ Restarting ──gang running again──→ Running
+    Running ──collapse, onCollapse=rollback──→ RollingBack ──gang running again──→ Running
+    non-terminal ──spec.suspend──→ Suspended ──spec.suspend=false──→ Pending
+    non-terminal ──permanent error, too many restarts/rollbacks, onCollapse=fail──→ Failed
+
+Invariants the property tests check: a pod name is never created while a pod of that name
+exists (names are per slot, so no slot ever has two pods); the restarts inside the window
+never exceed maxRestarts (one more fails the job); a known checkpoint reference is never
+dropped; nothing is created once the job is Failed, Succeeded or Suspended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from rlft.operator import manifests as M
+from rlft.operator import names as N
+from rlft.operator import policy as P
+from rlft.operator.observe import PodView, TrainerReport
+from rlft.operator.status import TERMINAL_PHASES, CheckpointRef, Condition, FailureRecord
+from rlft.operator.status import RLFineTuneStatus as Status
+from rlft.trainer.config import RLFineTune
+
+
+def rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post on the RLFineTune: one per decision."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What exists now."""
+
+    pods: list[PodView] = field(default_factory=list)
+    config_maps: frozenset[str] = frozenset()
+    services: frozenset[str] = frozenset()
+    report: TrainerReport | None = None
+
+
+@dataclass
+class Decision:
+    status: Status
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete_pods: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    set_suspend: bool = False
+    """Ask for spec.suspend=true (a collapse with onCollapse=suspend): the user resumes."""
+    requeue_after: float | None = None
+    """Reconcile again after this many seconds even if nothing changes."""
+
+
+def set_condition(
+    st: Status, kind: str, status: str, reason: str, message: str, now: datetime
+) -> bool:
+    """Set a condition; True if its status changed (lastTransitionTime moves only then)."""
+    for i, cond in enumerate(st.conditions):
+        if cond.type == kind:
+            changed = cond.status != status
+            st.conditions[i] = Condition(
+                type=kind,
+                status=status,
+                reason=reason,
+                message=message[:1024],
+                last_transition_time=rfc3339(now) if changed else cond.last_transition_time,
+            )
+            return changed
+    st.conditions.append(
+        Condition(
+            type=kind,
+            status=status,
+            reason=reason,
+            message=message[:1024],
+            last_transition_time=rfc3339(now),
+        )
+    )
+    return True
+
+
+class _Run:
+    """One reconcile: accumulates the decision while walking through the rules."""
+
+    def __init__(
+        self,
+        job: RLFineTune,
+        body: dict[str, Any],
+        status: Status,
+        observed: Observed,
+        now: datetime,
+        settings: M.Settings,
+    ):
+        self.job, self.body, self.observed, self.now, self.settings = (
+            job,
+            body,
+            observed,
+            now,
+            settings,
+        )
+        self.spec = job.spec
+        self.st = status.model_copy(deep=True)
+        self.d = Decision(status=self.st)
+        self.pods = {p.name: p for p in observed.pods}
+        self.deleted: set[str] = set()
+        self.handled = set(self.st.handled_pods)
+        self.group_restart = False
+        self.cannot_start = False
+
+    # ------------------------------------------------------------------ helpers
+    def event(self, kind: str, reason: str, message: str) -> None:
+        self.d.events.append(Event(kind, reason, message))
+
+    def delete(self, pod: PodView) -> None:
+        if pod.name not in self.deleted and not pod.deleting:
+            self.deleted.add(pod.name)
+            self.d.delete_pods.append(pod.name)
+
+    def fail(self, reason: str, message: str, failure: P.Failure | None = None) -> None:
+        self.st.phase = "Failed"
+        self.st.message = message
+        self.st.next_restart_at = None
+        self.st.last_failure = FailureRecord(
+            reason=reason,
+            pod=failure.pod if failure else "",
+            time=rfc3339(self.now),
+            exit_code=failure.exit_code if failure else None,
+            message=(failure.message if failure else "")[-1024:],
+            action="fail the job",
+        )
+        set_condition(self.st, "Ready", "False", reason, message, self.now)
+        set_condition(self.st, "Progressing", "False", "Failed", message, self.now)
+        self.event("Warning", "Failed", message)
+
+    def desired(self) -> M.Desired:
+        return M.desired(self.job, self.body, self.settings, self.st.resume)
+
+    def requeue(self, seconds: float) -> None:
+        seconds = max(seconds, 0.05)
+        if self.d.requeue_after is None or seconds < self.d.requeue_after:
+            self.d.requeue_after = seconds
+
+    # ------------------------------------------------------------------- rules
+    def mirror_report(self) -> None:
+        report = self.observed.report
+        if report is None:
+            return
+        st = self.st
+        if report.step is not None:
+            st.step = report.step
+        if report.policy_version is not None:
+            st.policy_version = report.policy_version
+        if report.reward is not None:
+            st.reward = report.reward
+        healthy = report.last_healthy_checkpoint
+        if report.last_checkpoint is not None:
+            ref = dict(report.last_checkpoint)
+            if "healthy" not in ref:
+                ref["healthy"] = healthy is not None and healthy["step"] == ref["step"]
+            changed = st.last_checkpoint is None or st.last_checkpoint.step != ref["step"]
+            st.last_checkpoint = CheckpointRef(**ref)
+            message = f"step {ref['step']} at {ref['uri']}"
+            set_condition(st, "Checkpointed", "True", "Committed", message, self.now)
+            if changed:
+                self.event("Normal", "Checkpointed", f"checkpoint committed: {message}")
+        if healthy is not None:
+            st.last_healthy_checkpoint = CheckpointRef(**{**healthy, "healthy": True})
+        level = {
+            "ok": ("True", "Ok"),
+            "warning": ("True", "Warning"),
+            "collapsed": ("False", "Collapsed"),
+        }[report.health]
+        set_condition(
+            st, "Healthy", level[0], level[1], f"trainer health: {report.health}", self.now
+        )
+
+    def terminal(self) -> None:
+        for pod in self.pods.values():
+            if pod.active:
+                self.delete(pod)  # free the GPUs; finished and failed pods stay for their logs
+
+    def suspend(self) -> None:
+        st = self.st
+        if st.phase != "Suspended":
+            self.event(
+                "Normal",
+                "Suspended",
+                "spec.suspend is set: pods stop after an emergency checkpoint (SIGTERM)",
+            )
+        st.phase = "Suspended"
+        st.message = "suspended; set spec.suspend to false to resume from the latest checkpoint"
+        st.next_restart_at = None
+        st.waiting_since = None
+        for pod in self.pods.values():
+            self.delete(pod)
+        set_condition(st, "Ready", "False", "Suspended", "the job is suspended", self.now)
+        set_condition(st, "Progressing", "False", "Suspended", "the job is suspended", self.now)
+
+    def handle_failures(self) -> None:
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            if pod.uid in self.handled or pod.deleting:
+                continue
+            failure = P.classify(pod)
+            if failure is None:
+                continue
+            self.handled.add(pod.uid)
+            self.respond(failure)
+            if self.st.phase == "Failed" or self.d.set_suspend:
+                return
+        report = self.observed.report
+        if (
+            report is not None
+            and report.health == "collapsed"
+            and report.pod_uid not in self.handled
+        ):
+            self.handled.add(report.pod_uid)
+            pod = next((p for p in self.pods.values() if p.uid == report.pod_uid), None)
+            self.respond(
+                P.Failure(
+                    kind=P.COLLAPSED,
+                    pod=pod.name if pod else "",
+                    uid=report.pod_uid,
+                    role=N.ROLE_TRAINER,
+                    message=f"trainer /status reports health=collapsed at step {report.step}",
+                ),
+                from_report=True,
+            )
+
+    def respond(self, f: P.Failure, from_report: bool = False) -> None:
+        st = self.st
+        what = f"{f.kind} of pod {f.pod}" + (f" (exit code {f.exit_code})" if f.exit_code else "")
+        if f.permanent:
+            self.fail(f.kind, f"{what}: permanent error, not restarted", f)
+            return
+        if f.kind == P.COLLAPSED:
+            action = self.spec.stability.on_collapse
+            if action == "fail":
+                self.fail(P.COLLAPSED, f"{what}: stability.onCollapse is fail", f)
+                return
+            if action == "suspend":
+                self.d.set_suspend = True
+                self._record(f, "suspend the job (stability.onCollapse)")
+                self.event("Warning", "Collapsed", f"{what}: suspending the job")
+                return
+            if action == "rollback":
+                limit = self.spec.stability.max_rollbacks
+                if st.rollbacks + 1 > limit:
+                    self.fail(
+                        "TooManyRollbacks",
+                        f"{what}: {st.rollbacks} rollbacks done, maxRollbacks is {limit}",
+                        f,
+                    )
+                    return
+                st.rollbacks += 1
+                st.resume = "latest-healthy"
+                target = st.last_healthy_checkpoint
+                where = (
+                    f"checkpoint step {target.step}"
+                    if target
+                    else "the start (no healthy checkpoint yet)"
+                )
+                self._record(f, f"roll back to {where}")
+                self.event("Warning", "RollingBack", f"{what}: rolling back to {where}")
+                self.restart_gang()
+                st.phase = "RollingBack"
+                st.message = f"rolling back to {where} after a collapse"
+                return
+            # alert: say so; a trainer that exited anyway is restarted like any failure
+            self.event("Warning", "Collapsed", f"{what}: stability.onCollapse is alert")
+            if from_report:
+                self._record(f, "alert only")
+                return
+        budget = P.ask_restart(
+            [t for t in (parse_time(x) for x in st.restart_history) if t is not None],
+            self.now,
+            max_restarts=self.spec.restart_policy.max_restarts,
+            window_minutes=self.spec.restart_policy.window_minutes,
+            backoff=self.spec.restart_policy.backoff_seconds,
+        )
+        if not budget.allowed:
+            limit = self.spec.restart_policy.max_restarts
+            window = self.spec.restart_policy.window_minutes
+            self.fail(
+                "TooManyRestarts",
+                f"{what}: {len(budget.history)} restarts in the last {window:g} min, "
+                f"maxRestarts is {limit}",
+                f,
+            )
+            return
+        st.restart_history = [rfc3339(t) for t in budget.history]
+        st.restarts += 1
+        next_at = self.now + timedelta(seconds=budget.delay)
+        current = parse_time(st.next_restart_at)
+        if current is None or next_at > current:
+            st.next_restart_at = rfc3339(next_at)
+        scope = "the trainer gang" if f.group else f"pod {f.pod}"
+        action = (
+            f"restart {scope} in {budget.delay:g} s (restart {len(budget.history)} of "
+            f"{self.spec.restart_policy.max_restarts} in the window)"
+        )
+        self._record(f, action)
+        self.event("Warning", "Restarting", f"{what}: {action}")
+        if f.role == N.ROLE_TRAINER:
+            st.resume = "latest-healthy"
+            st.phase = "Restarting"
+            st.message = f"restarting after {f.kind}"
+        if f.group:
+            self.restart_gang()
+        elif f.pod in self.pods:
+            self.delete(self.pods[f.pod])
+
+    def _record(self, f: P.Failure, action: str) -> None:
+        self.st.last_failure = FailureRecord(
+            reason=f.kind,
+            pod=f.pod,
+            time=rfc3339(self.now),
+            exit_code=f.exit_code,
+            message=f.message[-1024:],
+            action=action,
+        )
+
+    def restart_gang(self) -> None:
+        self.group_restart = True
+        for pod in self.pods.values():
+            if pod.role == N.ROLE_TRAINER:
+                self.handled.add(pod.uid)  # their SIGTERM exits are not new failures
+                self.delete(pod)
+
+    def waiting_problems(self) -> None:
+        timeout = self.spec.scheduling.scheduling_timeout_seconds
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            w = P.waiting_problem(pod)
+            if w is None or pod.deleting:
+                continue
+            created = parse_time(pod.created) or self.now
+            waited = (self.now - created).total_seconds()
+            if w.permanent or waited >= timeout:
+                why = "permanent" if w.permanent else f"for {waited:.0f} s ≥ schedulingTimeout"
+                self.fail(w.kind, f"pod {w.pod} cannot start ({why}): {w.message}")
+                return
+            self.cannot_start = True
+            if set_condition(
+                self.st, "Ready", "False", w.kind, f"pod {w.pod}: {w.message}", self.now
+            ):
+                self.event("Warning", w.kind, f"pod {w.pod} cannot start yet: {w.message}")
+            self.requeue(timeout - waited)
+
+    def ensure_children(self) -> None:
+        desired = self.desired()
+        for name, cm in desired.config_maps.items():
+            if name not in self.observed.config_maps:
+                self.d.create.append(cm)
+        for name, svc in desired.services.items():
+            if name not in self.observed.services:
+                self.d.create.append(svc)
+        for pod in self.pods.values():
+            if pod.name not in desired.pods:
+                self.delete(pod)  # a slot that no longer exists (replicas or instances lowered)
+        missing = [name for name in desired.pods if name not in self.pods]
+        hold = parse_time(self.st.next_restart_at)
+        if hold is not None and self.now < hold:
+            if missing:
+                self.requeue((hold - self.now).total_seconds())
+            return
+        self.st.next_restart_at = None
+        for name in missing:
+            self.d.create.append(desired.pods[name])
+
+    def update_phase(self) -> None:
+        st, now = self.st, self.now
+        replicas = self.spec.trainer.replicas
+        live = [p for p in self.pods.values() if p.name not in self.deleted and not p.deleting]
+        trainers = [p for p in live if p.role == N.ROLE_TRAINER]
+        if any(p.phase == "Succeeded" and P.classify(p) is None for p in trainers):
+            st.phase = "Succeeded"
+            st.message = "training finished"
+            st.next_restart_at = None
+            self.event("Normal", "Succeeded", "the trainer finished (exit code 0)")
+            set_condition(st, "Progressing", "False", "Finished", "training finished", now)
+            set_condition(st, "Ready", "False", "Finished", "training finished", now)
+            self.terminal()
+            return
+        running = sum(p.running for p in trainers)
+        scheduled = sum(p.scheduled for p in trainers)
+        pending_restart = self.st.next_restart_at is not None and len(trainers) < replicas.max
+        if running >= replicas.min and not pending_restart:
+            if st.phase != "Running":
+                was = st.phase
+                self.event(
+                    "Normal",
+                    "Running",
+                    f"trainer gang running ({running} of {replicas.min}..{replicas.max} pods)"
+                    + (f" after {was}" if was not in (None, "Pending") else ""),
+                )
+                st.phase = "Running"
+            st.message = f"training with {running} trainer pods"
+            st.waiting_since = None
+            st.resume = "latest-healthy"  # any later start resumes (DESIGN.md)
+            set_condition(st, "Progressing", "True", "Training", st.message, now)
+        else:
+            if st.phase == "Running":
+                st.phase = "Restarting"
+                st.message = (
+                    f"trainer gang below replicas.min ({running} of {replicas.min} running)"
+                )
+                self.event("Warning", "Restarting", st.message)
+            elif st.phase in (None, "Pending"):
+                st.phase = "Pending"
+                st.message = f"waiting for the trainer gang ({running} of {replicas.min} running)"
+            if st.waiting_since is None:
+                st.waiting_since = rfc3339(now)
+            set_condition(st, "Progressing", "False", st.phase or "Pending", st.message, now)
+        self.scheduling(scheduled, replicas.min)
+        want = len(self.desired().pods)
+        all_running = sum(p.running for p in live)
+        if all_running == want:
+            set_condition(st, "Ready", "True", "AllPodsRunning", f"{want} pods running", now)
+        elif not self.cannot_start:  # keep the more precise ImagePull/ConfigError reason
+            set_condition(
+                st, "Ready", "False", "PodsNotRunning", f"{all_running} of {want} pods running", now
+            )
+
+    def scheduling(self, scheduled: int, need: int) -> None:
+        st, now = self.st, self.now
+        if scheduled >= need:
+            set_condition(
+                st,
+                "Scheduled",
+                "True",
+                "GangScheduled",
+                f"{scheduled} trainer pods scheduled (replicas.min {need})",
+                now,
+            )
+            st.waiting_since = None if st.phase == "Running" else st.waiting_since
+            return
+        since = parse_time(st.waiting_since) or now
+        waited = (now - since).total_seconds()
+        timeout = self.spec.scheduling.scheduling_timeout_seconds
+        if waited >= timeout:
+            why = next(
+                (
+                    p.unschedulable
+                    for p in self.pods.values()
+                    if p.role == N.ROLE_TRAINER and p.unschedulable
+                ),
+                "",
+            )
+            message = (
+                f"only {scheduled} of replicas.min={need} trainer pods scheduled after "
+                f"{waited:.0f} s (schedulingTimeoutSeconds {timeout})" + (f": {why}" if why else "")
+            )
+            if set_condition(st, "Scheduled", "False", "Unschedulable", message, now):
+                self.event("Warning", "Unschedulable", message)
+        else:
+            set_condition(
+                st,
+                "Scheduled",
+                "Unknown",
+                "Waiting",
+                f"{scheduled} of {need} trainer pods scheduled",
+                now,
+            )
+            self.requeue(timeout - waited)
+
+    # --------------------------------------------------------------------- main
+    def run(self) -> Decision:
+        st = self.st
+        st.observed_generation = self.body["metadata"].get("generation")
+        self.mirror_report()
+        if st.phase in TERMINAL_PHASES:
+            self.terminal()
+            return self.finish()
+        if self.spec.suspend:
+            self.suspend()
+            return self.finish()
+        if st.phase == "Suspended":
+            st.phase = "Pending"
+            st.resume = "latest-healthy"
+            st.waiting_since = rfc3339(self.now)
+            self.event(
+                "Normal",
+                "Resumed",
+                "spec.suspend is false: recreating pods, resuming "
+                "from the latest healthy checkpoint",
+            )
+        if st.phase is None:
+            self.event("Normal", "Creating", "creating the job's ConfigMap, Services and pods")
+        self.handle_failures()
+        if st.phase == "Failed":
+            self.terminal()
+            return self.finish()
+        if self.d.set_suspend:
+            return self.finish()
+        self.waiting_problems()
+        if st.phase == "Failed":
+            self.terminal()
+            return self.finish()
+        for pod in self.pods.values():
+            if pod.uid in self.handled and pod.phase in ("Failed", "Succeeded", "Unknown"):
+                self.delete(pod)  # counted failures leave their slot for the replacement
+        self.ensure_children()
+        self.update_phase()
+        return self.finish()
+
+    def finish(self) -> Decision:
+        observed_uids = {p.uid for p in self.observed.pods}
+        self.st.handled_pods = sorted(u for u in self.handled if u in observed_uids)
+        return self.d
+
+
+def reconcile(
+    job: RLFineTune,
+    body: dict[str, Any],
+    status: Status,
+    observed: Observed,
+    now: datetime,
+    settings: M.Settings | None = None,
+) -> Decision:
+    """Decide what to do for one job. `body` is the raw custom resource (metadata: name,
+    namespace, uid, generation); `status` its parsed status."""
+    return _Run(job, body, status, observed, now, settings or M.Settings()).run()
+
+
+def invalid_spec(status: Status, problems: list[str], now: datetime) -> Decision:
+    """A custom resource the API server accepted but pydantic rejects (the CRD cannot say
+    everything): fail it once, naming every field."""
+    st = status.model_copy(deep=True)
+    message = "invalid spec: " + "; ".join(problems)
+    d = Decision(status=st)
+    if st.phase != "Failed" or st.message != message[:1024]:
+        d.events.append(Event("Warning", "InvalidSpec", message[:1024]))
+    st.phase = "Failed"
+    st.message = message[:1024]
+    st.last_failure = FailureRecord(
+        reason=P.INVALID_CONFIG, time=rfc3339(now), message=message[:1024], action="fail the job"
+    )
+    return d

@@ -1,0 +1,119 @@
+"""The status of an RLFineTune: what users read (`kubectl get rlft`) and what the operator
+remembers between reconciles.
+
+Everything the failure policy needs to decide (restart times in the window, the pods whose
+failure was already counted, when the next restart may happen) lives here, in the custom
+resource, not in the operator's memory: a restarted or newly elected operator continues
+exactly where the previous one stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Phase = Literal[
+    "Pending", "Running", "Restarting", "RollingBack", "Suspended", "Succeeded", "Failed"
+]
+PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
+TERMINAL_PHASES = ("Succeeded", "Failed")
+CONDITION_TYPES = ("Scheduled", "Ready", "Progressing", "Checkpointed", "Healthy")
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=AliasGenerator(alias=to_camel),
+        validate_by_name=True,
+        validate_by_alias=True,
+        extra="ignore",
+        use_attribute_docstrings=True,
+    )
+
+
+class Condition(_Status):
+    """One aspect of the job's state, Kubernetes style."""
+
+    type: Literal["Scheduled", "Ready", "Progressing", "Checkpointed", "Healthy"]
+    """`Scheduled`: the trainer gang (replicas.min pods) is placed; `Ready`: all pods run;
+    `Progressing`: steps advance; `Checkpointed`: a checkpoint was committed; `Healthy`:
+    the collapse detector is content."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str = Field("", max_length=128)
+    """One CamelCase word saying why."""
+    message: str = Field("", max_length=1024)
+    """Human-readable details."""
+    last_transition_time: str | None = None
+    """When `status` last changed (RFC 3339)."""
+
+
+class CheckpointRef(_Status):
+    """A committed checkpoint."""
+
+    step: int = Field(ge=0)
+    """Optimizer step the checkpoint holds."""
+    uri: str = ""
+    """Where it is (s3://… or file://…)."""
+    time: str | None = None
+    """When it was committed (RFC 3339)."""
+    healthy: bool | None = None
+    """The collapse detector's verdict at that step."""
+
+
+class FailureRecord(_Status):
+    """The most recent failure the operator handled."""
+
+    reason: str
+    """Failure kind: OOMKilled, Evicted, Preempted, NodeLost, RendezvousTimeout, ImagePull,
+    InvalidConfig, Collapsed, Error, TooManyRestarts, …"""
+    pod: str = ""
+    """The pod that failed (empty for job-level failures)."""
+    time: str
+    """When it was handled (RFC 3339)."""
+    exit_code: int | None = None
+    """The container's exit code, when it exited."""
+    message: str = Field("", max_length=1024)
+    """Details (the end of the container's termination message)."""
+    action: str = ""
+    """What the operator did about it."""
+
+
+class RLFineTuneStatus(_Status):
+    """Observed state of the job, written by the operator."""
+
+    phase: Phase | None = None
+    """Pending, Running, Restarting, RollingBack, Suspended, Succeeded or Failed."""
+    message: str = Field("", max_length=1024)
+    """One line on what the job is doing or why it stopped."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Scheduled, Ready, Progressing, Checkpointed, Healthy."""
+    step: int | None = Field(None, ge=0)
+    """Optimizer steps done (from the trainer's /status)."""
+    policy_version: int | None = Field(None, ge=0)
+    """Version of the policy the rollout instances serve."""
+    reward: float | None = None
+    """Mean reward of the latest step."""
+    last_checkpoint: CheckpointRef | None = None
+    """Newest committed checkpoint (never forgotten once known)."""
+    last_healthy_checkpoint: CheckpointRef | None = None
+    """Newest checkpoint the collapse detector called healthy: where rollbacks go."""
+    restarts: int = Field(0, ge=0)
+    """Pod restarts done by the operator since the job was created."""
+    rollbacks: int = Field(0, ge=0)
+    """Rollbacks to the last healthy checkpoint since the job was created."""
+    last_failure: FailureRecord | None = None
+    """The most recent failure and what was done about it."""
+    observed_generation: int | None = None
+    """The metadata.generation this status reflects."""
+    restart_history: list[str] = Field(default_factory=list)
+    """Times (RFC 3339) of the restarts inside restartPolicy.windowMinutes (bookkeeping)."""
+    next_restart_at: str | None = None
+    """No pod is recreated before this time (exponential backoff)."""
+    handled_pods: list[str] = Field(default_factory=list)
+    """UIDs of failed pods already counted, so a failure is never counted twice."""
+    waiting_since: str | None = None
+    """When the operator started waiting for the trainer gang to be scheduled."""
+    resume: str = "auto"
+    """The `--resume` argument of the next trainer start: auto or latest-healthy."""
