@@ -1,0 +1,92 @@
+"""The generated alert rules and dashboard: fresh, consistent with the metric
+definitions, and valid for the real promtool (rule syntax and alert unit tests)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlft.trainer.telemetry import metrics as M
+from rlft.trainer.telemetry.alerts import ALERTS, metrics_used
+from rlft.trainer.telemetry.generate import DASHBOARD, RULES, stale, write
+
+REPO = Path(__file__).resolve().parents[2]
+HOW_TO_INSTALL = (
+    "promtool is not installed: run `make setup` (it installs Debian's `prometheus` "
+    "package where apt-get is available) or `sudo apt-get install prometheus`"
+)
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail(HOW_TO_INSTALL)
+    return path
+
+
+def test_generated_files_are_fresh():
+    assert stale(REPO) == [], "run: python -m rlft.trainer.telemetry.generate"
+
+
+def test_stale_files_are_detected_and_rewritten(tmp_path: Path):
+    assert set(stale(tmp_path)) == {RULES, DASHBOARD}
+    write(tmp_path)
+    assert stale(tmp_path) == []
+    (tmp_path / RULES).write_text((tmp_path / RULES).read_text().replace("10m", "11m"))
+    assert stale(tmp_path) == [RULES]
+
+
+def test_alerts_only_name_defined_metrics():
+    defined = {m.name for m in M.METRICS}
+    for alert in ALERTS:
+        named = set(re.findall(r"\brlft_[a-z0-9_]+", alert.expr))
+        assert named, alert.name
+        assert named <= defined, f"{alert.name} uses undefined {named - defined}"
+        assert metrics_used(alert)
+        assert alert.severity in ("warning", "critical")
+    names = {a.name for a in ALERTS}
+    for required in ("RLFTGradientSpike", "RLFTCollapsed", "RLFTNonFiniteValues",
+                     "RLFTNoProgress", "RLFTCheckpointTooOld", "RLFTRestartStorm",
+                     "RLFTRolloutStalenessHigh", "RLFTRolloutEnginesDown"):  # fmt: skip
+        assert required in names
+
+
+def test_every_alert_has_a_promtool_unit_test():
+    tested = set()
+    for path in (REPO / "observability/tests").glob("*.yaml"):
+        for test in yaml.safe_load(path.read_text())["tests"]:
+            tested |= {case["alertname"] for case in test["alert_rule_test"] if case["exp_alerts"]}
+    assert tested == {a.name for a in ALERTS}
+
+
+def test_dashboard_draws_every_metric():
+    board = json.loads((REPO / DASHBOARD).read_text())
+    exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
+    for metric in M.METRICS:
+        assert metric.name in exprs, metric.name
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "job", "instance"}
+
+
+def test_promtool_check_rules():
+    result = subprocess.run(
+        [promtool(), "check", "rules", str(REPO / RULES)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in result.stdout
+
+
+def test_promtool_test_rules():
+    tests = sorted(str(p) for p in (REPO / "observability/tests").glob("*.yaml"))
+    assert tests
+    result = subprocess.run(
+        [promtool(), "test", "rules", *tests], capture_output=True, text=True, cwd=REPO
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
