@@ -7,9 +7,25 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench lint format clean
+.PHONY: setup run test bench lint format clean prometheus
 
-setup: $(STAMP)
+setup: $(STAMP) prometheus
+
+# promtool (alert rule tests) and the Prometheus server (integration test) come from
+# Debian's `prometheus` package, installed where apt-get exists; skipped when present.
+# Only the binaries are wanted: a service the package starts is stopped and disabled.
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  if command -v apt-get >/dev/null; then \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    $$SUDO apt-get install -y --no-install-recommends prometheus \
+	      || { $$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends prometheus; }; \
+	    if command -v systemctl >/dev/null && systemctl is-active --quiet prometheus; then \
+	      $$SUDO systemctl disable --now prometheus; fi; \
+	  else \
+	    echo "make setup: no apt-get here; install Prometheus (promtool, prometheus) yourself" >&2; \
+	  fi; }
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
