@@ -47,6 +47,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
+    """`rlft checkpoints list|verify URI` and `rlft export` (torch loads only for export)."""
+    from rlft.trainer.checkpoint import commands as ck
+
+    group = commands.add_parser("checkpoints", help="inspect a checkpoint location")
+    actions = group.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="committed, uncommitted and damaged checkpoints")
+    listing.add_argument("uri", help="s3://bucket/prefix, file:///path or a folder")
+    ck.add_storage_options(listing)
+    listing.set_defaults(handler=ck.cmd_list)
+    verify = actions.add_parser("verify", help="check sizes and SHA-256; exit 1 if damaged")
+    verify.add_argument("uri", help="s3://bucket/prefix, file:///path or a folder")
+    verify.add_argument("--step", type=int, help="only this step")
+    ck.add_storage_options(verify)
+    verify.set_defaults(handler=ck.cmd_verify)
+
+    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    export.add_argument(
+        "checkpoint", help="a checkpoint folder (.../step-000120) or a location (its latest)"
+    )
+    export.add_argument("out_dir", help="new folder for config, safetensors and tokenizer")
+    ck.add_storage_options(export)
+    export.set_defaults(handler=ck.cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlft", description="RL fine-tuning of language models, locally or on Kubernetes."
@@ -67,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a run already in the output folder"
     )
     train.set_defaults(handler=cmd_train)
+    _add_checkpoint_commands(commands)
     return parser
 
 

@@ -376,6 +376,37 @@ class CheckpointSpec(Section):
     """Committed checkpoints kept besides those tagged healthy."""
     credentials_secret: str | None = None
     """Name of a Secret with the object store's credentials (Kubernetes only)."""
+    credentials_dir: str | None = Field(None, min_length=1, max_length=4096)
+    """Folder holding the object store's credentials as files named AWS_ACCESS_KEY_ID and
+    AWS_SECRET_ACCESS_KEY (and optionally AWS_SESSION_TOKEN), e.g. a mounted Secret.
+    Unset: the standard AWS environment variables and config files."""
+    endpoint_url: str | None = Field(None, pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)
+    """Endpoint of an S3-compatible store (SeaweedFS, MinIO, Ceph…), e.g.
+    `http://seaweedfs.storage:8333`. Unset: AWS S3 (or AWS_ENDPOINT_URL)."""
+    region: str | None = Field(None, min_length=1, max_length=64)
+    """Region of the bucket. Unset: AWS_REGION, else us-east-1."""
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    """How buckets are addressed: `path` (most S3-compatible stores), `virtual`
+    (bucket.host) or `auto`."""
+    upload_concurrency: int = Field(8, ge=1, le=64)
+    """Parallel uploads per trainer process: files, and the parts of a large file."""
+    part_size_mb: int = Field(32, ge=5, le=5120)
+    """Part size of multipart uploads, in MiB (S3 needs ≥ 5)."""
+    upload_retry_minutes: float = Field(15.0, gt=0, le=1440)
+    """How long a failed upload or commit is retried in the background, with exponential
+    backoff, before that checkpoint is given up (training continues meanwhile)."""
+    staging_dir: str | None = Field(None, min_length=1, max_length=4096)
+    """Local folder where each trainer process writes its shards before uploading them
+    (room for its share of one checkpoint). Unset: beside a file:// location, else the
+    system's temporary folder."""
+    resume: Literal["auto", "latest-healthy", "never"] = "auto"
+    """What a (re)started trainer does when the location holds committed checkpoints:
+    `auto` resumes from the latest, `latest-healthy` from the newest one the collapse
+    detector tagged healthy, `never` starts afresh."""
+    grace_period_seconds: float = Field(60.0, ge=5, le=3600)
+    """Time from SIGTERM (preemption, drain, suspend) to exit: the trainer writes an
+    emergency checkpoint within it; on Kubernetes, the pods'
+    terminationGracePeriodSeconds."""
 
     @field_validator("uri")
     @classmethod

@@ -107,11 +107,10 @@ class SeaweedServer:
             "AWS_ACCESS_KEY_ID": ACCESS_KEY,
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
         }
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            self.command(), cwd=self.data_dir, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(), cwd=self.data_dir, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + timeout
         client = self.client(attempts=1)
         while True:

@@ -13,6 +13,7 @@ import json
 import logging
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,12 +151,14 @@ def load(
         manifest = catalog.choose(which, check=check, scan=shared_scan(catalog, process_group))
         assert local.path is not None
         state = tensor_state(model, optimizer)
-        dcp.load(
-            state,
-            checkpoint_id=str(local.path),
-            process_group=process_group,
-            no_dist=not distributed,
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                state,
+                checkpoint_id=str(local.path),
+                process_group=process_group,
+                no_dist=not distributed,
+            )
         apply_tensor_state(model, optimizer, state)
         extra = json.loads((local.path / EXTRA).read_text())
         ranks = json.loads((local.path / RANKS).read_text())

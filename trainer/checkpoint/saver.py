@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from rlft.trainer.checkpoint.errors import CheckpointError, StorageError
 from rlft.trainer.checkpoint.manifest import (
     EXTRA,
     HF_DIR,
+    LATEST,
     MANIFEST,
     FileEntry,
     Manifest,
@@ -144,6 +146,9 @@ class Checkpointer:
                 tag = sha256(storage.uri.encode()).hexdigest()[:12]
                 staging_dir = Path(tempfile.gettempdir()) / f"rlft-staging-{tag}"
         self.staging_dir = Path(staging_dir) / f"rank-{self.rank}"
+        if self.rank == 0:
+            # Fail at start, not at the first save, on a wrong bucket or credentials.
+            with_retries(lambda: storage.list(LATEST), deadline_s=60.0)
 
     # ---------------------------------------------------------------- the loop
 
@@ -200,12 +205,14 @@ class Checkpointer:
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True, exist_ok=True)
         writer = dcp.FileSystemWriter(str(stage), sync_files=False)
-        future = dcp.async_save(
-            tensor_state(model, optimizer),
-            storage_writer=writer,
-            process_group=self._io,
-            no_dist=not self.distributed,
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            future = dcp.async_save(
+                tensor_state(model, optimizer),
+                storage_writer=writer,
+                process_group=self._io,
+                no_dist=not self.distributed,
+            )
         side: dict[str, bytes] = {}
         if self.rank == 0:
             side[EXTRA] = extra_text.encode()

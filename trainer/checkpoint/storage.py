@@ -14,7 +14,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
@@ -184,11 +184,10 @@ class FileStorage:
 
     @contextmanager
     def open_read(self, key: str) -> Iterator[BinaryIO]:
-        try:
-            stream = open(self._path(key), "rb")
-        except FileNotFoundError:
-            raise ObjectMissingError(f"{self.uri}/{key} does not exist") from None
-        with stream:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectMissingError(f"{self.uri}/{key} does not exist")
+        with open(path, "rb") as stream:
             yield stream
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
@@ -223,10 +222,8 @@ class FileStorage:
                 for name in names:
                     if name.startswith(TEMP_MARK):
                         (Path(folder) / name).unlink(missing_ok=True)
-                try:
+                with suppress(OSError):
                     Path(folder).rmdir()
-                except OSError:
-                    pass
         return len(doomed)
 
 

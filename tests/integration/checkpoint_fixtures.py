@@ -1,0 +1,213 @@
+"""Shared pieces of the checkpoint tests: a tiny transformers model, its training step,
+the SeaweedFS fixtures, and the worker process that the fault tests start, signal and
+kill (`python checkpoint_fixtures.py worker …`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedServer
+
+HERE = Path(__file__).resolve()
+VOCAB = 300
+
+
+def tiny_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_model(seed: int = 0, config=None):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config or tiny_config())
+
+
+def batch_for(step: int, rows: int = 4, length: int = 16) -> torch.Tensor:
+    """The global batch of a step: a function of the step only (a data cursor)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (rows, length), generator=generator)
+
+
+def train_step(model, optimizer, tokens: torch.Tensor, scale: float = 1.0) -> float:
+    """One optimizer step; a random dropout-like mask makes the global RNG matter."""
+    noise = torch.rand(tokens.shape) < 0.1
+    labels = tokens.masked_fill(noise, -100)
+    loss = model(input_ids=tokens, labels=labels).loss
+    (loss * scale).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of the parameters."""
+    out = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[name] = full.detach().clone()
+    return out
+
+
+# ----------------------------------------------------------------------- SeaweedFS
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory) -> Iterator[SeaweedServer]:
+    """One real SeaweedFS server (S3 API on loopback) for the session."""
+    root = tmp_path_factory.mktemp("seaweedfs")
+    server = SeaweedServer(root / "data", root / "weed.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(monkeypatch, seaweed) -> SeaweedServer:
+    """The test's credentials in the standard AWS environment."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    return seaweed
+
+
+_buckets = iter(range(10**6))
+
+
+@pytest.fixture
+def bucket(s3_env) -> str:
+    """A fresh bucket on the session's server."""
+    name = f"ckpt-{os.getpid()}-{next(_buckets)}"
+    s3_env.create_bucket(name)
+    return name
+
+
+def s3_options(server: SeaweedServer, **overrides):
+    from rlft.trainer.checkpoint.storage import S3Options
+
+    settings = dict(endpoint_url=server.endpoint, addressing_style="path", part_size_mb=5)
+    settings.update(overrides)
+    return S3Options(**settings)
+
+
+# -------------------------------------------------------------------- the worker
+
+
+def worker_command(uri: str, *args: str) -> list[str]:
+    return [sys.executable, str(HERE), "worker", uri, *args]
+
+
+def worker_env(endpoint: str | None = None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+    if endpoint:
+        env["RLFT_TEST_ENDPOINT"] = endpoint
+    return env
+
+
+def _worker(argv: list[str]) -> int:
+    """A small training loop with checkpoints: prints `STEP n`, `SAVED n`, `COMMITTED n`
+    lines. `--slow-upload S` sleeps S seconds in every upload (to be killed mid-upload);
+    `--grace G` installs the SIGTERM handler."""
+    from rlft.trainer.checkpoint import GracefulStop, load, open_storage
+    from rlft.trainer.checkpoint.errors import NoCheckpointError
+    from rlft.trainer.checkpoint.export import hf_files_of
+    from rlft.trainer.checkpoint.saver import Checkpointer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("uri")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--slow-upload", type=float, default=0.0)
+    parser.add_argument("--slow-from-step", type=int, default=0)
+    parser.add_argument("--grace", type=float, default=0.0)
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+    torch.set_num_threads(1)
+
+    from rlft.trainer.checkpoint.storage import S3Options
+
+    endpoint = os.environ.get("RLFT_TEST_ENDPOINT")
+    options = S3Options(endpoint_url=endpoint, addressing_style="path") if endpoint else None
+    storage = open_storage(args.uri, options)
+    current = {"step": 0}
+    if args.slow_upload:
+        put_file = storage.put_file
+
+        def slow_put_file(key, path, *, move=False):
+            if current["step"] >= args.slow_from_step:
+                print(f"UPLOADING {key}", flush=True)
+                time.sleep(args.slow_upload)
+            put_file(key, path, move=move)
+
+        storage.put_file = slow_put_file
+
+    stop = GracefulStop(args.grace).install() if args.grace else None
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(
+        storage,
+        interval_steps=args.every,
+        interval_minutes=1e6,
+        keep_last=10,
+        hf_files=hf_files_of(model),
+        on_event=lambda name, info: print(f"EVENT {name} {info.get('step')}", flush=True),
+    )
+    start = 0
+    with contextlib.suppress(NoCheckpointError):
+        start = load(storage, "auto", model, optimizer).step
+    for step in range(start + 1, args.steps + 1):
+        current["step"] = step
+        loss = train_step(model, optimizer, batch_for(step))
+        time.sleep(args.step_seconds)
+        print(f"STEP {step} {loss:.6f}", flush=True)
+        decision = ckpt.poll(step, stop.requested if stop else False)
+        if decision.save:
+            t0 = time.monotonic()
+            committed = ckpt.save(
+                step,
+                model,
+                optimizer,
+                extra={"step": step},
+                wait=decision.stop,
+                emergency=decision.stop,
+                retry_seconds=stop.remaining() if decision.stop else None,
+            )
+            print(f"SAVED {step} {time.monotonic() - t0:.3f} {committed}", flush=True)
+        if decision.stop:
+            ckpt.close()
+            print(json.dumps({"stopped_at": step, "committed": committed}), flush=True)
+            return 0
+    ckpt.close()
+    return 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    sys.exit(_worker(sys.argv[2:]))

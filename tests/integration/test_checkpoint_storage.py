@@ -1,0 +1,136 @@
+"""Both storage backends against real storage: a SeaweedFS S3 server on loopback and a
+local folder; the errors a user meets (missing bucket, wrong credentials, full disk)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from checkpoint_fixtures import s3_options
+from seaweedfs import SECRET_KEY
+
+from rlft.trainer.checkpoint.errors import (
+    BucketMissingError,
+    CredentialsError,
+    ObjectMissingError,
+    StorageError,
+    StorageFullError,
+)
+from rlft.trainer.checkpoint.storage import FileStorage, open_storage, sha256_file
+
+
+@pytest.fixture(params=["s3", "file"])
+def store(request, tmp_path: Path):
+    if request.param == "file":
+        return open_storage(f"file://{tmp_path}/ckpts")
+    server = request.getfixturevalue("s3_env")
+    bucket = request.getfixturevalue("bucket")
+    return open_storage(f"s3://{bucket}/run-a", s3_options(server))
+
+
+def test_put_get_list_exists_delete(store, tmp_path: Path) -> None:
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(12 << 20))  # > one 5 MiB part: a parallel multipart upload
+    store.put_file("step-000001/__0_0.distcp", big)
+    store.put_bytes("step-000001/manifest.json", b"{}")
+    store.put_bytes("step-000002/extra.json", b"[1]")
+    store.put_bytes("latest", b"step-000001\n")
+    listed = {info.key: info.size for info in store.list()}
+    assert listed == {
+        "latest": 12,
+        "step-000001/__0_0.distcp": 12 << 20,
+        "step-000001/manifest.json": 2,
+        "step-000002/extra.json": 3,
+    }
+    assert [i.key for i in store.list("step-000002/")] == ["step-000002/extra.json"]
+    assert store.get_bytes("latest") == b"step-000001\n"
+    back = tmp_path / "back.bin"
+    store.get_file("step-000001/__0_0.distcp", back)
+    assert sha256_file(back) == sha256_file(big)
+    assert store.exists("step-000002/extra.json") and not store.exists("step-000003/x")
+    assert store.delete_prefix("step-000001/") == 2
+    assert [i.key for i in store.list()] == ["latest", "step-000002/extra.json"]
+    with pytest.raises(ObjectMissingError):
+        store.get_bytes("step-000001/manifest.json")
+
+
+def test_a_missing_bucket_is_named(s3_env) -> None:
+    store = open_storage("s3://no-such-bucket/x", s3_options(s3_env))
+    # (SeaweedFS creates a bucket on the first PUT, AWS does not: reads must name it.)
+    with pytest.raises(BucketMissingError, match="bucket 'no-such-bucket' does not exist"):
+        store.list()
+    with pytest.raises(BucketMissingError, match=r"create it or fix spec\.checkpoint\.uri"):
+        store.get_bytes("latest")
+
+
+def test_wrong_credentials_are_reported_without_the_secret(s3_env, bucket, monkeypatch) -> None:
+    wrong_secret = "totally-wrong-secret-value-1234"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", wrong_secret)
+    store = open_storage(f"s3://{bucket}/x", s3_options(s3_env, max_attempts=1))
+    with pytest.raises(CredentialsError, match="rejected the credentials") as error:
+        store.put_bytes("a", b"1")
+    text = f"{error.value!r} {error.value} {error.value.__cause__} {error.value.__context__}"
+    assert wrong_secret not in text and SECRET_KEY not in text
+    assert error.value.__cause__ is None and error.value.transient is False
+
+
+def test_credentials_from_a_mounted_secret_folder(s3_env, bucket, monkeypatch, tmp_path) -> None:
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "AWS_ACCESS_KEY_ID").write_text(os.environ["AWS_ACCESS_KEY_ID"])
+    (secret / "AWS_SECRET_ACCESS_KEY").write_text(SECRET_KEY + "\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    store = open_storage(f"s3://{bucket}/x", s3_options(s3_env, credentials_dir=str(secret)))
+    store.put_bytes("a", b"1")
+    assert store.get_bytes("a") == b"1"
+
+
+def test_an_unreachable_endpoint_is_transient(monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    from seaweedfs import free_ports
+
+    (port,) = free_ports(1)
+    from rlft.trainer.checkpoint.storage import S3Options
+
+    store = open_storage(
+        "s3://bucket/x",
+        S3Options(endpoint_url=f"http://127.0.0.1:{port}", max_attempts=1, addressing_style="path"),
+    )
+    with pytest.raises(StorageError, match="cannot reach") as error:
+        store.put_bytes("a", b"1")
+    assert error.value.transient
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    """A 2 MiB tmpfs: writes beyond it fail with ENOSPC, as on a full volume."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True
+    )
+    assert done.returncode == 0, (
+        "the full-disk test mounts a 2 MiB tmpfs and needs root (CI and the dev machines "
+        f"run as root): {done.stderr.decode().strip()}"
+    )
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing_behind(tiny_disk, tmp_path) -> None:
+    store = FileStorage(tiny_disk)
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"\0" * (3 << 20))
+    with pytest.raises(StorageFullError, match=r"no space left .* spec\.checkpoint\.uri"):
+        store.put_file("step-000001/__0_0.distcp", big)
+    with pytest.raises(StorageFullError):
+        store.put_bytes("step-000001/x", b"\0" * (3 << 20))
+    leftovers = [p for p in tiny_disk.rglob("*") if p.is_file()]
+    assert leftovers == []
+    store.put_bytes("step-000001/small", b"fits")  # the space came back

@@ -1,0 +1,329 @@
+"""The pure rules of checkpoints: manifests, resume order, retention, cadence, retries,
+URI parsing, redaction; and the file:// backend's atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlft.trainer.checkpoint.errors import BadUriError, ManifestError, StorageError, redact
+from rlft.trainer.checkpoint.export import split_location
+from rlft.trainer.checkpoint.manifest import (
+    FileEntry,
+    Manifest,
+    config_hash,
+    parse_step_dir,
+    parse_which,
+    problems_with,
+    resume_order,
+    retention_plan,
+    step_dir,
+)
+from rlft.trainer.checkpoint.policy import SavePolicy
+from rlft.trainer.checkpoint.retry import backoff_delays, with_retries
+from rlft.trainer.checkpoint.s3 import parse_s3_uri, read_credentials_dir
+from rlft.trainer.checkpoint.storage import FileStorage, open_storage, parse_file_uri
+
+# ------------------------------------------------------------------------ manifest
+
+
+def _manifest(step: int = 120, healthy: bool = True) -> Manifest:
+    return Manifest(
+        step=step,
+        policy_version=step + 1,
+        world_size=2,
+        config_hash=config_hash({"a": 1}),
+        healthy=healthy,
+        files=(FileEntry("__0_0.distcp", 10, "ab" * 32), FileEntry("extra.json", 3, "cd" * 32)),
+    )
+
+
+def test_manifest_round_trips_and_names_its_folder() -> None:
+    manifest = _manifest()
+    again = Manifest.from_json(manifest.to_json(), "x")
+    assert again == manifest
+    assert manifest.folder == "step-000120"
+    assert manifest.total_bytes == 13
+    assert json.loads(manifest.to_json())["worldSize"] == 2
+
+
+@pytest.mark.parametrize(
+    "text", ["{", "[]", '{"formatVersion": 1}', '{"formatVersion": 1, "step": "x", "files": []}']
+)
+def test_a_malformed_manifest_is_an_error_naming_it(text: str) -> None:
+    with pytest.raises(ManifestError, match=r"s3://b/step-000001/manifest\.json"):
+        Manifest.from_json(text, "s3://b/step-000001/manifest.json")
+
+
+def test_a_manifest_from_a_newer_format_asks_for_an_upgrade() -> None:
+    doc = json.loads(_manifest().to_json())
+    doc["formatVersion"] = 99
+    with pytest.raises(ManifestError, match="upgrade rlft"):
+        Manifest.from_json(json.dumps(doc), "m")
+
+
+def test_problems_name_missing_resized_and_corrupted_files() -> None:
+    manifest = _manifest()
+    assert problems_with(manifest, {"__0_0.distcp": (10, "ab" * 32), "extra.json": (3, None)}) == []
+    problems = problems_with(manifest, {"__0_0.distcp": (10, "00" * 32)})
+    assert problems == ["__0_0.distcp: checksum mismatch (corrupted)", "extra.json: missing"]
+    assert "9 bytes" in problems_with(manifest, {"__0_0.distcp": (9, None)})[0]
+
+
+@given(st.integers(0, 10**9))
+def test_step_folders_round_trip_and_sort_by_step(step: int) -> None:
+    assert parse_step_dir(step_dir(step)) == step
+    assert (step_dir(step) < step_dir(step + 1)) or step + 1 >= 10**6
+
+
+@pytest.mark.parametrize("name", ["step-12", "step-00001x", "latest", "step--00001", ".rlft"])
+def test_other_names_are_not_checkpoints(name: str) -> None:
+    assert parse_step_dir(name) is None
+
+
+def test_config_hash_ignores_key_order() -> None:
+    assert config_hash({"a": 1, "b": [1, 2]}) == config_hash({"b": [1, 2], "a": 1})
+    assert config_hash({"a": 1}) != config_hash({"a": 2})
+
+
+# -------------------------------------------------------------------------- resume
+
+
+def test_parse_which() -> None:
+    assert parse_which("auto") == "auto"
+    assert parse_which("latest") == "auto"
+    assert parse_which("latest-healthy") == "latest-healthy"
+    assert parse_which("120") == 120
+    with pytest.raises(ValueError, match="--resume must be"):
+        parse_which("newest")
+
+
+def test_resume_follows_the_pointer_and_falls_back_to_older_ones() -> None:
+    committed = {10: True, 20: False, 30: True, 40: False}
+    assert resume_order(committed, 40, "auto") == [40, 30, 20, 10]
+    assert resume_order(committed, 40, "latest-healthy") == [30, 10]
+    assert resume_order(committed, 40, 20) == [20, 10]
+    assert resume_order(committed, 40, 25) == []  # an explicit step must exist
+    # After a rollback to 30 (pointer there), the abandoned 40 is never taken.
+    assert resume_order(committed, 30, "auto") == [30, 20, 10]
+    # No pointer (crash between the first manifest and the pointer): newest manifest.
+    assert resume_order(committed, None, "auto") == [40, 30, 20, 10]
+    assert resume_order({}, None, "auto") == []
+
+
+@given(
+    st.dictionaries(st.integers(0, 60), st.booleans(), max_size=12),
+    st.one_of(st.none(), st.integers(0, 60)),
+    st.sampled_from(["auto", "latest-healthy"]),
+)
+def test_resume_order_is_newest_first_and_never_above_the_pointer(
+    committed: dict[int, bool], latest: int | None, which: str
+) -> None:
+    order = resume_order(committed, latest, which)
+    assert order == sorted(order, reverse=True)
+    assert all(step in committed for step in order)
+    if latest is not None and latest in committed:
+        assert all(step <= latest for step in order)
+        if which == "auto":
+            assert order[0] == latest
+    if which == "latest-healthy":
+        assert all(committed[step] for step in order)
+
+
+# ----------------------------------------------------------------------- retention
+
+
+def test_retention_keeps_last_n_and_healthy_and_drops_leftovers() -> None:
+    committed = {10: True, 20: False, 30: False, 40: False, 50: False, 60: False}
+    assert retention_plan(committed, {5, 55, 70}, 60, keep_last=2) == {20, 30, 40, 5, 55}
+    # an abandoned timeline above the pointer goes, even when healthy
+    assert retention_plan({10: True, 20: True, 30: True}, set(), 10, keep_last=3) == {20, 30}
+    assert retention_plan(committed, {1}, None, keep_last=1) == set()
+
+
+@given(
+    st.dictionaries(st.integers(0, 50), st.booleans(), min_size=1, max_size=15),
+    st.sets(st.integers(0, 60), max_size=6),
+    st.integers(1, 5),
+    st.data(),
+)
+def test_retention_never_deletes_the_newest_or_a_healthy_one_on_the_timeline(
+    committed: dict[int, bool], uncommitted: set[int], keep: int, data
+) -> None:
+    latest = data.draw(st.sampled_from(sorted(committed)))
+    doomed = retention_plan(committed, uncommitted - set(committed), latest, keep)
+    assert latest not in doomed
+    timeline = sorted((s for s in committed if s <= latest), reverse=True)
+    assert not doomed & set(timeline[:keep])
+    assert not doomed & {s for s in timeline if committed[s]}
+    kept = [s for s in timeline if s not in doomed]
+    assert len(kept) >= min(keep, len(timeline))
+    assert not doomed & {s for s in uncommitted if s > latest and s not in committed}
+
+
+# ------------------------------------------------------------------------- cadence
+
+
+def test_policy_saves_on_multiples_of_the_interval_and_after_the_minutes() -> None:
+    now = [0.0]
+    policy = SavePolicy(interval_steps=5, interval_minutes=1.0, clock=lambda: now[0])
+    due = []
+    for step in range(1, 12):
+        now[0] += 1
+        if policy.due(step):
+            due.append(step)
+            policy.saved()
+    assert due == [5, 10]
+    now[0] += 61
+    assert policy.due(12)
+    # a due save that could not start stays pending until it does
+    assert policy.due(13)
+    policy.saved()
+    assert not policy.due(14)
+    with pytest.raises(ValueError):
+        SavePolicy(0, 1.0)
+
+
+# ------------------------------------------------------------------------- retries
+
+
+def test_backoff_grows_to_the_cap() -> None:
+    delays = backoff_delays(0.5, 4.0)
+    assert [next(delays) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    jittered = backoff_delays(1.0, 8.0, jitter=0.5)
+    assert all(0.5 * 2**i <= next(jittered) <= 2**i for i in range(3))
+
+
+def test_retries_transient_errors_until_the_deadline() -> None:
+    now = [0.0]
+    calls = []
+
+    def flaky():
+        calls.append(now[0])
+        if len(calls) < 4:
+            raise StorageError("server restarting", transient=True)
+        return "ok"
+
+    seen = []
+    result = with_retries(
+        flaky,
+        deadline_s=100,
+        clock=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+        on_retry=lambda attempt, error, delay: seen.append(attempt),
+    )
+    assert result == "ok" and seen == [1, 2, 3]
+
+    def always():
+        raise StorageError("down", transient=True)
+
+    now[0] = 0.0
+    with pytest.raises(StorageError, match="down"):
+        with_retries(
+            always,
+            deadline_s=10,
+            clock=lambda: now[0],
+            sleep=lambda s: now.__setitem__(0, now[0] + s),
+        )
+    assert now[0] <= 10
+
+
+def test_permanent_errors_are_not_retried() -> None:
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise StorageError("bucket missing")
+
+    with pytest.raises(StorageError):
+        with_retries(broken, deadline_s=100, sleep=lambda s: None)
+    assert len(calls) == 1
+
+
+# ---------------------------------------------------------------------------- URIs
+
+
+def test_uris() -> None:
+    assert parse_s3_uri("s3://my-bucket/runs/a/") == ("my-bucket", "runs/a")
+    assert parse_s3_uri("s3://my-bucket") == ("my-bucket", "")
+    assert parse_file_uri("file:///data/x") == Path("/data/x")
+    assert parse_file_uri("relative/x") == Path("relative/x").resolve()
+    assert split_location("s3://b/run/step-000120") == ("s3://b/run", 120)
+    assert split_location("s3://b/run/") == ("s3://b/run/", "auto")
+    assert split_location("/data/run/step-000007/") == ("/data/run", 7)
+
+
+@pytest.mark.parametrize(
+    ("uri", "words"),
+    [
+        ("s3://", "s3://bucket/prefix"),
+        ("s3://Bad_Bucket!/x", "not a valid bucket name"),
+        ("file://relative/path", "absolute path"),
+        ("gs://bucket/x", "unsupported scheme"),
+        ("", "empty"),
+    ],
+)
+def test_bad_uris_say_what_a_good_one_looks_like(uri: str, words: str) -> None:
+    with pytest.raises(BadUriError, match=words):
+        open_storage(uri)
+
+
+def test_credentials_folder(tmp_path: Path) -> None:
+    (tmp_path / "AWS_ACCESS_KEY_ID").write_text("AKIDEXAMPLE\n")
+    (tmp_path / "aws_secret_access_key").write_text("s3cr3t-value\n")
+    found = read_credentials_dir(str(tmp_path))
+    assert found == {"aws_access_key_id": "AKIDEXAMPLE", "aws_secret_access_key": "s3cr3t-value"}
+    (tmp_path / "aws_secret_access_key").unlink()
+    with pytest.raises(StorageError, match="no file named AWS_SECRET_ACCESS_KEY") as error:
+        read_credentials_dir(str(tmp_path))
+    assert "AKIDEXAMPLE" not in str(error.value)
+    with pytest.raises(StorageError, match="does not exist"):
+        read_credentials_dir(str(tmp_path / "nope"))
+
+
+def test_redact() -> None:
+    assert redact("key s3cr3t-value rejected", ["s3cr3t-value", None, ""]) == "key *** rejected"
+
+
+# ------------------------------------------------------------------------ file://
+
+
+def test_file_storage_operations(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path / "root")
+    store.put_bytes("step-000001/a.bin", b"hello")
+    source = tmp_path / "src.bin"
+    source.write_bytes(b"x" * 1000)
+    store.put_file("step-000001/sub/b.bin", source)
+    assert source.exists()
+    store.put_file("step-000002/c.bin", source, move=True)
+    assert not source.exists()
+    assert [(i.key, i.size) for i in store.list()] == [
+        ("step-000001/a.bin", 5),
+        ("step-000001/sub/b.bin", 1000),
+        ("step-000002/c.bin", 1000),
+    ]
+    assert store.get_bytes("step-000001/a.bin") == b"hello"
+    assert store.exists("step-000002/c.bin") and not store.exists("nope")
+    assert store.delete_prefix("step-000001/") == 2
+    assert not (tmp_path / "root" / "step-000001").exists()
+    with pytest.raises(StorageError, match="does not exist"):
+        store.get_bytes("step-000001/a.bin")
+    with pytest.raises(ValueError):
+        store.put_bytes("../escape", b"")
+
+
+def test_file_writes_leave_no_temp_file_when_they_fail(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path)
+
+    def failing(out):
+        out.write(b"partial")
+        raise OSError(28, os.strerror(28))  # ENOSPC, as the kernel reports it
+
+    with pytest.raises(StorageError, match="no space left"):
+        store._write_atomically("step-000001/x", failing)
+    assert list((tmp_path / "step-000001").iterdir()) == []

@@ -1,0 +1,105 @@
+"""`rlft checkpoints list|verify URI` and `rlft export CHECKPOINT OUT_DIR`: the command
+line's view of a checkpoint location. Prints plain lines; returns exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlft.trainer.checkpoint.catalog import Catalog
+from rlft.trainer.checkpoint.errors import CheckpointError
+from rlft.trainer.checkpoint.manifest import step_dir
+from rlft.trainer.checkpoint.storage import S3Options, open_storage
+from rlft.trainer.exit_codes import ExitCode
+
+
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    """Flags for S3-compatible stores (credentials come from the AWS environment or
+    --credentials-dir, never from the command line)."""
+    parser.add_argument("--endpoint-url", help="S3-compatible endpoint, e.g. http://host:8333")
+    parser.add_argument("--region", help="bucket region (default AWS_REGION or us-east-1)")
+    parser.add_argument("--addressing-style", choices=["auto", "path", "virtual"], default="auto")
+    parser.add_argument(
+        "--credentials-dir", help="folder with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY files"
+    )
+
+
+def _options(args: argparse.Namespace) -> S3Options:
+    return S3Options(
+        endpoint_url=args.endpoint_url,
+        region=args.region,
+        addressing_style=args.addressing_style,
+        credentials_dir=args.credentials_dir,
+    )
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    try:
+        catalog = Catalog(open_storage(args.uri, _options(args)))
+        scan = catalog.scan()
+    except CheckpointError as error:
+        print(f"rlft: {error}", file=sys.stderr)
+        return ExitCode.FAILURE
+    if not (scan.manifests or scan.uncommitted or scan.unreadable):
+        print(f"{args.uri}: no checkpoints")
+        return ExitCode.OK
+    print(f"{'step':>8}  {'healthy':7}  {'ranks':>5}  {'MB':>9}  {'created':20}  note")
+    for step in sorted(set(scan.manifests) | scan.uncommitted | set(scan.unreadable)):
+        manifest = scan.manifests.get(step)
+        if manifest is None:
+            note = "DAMAGED manifest" if step in scan.unreadable else "uncommitted"
+            print(f"{step:>8}  {'-':7}  {'-':>5}  {'-':>9}  {'-':20}  {note}")
+            continue
+        notes = [
+            n
+            for n, on in (("latest", step == scan.latest), ("emergency", manifest.emergency))
+            if on
+        ]
+        print(
+            f"{step:>8}  {'yes' if manifest.healthy else 'no':7}  {manifest.world_size:>5}  "
+            f"{manifest.total_bytes / 1e6:>9.1f}  {manifest.created_at:20}  {' '.join(notes)}"
+        )
+    return ExitCode.OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Check every committed checkpoint's files against its manifest (sizes and
+    SHA-256); exit 1 if any is damaged."""
+    try:
+        catalog = Catalog(open_storage(args.uri, _options(args)))
+        scan = catalog.scan()
+        damaged = 0
+        steps = sorted(scan.manifests) if args.step is None else [args.step]
+        for step in steps:
+            if step not in scan.manifests:
+                print(f"{step_dir(step)}: not committed")
+                damaged += 1
+                continue
+            problems = catalog.verify(scan.manifests[step])
+            damaged += bool(problems)
+            print(
+                f"{step_dir(step)}: "
+                + ("ok" if not problems else "DAMAGED: " + "; ".join(problems))
+            )
+        for step, reason in sorted(scan.unreadable.items()):
+            print(f"{step_dir(step)}: DAMAGED: {reason}")
+            damaged += 1
+    except CheckpointError as error:
+        print(f"rlft: {error}", file=sys.stderr)
+        return ExitCode.FAILURE
+    if not steps and not scan.unreadable:
+        print(f"{args.uri}: no committed checkpoints")
+    return ExitCode.FAILURE if damaged else ExitCode.OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlft.trainer.checkpoint.export import export_hf
+
+    try:
+        manifest = export_hf(args.checkpoint, Path(args.out_dir), s3=_options(args))
+    except CheckpointError as error:
+        print(f"rlft: {error}", file=sys.stderr)
+        return ExitCode.FAILURE
+    print(f"exported {step_dir(manifest.step)} to {args.out_dir}")
+    return ExitCode.OK

@@ -1,0 +1,79 @@
+"""SIGTERM (preemption, node drain, suspend): checkpoint, then exit 0 in the grace period.
+
+The handler only records the request; the training loop notices it at the end of the
+step (`Checkpointer.poll(step, stop.requested)` shares it with every rank), writes an
+emergency checkpoint synchronously and exits 0. A watchdog started by the signal ends
+the process with a retryable failure code if the grace period runs out first, so the
+pod never outlives `terminationGracePeriodSeconds` in a half-written state (the commit
+is the manifest, so an unfinished save is simply not there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+from rlft.trainer.exit_codes import ExitCode
+
+log = logging.getLogger("rlft.checkpoint")
+
+
+class GracefulStop:
+    """Turns SIGTERM into a flag plus a deadline."""
+
+    def __init__(self, grace_seconds: float, margin_seconds: float = 1.0):
+        if grace_seconds <= margin_seconds:
+            raise ValueError("the grace period must exceed the safety margin")
+        self.grace_seconds = grace_seconds
+        self.margin_seconds = margin_seconds
+        self.requested = False
+        self.received_at: float | None = None
+        self._previous = None
+        self._watchdog: threading.Timer | None = None
+
+    def install(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> GracefulStop:
+        """Install the handler (from the main thread)."""
+        self._signals = signals
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in (self._previous or {}).items():
+            signal.signal(sig, previous)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def remaining(self) -> float:
+        """Seconds left to finish the emergency checkpoint (inf before a signal)."""
+        if self.received_at is None:
+            return float("inf")
+        spent = time.monotonic() - self.received_at
+        return max(0.0, self.grace_seconds - self.margin_seconds - spent)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            return
+        self.requested = True
+        self.received_at = time.monotonic()
+        log.warning(
+            "received signal %d: emergency checkpoint at the end of this step, then exit "
+            "(grace %.0fs)",
+            signum,
+            self.grace_seconds,
+        )
+        self._watchdog = threading.Timer(self.grace_seconds - self.margin_seconds, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self) -> None:
+        log.error(
+            "grace period of %.0fs ran out before the emergency checkpoint committed; "
+            "exiting (the previous checkpoint stays the latest)",
+            self.grace_seconds,
+        )
+        logging.shutdown()
+        os._exit(ExitCode.FAILURE)

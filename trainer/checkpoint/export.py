@@ -1,0 +1,108 @@
+"""`rlft export`: a checkpoint as a Hugging Face folder (config, safetensors, tokenizer)
+that transformers and vLLM load. Needs nothing but the checkpoint: the saver stores the
+model's config and tokenizer files under `hf/` in every checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from rlft.trainer.checkpoint.catalog import Catalog
+from rlft.trainer.checkpoint.errors import CheckpointError
+from rlft.trainer.checkpoint.loader import LocalCopy
+from rlft.trainer.checkpoint.manifest import HF_DIR, Manifest, Which, parse_step_dir
+from rlft.trainer.checkpoint.state import apply_tensor_state, tensor_state
+from rlft.trainer.checkpoint.storage import S3Options, Storage, open_storage
+
+
+def hf_files_of(model: torch.nn.Module, tokenizer=None) -> dict[str, bytes]:
+    """The small files a Hugging Face folder needs besides the weights (config,
+    generation config, tokenizer), to store in every checkpoint."""
+    with tempfile.TemporaryDirectory() as folder:
+        model.config.save_pretrained(folder)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        return {
+            path.relative_to(folder).as_posix(): path.read_bytes()
+            for path in sorted(Path(folder).rglob("*"))
+            if path.is_file()
+        }
+
+
+def split_location(location: str) -> tuple[str, Which]:
+    """`…/step-000120` names one checkpoint; anything else is a location (→ auto)."""
+    parsed = urlparse(location) if "://" in location else None
+    path = parsed.path if parsed else location
+    head, _, tail = path.rstrip("/").rpartition("/")
+    step = parse_step_dir(tail)
+    if step is None:
+        return location, "auto"
+    base = parsed._replace(path=head).geturl() if parsed else (head or ".")
+    return base, step
+
+
+def export_hf(
+    location: str,
+    out_dir: Path,
+    *,
+    which: Which | None = None,
+    s3: S3Options | None = None,
+    storage: Storage | None = None,
+) -> Manifest:
+    """Write the checkpoint at `location` (a folder `…/step-N`, or a checkpoint location
+    for its latest) to `out_dir` as a Hugging Face model folder. Nothing is left behind
+    on failure; an existing non-empty `out_dir` is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base, chosen = split_location(location)
+    which = chosen if which is None else which
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CheckpointError(f"{out_dir} exists and is not empty: choose a new folder")
+    storage = storage or open_storage(base, s3)
+    catalog = Catalog(storage)
+    local = LocalCopy(storage, None, 0, 1)
+    work = Path(
+        tempfile.mkdtemp(
+            prefix=".rlft-export-", dir=out_dir.parent if out_dir.parent.exists() else None
+        )
+    )
+    try:
+        manifest = catalog.choose(which, check=lambda m: local.fetch(m) + _hf_problems(m))
+        assert local.path is not None
+        hf = local.path / HF_DIR
+        config = AutoConfig.from_pretrained(hf, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
+        state = tensor_state(model, None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(local.path), no_dist=True)
+        apply_tensor_state(model, None, state)
+        for path in hf.rglob("*"):
+            if path.is_file():
+                target = work / path.relative_to(hf)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target)
+        model.save_pretrained(work)
+        if out_dir.exists():
+            out_dir.rmdir()
+        work.rename(out_dir)
+    finally:
+        local.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _hf_problems(manifest: Manifest) -> list[str]:
+    if not any(entry.path == f"{HF_DIR}/config.json" for entry in manifest.files):
+        return [f"no {HF_DIR}/config.json (saved without hf_files): cannot export"]
+    return []
