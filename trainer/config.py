@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    AliasGenerator,
     BaseModel,
     ConfigDict,
     Field,
@@ -25,27 +24,17 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
+
+from rlft.trainer.config_algorithm import AlgorithmSpec
+from rlft.trainer.config_base import Section
+from rlft.trainer.stability.spec import StabilitySpec
+from rlft.trainer.telemetry.spec import TelemetrySpec
 
 API_VERSION = "rlft.dev/v1alpha1"
 KIND = "RLFineTune"
 
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _USER_FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-class Section(BaseModel):
-    """Base of every section: camelCase keys as in Kubernetes, unknown keys rejected."""
-
-    model_config = ConfigDict(
-        alias_generator=AliasGenerator(alias=to_camel),
-        validate_by_name=True,
-        validate_by_alias=True,
-        strict=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-        validate_default=True,
-    )
 
 
 # --------------------------------------------------------------------------- model
@@ -114,62 +103,6 @@ class ModelSpec(Section):
         if (self.path is None) == (self.init is None):
             raise ValueError("set exactly one of `path` (a local model folder) or `init`")
         return self
-
-
-# ------------------------------------------------------------------------ algorithm
-
-
-class GRPOParams(Section):
-    """Group Relative Policy Optimization."""
-
-    group_size: int = Field(8, ge=2, le=1024)
-    """Completions sampled per prompt; advantages are relative within the group."""
-    clip_low: float = Field(0.2, gt=0, lt=1)
-    """Lower clip of the importance ratio: ratios below 1 - clipLow are clipped."""
-    clip_high: float = Field(0.2, gt=0, le=10)
-    """Upper clip: ratios above 1 + clipHigh are clipped (DAPO's clip-higher: > clipLow)."""
-    kl_coef: float = Field(0.0, ge=0, le=100)
-    """Weight of the KL penalty to the frozen reference model (0 disables it and the
-    reference model)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide advantages by the group's reward std, the batch's, or not at all."""
-    loss_aggregation: Literal["token-mean"] = "token-mean"
-    """How per-token losses are reduced: `token-mean` divides by the number of completion
-    tokens in the whole optimizer batch (a global normaliser)."""
-    ppo_epochs: int = Field(1, ge=1, le=64)
-    """Optimizer passes over each batch of rollouts."""
-
-
-class SFTParams(Section):
-    """Supervised warm start on the task's reference answers, before RL."""
-
-    steps: int = Field(150, ge=0, le=1_000_000)
-    """Optimizer steps of supervised fine-tuning (0 skips the warm start)."""
-    batch_size: int = Field(64, ge=1, le=65536)
-    """Examples per SFT step."""
-    learning_rate: float = Field(3e-3, gt=0, le=1)
-    """Learning rate of the warm start (AdamW, linear warm-up then constant)."""
-    warmup_steps: int = Field(50, ge=0, le=1_000_000)
-    """Steps of linear learning-rate warm-up."""
-    stop_at_accuracy: float | None = Field(None, gt=0, le=1)
-    """End the warm start early once greedy exact-match accuracy on a probe of fresh
-    training problems (never the held-out ones) reaches this; `steps` stays the cap.
-    Leaves RL room to improve whatever the seed."""
-    probe_every_steps: int = Field(25, ge=1, le=1_000_000)
-    """How often the probe runs when stopAtAccuracy is set."""
-    probe_problems: int = Field(256, ge=1, le=100_000)
-    """Training problems in each probe."""
-
-
-class AlgorithmSpec(Section):
-    """The RL algorithm and its parameters."""
-
-    name: Literal["grpo"] = "grpo"
-    """Algorithm to run."""
-    grpo: GRPOParams = GRPOParams()
-    """Parameters of GRPO."""
-    sft: SFTParams = SFTParams()
-    """The supervised warm start that precedes RL."""
 
 
 # ----------------------------------------------------------------------------- data
@@ -275,6 +208,18 @@ class Resources(Section):
     """Resource limits."""
 
 
+class Parallelism(Section):
+    """How the trainer's model is distributed and computed (FSDP2 when world size > 1)."""
+
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """`bf16`: compute in bfloat16 with float32 master weights and gradient reduction."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after the forward (ZeRO-3) instead of keeping them
+    until the backward (ZeRO-2-like, more memory, less communication)."""
+
+
 class TrainerSpec(Section):
     """The trainer: optimisation settings and, on Kubernetes, its pods."""
 
@@ -295,6 +240,8 @@ class TrainerSpec(Section):
     """Clip the global gradient norm to this value."""
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed of every random choice (model init, data order, sampling)."""
+    parallelism: Parallelism = Parallelism()
+    """Sharding, precision and recomputation of the training model."""
     image: str = "ghcr.io/rlft/trainer:latest"
     """Container image of trainer pods (Kubernetes only)."""
     replicas: Replicas = Replicas()
@@ -416,17 +363,6 @@ class CheckpointSpec(Section):
         return uri
 
 
-class StabilitySpec(Section):
-    """Collapse detection from per-step telemetry, and what to do about it."""
-
-    on_collapse: Literal["rollback", "suspend", "fail", "alert"] = "rollback"
-    """Action when the detector declares collapse."""
-    max_rollbacks: int = Field(3, ge=0, le=1000)
-    """Rollbacks allowed before the job fails."""
-    grad_norm_zscore: float = Field(6.0, gt=0, le=1000)
-    """Robust z-score of log grad-norm above which a step counts as a spike."""
-
-
 class RestartPolicy(Section):
     """How the operator restarts failed pods."""
 
@@ -498,6 +434,8 @@ class RLFineTuneSpec(Section):
     """Suspend the job: checkpoint, then remove its pods (Kubernetes only)."""
     scheduling: SchedulingSpec = SchedulingSpec()
     """Placement of pods (Kubernetes only)."""
+    telemetry: TelemetrySpec = TelemetrySpec()
+    """Metrics, /status and tracing of the trainer."""
 
 
 class Metadata(BaseModel):

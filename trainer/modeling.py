@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -94,3 +95,28 @@ def _load_local(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedToke
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def build_critic(policy: PreTrainedModel) -> PreTrainedModel:
+    """PPO's value model: the policy's architecture and backbone weights with a scalar
+    head (zero-initialised, so every value starts at 0)."""
+    from transformers import AutoModelForTokenClassification
+
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    critic = AutoModelForTokenClassification.from_config(config, dtype=policy.dtype)
+    backbone = getattr(critic, critic.base_model_prefix)
+    backbone.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+    head = critic.score if hasattr(critic, "score") else critic.classifier
+    torch.nn.init.zeros_(head.weight)
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
+    return critic
+
+
+def to_float64(model: PreTrainedModel) -> PreTrainedModel:
+    """The model in float64 (for exact gradient checks). Fused expert kernels have no
+    float64 version, so MoE models switch to the per-expert loop."""
+    if getattr(model.config, "num_experts", 0) or getattr(model.config, "num_local_experts", 0):
+        model.set_experts_implementation("eager")
+    return model.to(torch.float64)

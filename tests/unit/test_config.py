@@ -90,8 +90,9 @@ def test_minimal_manifest_gets_defaults() -> None:
     assert spec.model.tokenizer.kind == "bpe"
     assert spec.model.dtype == "float32"
     assert spec.algorithm.name == "grpo"
-    assert spec.algorithm.grpo.group_size == 8
-    assert spec.algorithm.grpo.kl_coef == 0.0
+    assert spec.algorithm.group_size == 8
+    assert spec.algorithm.kl.coef == 0.0
+    assert spec.algorithm.policy_loss.aggregation == "token-mean"
     assert spec.data.source == "arithmetic"
     assert spec.data.arithmetic.operations == ["+"]
     assert [(f.name, f.weight) for f in spec.reward.functions] == [("exact_match", 1.0)]
@@ -238,8 +239,8 @@ def test_micro_batch_size_zero_exact_line() -> None:
             id="le-nested",
         ),
         pytest.param(
-            manifest(algorithm={"grpo": {"clipLow": 1.0}}),
-            "spec.algorithm.grpo.clipLow: must be < 1",
+            manifest(algorithm={"policyLoss": {"clipLow": 1.0}}),
+            "spec.algorithm.policyLoss.clipLow: must be < 1",
             id="lt-float",
         ),
         pytest.param(

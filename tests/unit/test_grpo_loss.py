@@ -262,15 +262,15 @@ def test_pack_hand_example() -> None:
     torch.testing.assert_close(
         batch.behaviour_logp, torch.tensor([[0, 0, -0.1, -0.2], [-0.3, -0.4, -0.5, 0]])
     )
-    assert batch.advantages.shape == (2, 1)
-    assert batch.advantages.flatten().tolist() == [1.5, -0.5]
+    # One advantage per sequence, repeated on its completion tokens.
+    assert batch.advantages.tolist() == [[0, 0, 1.5, 1.5], [-0.5, -0.5, -0.5, 0]]
     assert batch.tokens == 5
     assert len(batch) == 2
 
 
 def test_pack_defaults_and_slice() -> None:
     batch = pack([[1, 2], [3], [4, 5, 6]], [[7], [8, 9], [10]], PAD)
-    assert batch.advantages.tolist() == [[0.0], [0.0], [0.0]]
+    assert torch.count_nonzero(batch.advantages) == 0
     assert torch.count_nonzero(batch.behaviour_logp) == 0
     part = batch.slice(1, 3)
     assert len(part) == 2
@@ -317,5 +317,6 @@ def test_pack_properties(rows: list[tuple[list[int], list[int]]]) -> None:
         # Behaviour log-probs sit on the masked positions, zeros elsewhere.
         torch.testing.assert_close(batch.behaviour_logp[i][mask], torch.tensor(logps[i]))
         assert torch.count_nonzero(batch.behaviour_logp[i][~mask]) == 0
-        assert batch.advantages[i].item() == float(i)
+        assert batch.advantages[i][mask].tolist() == [float(i)] * len(completion)
+        assert torch.count_nonzero(batch.advantages[i][~mask]) == 0
     assert batch.tokens == sum(len(c) for c in completions)

@@ -1,22 +1,26 @@
-"""Per-token policy-gradient losses and their global reduction.
+"""Per-token and per-pair losses of every algorithm, as pure tensor functions.
 
-Losses are returned per token; the reduction divides the *sum* over a micro-batch by a
-normaliser computed over the whole optimizer batch (all micro-batches, all ranks), so
-the accumulated gradient does not depend on how the batch was split.
+Nothing here reduces over the batch: `aggregation.py` does that with normalisers counted
+over the whole optimizer batch, so gradients do not depend on how the batch was split.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+import torch.nn.functional as F
+
+KLEstimator = Literal["k1", "k2", "k3"]
 
 
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """Log-probability of each target token under softmax(logits / temperature)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -26,22 +30,120 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return -(logp.exp() * logp).sum(-1)
 
 
+def kl_estimate(
+    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3"
+) -> torch.Tensor:
+    """Schulman's per-token estimators of KL(policy ‖ reference), x = log π - log π_ref:
+    k1 = x (unbiased, can be negative), k2 = x²/2, k3 = e^-x + x - 1 (unbiased, ≥ 0)."""
+    x = logp - ref_logp
+    if estimator == "k1":
+        return x
+    if estimator == "k2":
+        return 0.5 * x.square()
+    if estimator == "k3":
+        return torch.exp(-x) + x - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
+
+
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(policy ‖ reference): unbiased and non-negative."""
-    delta = ref_logp - logp
-    return delta.exp() - delta - 1
+    """k3 estimator of KL(policy ‖ reference)."""
+    return kl_estimate(logp, ref_logp, "k3")
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of each row's masked values, shape [B, 1]; rows without tokens give 0."""
+    return (values * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+@dataclass
+class PolicyTerms:
+    """Per-token outputs of the clipped surrogate (all shaped like the log-probs)."""
+
+    loss: torch.Tensor
+    """Per-token loss; reduce it with `aggregation.aggregate`."""
+    ratio: torch.Tensor
+    """The clipped importance ratio (per token, or the sequence's ratio on each token)."""
+    clipped: torch.Tensor
+    """1.0 where the clipped branch was taken (no gradient flows there)."""
+    is_weight: torch.Tensor
+    """Train/inference mismatch weight applied to each term (1 without correction)."""
+    is_rejected: torch.Tensor
+    """1.0 where the mismatch weight was truncated (truncate) or masked (mask)."""
+
+
+def mismatch_weights(
+    old_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Literal["none", "truncate", "mask"],
+    level: Literal["token", "sequence"],
+    cap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights π_old/π_behaviour correcting the rollout engine's numerics.
+
+    `truncate` (TIS) caps the weight at `cap`; `mask` (MIS) zeroes terms whose weight
+    exceeds it. `sequence` uses one weight per sequence: the product of its token weights.
+    Returns (weights, rejected) without gradient.
+    """
+    log_w = (old_logp - behaviour_logp).detach() * mask
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(old_logp)
+    weight = torch.exp(log_w)
+    if mode == "none":
+        return torch.ones_like(weight), torch.zeros_like(weight)
+    rejected = (weight > cap).to(weight.dtype)
+    if mode == "truncate":
+        return weight.clamp(max=cap), rejected
+    if mode == "mask":
+        return weight * (1 - rejected), rejected
+    raise ValueError(f"unknown mismatch mode {mode!r}")
+
+
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    ratio_level: Literal["token", "sequence"] = "token",
+    is_weight: torch.Tensor | None = None,
+) -> PolicyTerms:
+    """PPO/GRPO's clipped surrogate -min(r·A, clip(r)·A) per token.
+
+    `old_logp` is the policy the ratio is taken against: the behaviour log-probs the
+    rollout engine returned (no mismatch correction) or the trainer's own log-probs before
+    the update (with correction, whose weights come in `is_weight`). `ratio_level=sequence`
+    is GSPO: r = exp(mean over the sequence's tokens of log π - log π_old), shared by all
+    its tokens. `advantages` broadcasts against the tokens ([B, 1] or [B, T]).
+    """
+    log_ratio = (logp - old_logp) * mask
+    if ratio_level == "sequence":
+        log_ratio = sequence_mean(log_ratio, mask).expand_as(logp)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    weight = torch.ones_like(loss) if is_weight is None else is_weight
+    return PolicyTerms(
+        loss=loss * weight,
+        ratio=ratio.detach(),
+        clipped=(clipped < unclipped).to(loss.dtype),
+        is_weight=weight.detach(),
+        is_rejected=torch.zeros_like(loss),
+    )
 
 
 @dataclass
 class TokenLosses:
     loss: torch.Tensor
-    """Per-token loss (same shape as the inputs)."""
+    """Per-token loss."""
     ratio: torch.Tensor
     """Importance ratio π/π_behaviour per token."""
     clipped: torch.Tensor
-    """1.0 where the clipped branch was taken (the gradient is zero there)."""
+    """1.0 where the clipped branch was taken."""
     kl: torch.Tensor
-    """Per-token KL estimate to the reference (zeros without one)."""
+    """Per-token k3 estimate to the reference (zeros without one)."""
 
 
 def grpo_token_losses(
@@ -53,23 +155,48 @@ def grpo_token_losses(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> TokenLosses:
-    """Clipped surrogate of PPO/GRPO per token, plus an optional k3 KL penalty.
-
-    `advantages` is broadcast against the token dimension (one per sequence, shape
-    [B, 1], or per token). The ratio is taken against the behaviour log-probs the rollout
-    engine returned, never recomputed ones.
-    """
-    ratio = torch.exp(logp - behaviour_logp)
-    unclipped = ratio * advantages
-    clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    clipped = clipped_ratio * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    was_clipped = (clipped < unclipped).float()
+    """Token-level GRPO with an optional k3 penalty and no mismatch correction: the
+    textbook case of `clipped_surrogate`, kept as a small API for hand-computed checks."""
+    terms = clipped_surrogate(
+        logp, behaviour_logp, advantages, torch.ones_like(logp), clip_low, clip_high
+    )
     kl = torch.zeros_like(logp)
+    loss = terms.loss
     if ref_logp is not None and kl_coef > 0:
         kl = kl_k3(logp, ref_logp)
         loss = loss + kl_coef * kl
-    return TokenLosses(loss=loss, ratio=ratio.detach(), clipped=was_clipped, kl=kl.detach())
+    return TokenLosses(loss, terms.ratio, terms.clipped, kl.detach())
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """PPO's value loss ½·max((V - R)², (V_clip - R)²), V_clip within `clip` of V_old."""
+    clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
+
+
+def preference_losses(
+    chosen_logp: torch.Tensor,
+    rejected_logp: torch.Tensor,
+    ref_chosen_logp: torch.Tensor,
+    ref_rejected_logp: torch.Tensor,
+    beta: float,
+    loss: Literal["sigmoid", "ipo"] = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO or IPO loss per pair, from each response's summed (DPO) or mean (IPO, as in
+    its paper) log-probability. Returns (loss per pair, margin h = log-ratio difference)."""
+    margin = (chosen_logp - ref_chosen_logp) - (rejected_logp - ref_rejected_logp)
+    if loss == "sigmoid":
+        pair_loss = -(1 - label_smoothing) * F.logsigmoid(beta * margin) - (
+            label_smoothing * F.logsigmoid(-beta * margin)
+        )
+    elif loss == "ipo":
+        pair_loss = (margin - 1 / (2 * beta)).square()
+    else:
+        raise ValueError(f"unknown preference loss {loss!r}: use sigmoid or ipo")
+    return pair_loss, margin.detach()
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -77,11 +204,7 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_mean(losses: torch.Tensor, mask: torch.Tensor, global_tokens: float) -> torch.Tensor:
-    """This micro-batch's share of the batch's token-mean: Σ(loss·mask) / global_tokens.
-
-    `global_tokens` counts the valid tokens of the whole optimizer batch, so summing this
-    over micro-batches (and ranks) gives exactly the token mean of the full batch.
-    """
+    """This micro-batch's share of the batch's token-mean: Σ(loss·mask) / global_tokens."""
     if global_tokens <= 0:
         raise ValueError("global_tokens must be positive: the batch has no trainable tokens")
     return masked_sum(losses, mask) / global_tokens

@@ -17,6 +17,8 @@ class Problem:
 
     prompt: str
     answer: str
+    rejected: str | None = None
+    """A dispreferred answer, for preference pairs (DPO); None when the source has none."""
 
 
 class Task(Protocol):

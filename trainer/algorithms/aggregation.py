@@ -1,0 +1,83 @@
+"""Reducing per-token losses with normalisers counted over the whole optimizer batch.
+
+A micro-batch's contribution is its *sum* divided by a count of the whole batch (every
+micro-batch on every rank), so the sum of contributions — which is what gradient
+accumulation and the data-parallel reduction compute — is exactly the batch's loss.
+Dividing by a micro-batch's own count instead is the bug that makes updates depend on
+micro-batching, padding and world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rlft.trainer.config_algorithm import Aggregation
+
+
+@dataclass(frozen=True)
+class Normalisers:
+    """Counts over the whole optimizer batch (all micro-batches, all ranks)."""
+
+    tokens: float
+    """Trainable (masked-in) tokens."""
+    sequences: float
+    """Sequences with at least one trainable token."""
+    attended_tokens: float = 0.0
+    """Non-padding input tokens (prompt and completion): the MoE router loss's weight."""
+    pairs: float = 0.0
+    """Preference pairs (DPO)."""
+
+    @classmethod
+    def local(cls, mask: torch.Tensor, attention_mask: torch.Tensor, pairs: int = 0):
+        """This shard's counts, to be summed across ranks (`all_reduce`) before use."""
+        return cls(
+            tokens=float(mask.sum().item()),
+            sequences=float((mask.sum(-1) > 0).sum().item()),
+            attended_tokens=float(attention_mask.sum().item()),
+            pairs=float(pairs),
+        )
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor(list(asdict(self).values()), dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor) -> Normalisers:
+        return cls(*(float(v) for v in values.tolist()))
+
+
+def aggregate(
+    losses: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Aggregation,
+    norms: Normalisers,
+    constant: float | None = None,
+) -> torch.Tensor:
+    """This micro-batch's share of the batch loss under `mode`.
+
+    - `token-mean`: Σ loss / all tokens of the batch.
+    - `seq-mean-token-sum`: Σ per-sequence sums / sequences of the batch.
+    - `seq-mean-token-mean`: Σ per-sequence means / sequences of the batch.
+    - `constant` (Dr. GRPO): Σ loss / (sequences of the batch × `constant`).
+    """
+    masked = losses * mask
+    if mode == "token-mean":
+        return masked.sum() / _positive(norms.tokens, "tokens")
+    sequences = _positive(norms.sequences, "sequences")
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / sequences
+    if mode == "seq-mean-token-mean":
+        per_sequence = masked.sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_sequence.sum() / sequences
+    if mode == "constant":
+        if constant is None or constant <= 0:
+            raise ValueError("`constant` aggregation needs a positive constant normaliser")
+        return masked.sum() / (sequences * constant)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def _positive(count: float, what: str) -> float:
+    if count <= 0:
+        raise ValueError(f"the batch has no trainable {what}: nothing to normalise by")
+    return count

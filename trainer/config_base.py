@@ -1,0 +1,21 @@
+"""The base class of every job-file section (kept apart so that section modules can
+share it without importing each other)."""
+
+from __future__ import annotations
+
+from pydantic import AliasGenerator, BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+
+class Section(BaseModel):
+    """Base of every section: camelCase keys as in Kubernetes, unknown keys rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=AliasGenerator(alias=to_camel),
+        validate_by_name=True,
+        validate_by_alias=True,
+        strict=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )

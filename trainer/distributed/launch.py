@@ -1,0 +1,37 @@
+"""Starting N local worker processes with torchrun (`rlft train --nproc`, `rlft verify`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        *args,
+    ]
+
+
+def worker_env(nproc: int) -> dict[str, str]:
+    """The parent's environment, with threads split between the workers so that N
+    processes do not oversubscribe the cores (tiny models run fastest single-threaded)."""
+    env = dict(os.environ)
+    cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    # The agent's shared TCPStore keeps dead workers' addresses (see FACTS.md).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return env
+
+
+def run_workers(nproc: int, module: str, args: list[str], timeout_s: float | None = None) -> int:
+    """Run the module on `nproc` local ranks; returns torchrun's exit code."""
+    command = torchrun_command(nproc, module, args)
+    return subprocess.run(command, env=worker_env(nproc), timeout=timeout_s).returncode

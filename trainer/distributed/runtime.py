@@ -1,0 +1,69 @@
+"""The handle every distributed step uses: rank, world size, and the few collectives the
+trainer needs. A single process is simply world size 1 (no process group at all)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place, and returned; a no-op in a single process."""
+        if self.active:
+            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            dist.all_reduce(tensor, op=ops[op])
+        return tensor
+
+    def broadcast(self, value: Any, src: int = 0) -> Any:
+        """`value` of rank `src` on every rank (any picklable object)."""
+        if not self.active:
+            return value
+        box = [value if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+
+def init_from_env(timeout_s: float = 600.0) -> Dist:
+    """Join the process group torchrun described in the environment (gloo on CPU, NCCL on
+    GPU), or return a single-process handle when not launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    rank = int(os.environ["RANK"])
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device, backend = torch.device("cuda", local), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Dist(rank=rank, world=world, device=device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,201 @@
+"""Turning prompts into a training batch for the job's algorithm (runs on rank 0).
+
+RL algorithms: sample groups from the rollout engine, score them, shape the rewards
+(DAPO's overlong penalty, KL folded into the reward), drop uninformative groups and refill
+(dynamic sampling), then compute advantages (grpo, rloo, reinforce++) or per-token
+rewards for GAE (ppo). DPO: (chosen, rejected) pairs. SFT: prompt + reference answer.
+Reference log-probs are filled in here too, so trainer ranks only need the policy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rlft.trainer.algorithms.advantages import (
+    group_relative_advantages,
+    informative_groups,
+    leave_one_out_advantages,
+    overlong_penalty,
+    reinforce_pp_advantages,
+)
+from rlft.trainer.algorithms.losses import kl_estimate, token_logprobs
+from rlft.trainer.batch import SequenceBatch, last_token_rewards, micro_batches, pack
+from rlft.trainer.config_algorithm import AlgorithmSpec
+from rlft.trainer.data import Problem
+from rlft.trainer.rollout import Completion
+
+
+@dataclass
+class Rollouts:
+    """Completions of `group_size` samples per prompt, groups contiguous."""
+
+    prompt_ids: list[list[int]]
+    problems: list[Problem]
+    completions: list[Completion]
+    rewards: torch.Tensor
+    """Task reward per completion (before shaping)."""
+    accuracy: float = float("nan")
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def reference_logprobs(
+    reference: torch.nn.Module, batch: SequenceBatch, temperature: float, micro_batch_size: int
+) -> torch.Tensor:
+    """Per-position log-probs of the batch's targets under the frozen reference."""
+    out = torch.zeros_like(batch.mask, dtype=torch.float64)
+    row = 0
+    with torch.no_grad():
+        for micro in micro_batches(batch, micro_batch_size):
+            logits = reference(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
+            logp = token_logprobs(logits.logits, micro.targets, temperature)
+            out[row : row + len(micro), : logp.shape[1]] = logp
+            row += len(micro)
+    return out.to(batch.mask.dtype)
+
+
+def outcome_advantages(spec: AlgorithmSpec, rewards: torch.Tensor) -> torch.Tensor:
+    """Per-sequence advantages of the critic-free algorithms."""
+    if spec.name == "grpo":
+        return group_relative_advantages(rewards, spec.group_size, spec.scale_rewards)
+    if spec.name == "rloo":
+        return leave_one_out_advantages(rewards, spec.group_size)
+    if spec.name == "reinforce++":
+        return reinforce_pp_advantages(rewards, spec.group_size)
+    raise ValueError(f"{spec.name} has no outcome advantages")
+
+
+def shaped_rewards(spec: AlgorithmSpec, rollouts: Rollouts, max_new_tokens: int) -> torch.Tensor:
+    """Task rewards plus DAPO's soft overlong penalty."""
+    lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions])
+    penalty = overlong_penalty(
+        lengths, max_new_tokens, spec.overlong.soft_penalty_tokens, spec.overlong.penalty
+    )
+    return rollouts.rewards.to(torch.float64) + penalty
+
+
+def rl_batch(
+    spec: AlgorithmSpec,
+    rollouts: Rollouts,
+    pad_id: int,
+    max_new_tokens: int,
+    reference: Callable[[SequenceBatch], torch.Tensor] | None,
+) -> SequenceBatch:
+    """The training batch of grpo / rloo / reinforce++ / ppo from scored rollouts."""
+    completions = rollouts.completions
+    batch = pack(
+        [rollouts.prompt_ids[c.prompt_index] for c in completions],
+        [c.token_ids for c in completions],
+        pad_id,
+        [c.logprobs for c in completions],
+    )
+    if spec.overlong.filter:
+        keep = torch.tensor([c.finish_reason != "length" for c in completions])
+        batch = batch.with_fields(mask=batch.mask * keep.reshape(-1, 1).to(batch.mask.dtype))
+    rewards = shaped_rewards(spec, rollouts, max_new_tokens)
+    token_kl = torch.zeros_like(batch.mask, dtype=torch.float64)
+    if reference is not None:
+        batch = batch.with_fields(ref_logp=reference(batch))
+        token_kl = kl_estimate(batch.behaviour_logp, batch.ref_logp, spec.kl.estimator)
+        token_kl = (token_kl * batch.mask).to(torch.float64)
+    fold_kl = spec.kl.coef > 0 and spec.kl.placement == "reward"
+    if spec.name == "ppo":
+        token_rewards = last_token_rewards(batch.mask, rewards)
+        if fold_kl:
+            token_rewards = token_rewards - spec.kl.coef * token_kl
+        return batch.with_fields(token_rewards=token_rewards.to(batch.mask.dtype))
+    if fold_kl:
+        rewards = rewards - spec.kl.coef * token_kl.sum(-1)
+    advantages = outcome_advantages(spec, rewards)
+    return batch.with_fields(
+        advantages=(advantages.reshape(-1, 1) * batch.mask).to(batch.mask.dtype)
+    )
+
+
+def keep_informative(rollouts: Rollouts, group_size: int) -> Rollouts:
+    """Only the groups whose rewards differ (DAPO's dynamic sampling)."""
+    keep = informative_groups(rollouts.rewards, group_size).tolist()
+    prompts = [i for i, k in enumerate(keep) if k]
+    index = {old: new for new, old in enumerate(prompts)}
+    completions = [c for c in rollouts.completions if keep[c.prompt_index]]
+    completions = [
+        Completion(
+            index[c.prompt_index], c.token_ids, c.logprobs, c.finish_reason, c.policy_version
+        )
+        for c in completions
+    ]
+    rewards = rollouts.rewards.reshape(-1, group_size)[torch.tensor(keep, dtype=torch.bool)]
+    return Rollouts(
+        [rollouts.prompt_ids[i] for i in prompts],
+        [rollouts.problems[i] for i in prompts],
+        completions,
+        rewards.reshape(-1),
+        rollouts.accuracy,
+        dict(rollouts.stats),
+    )
+
+
+def concat(parts: list[Rollouts], limit: int, group_size: int) -> Rollouts:
+    """The first `limit` groups of several rollout batches."""
+    prompt_ids, problems, completions, rewards = [], [], [], []
+    for part in parts:
+        offset = len(prompt_ids)
+        prompt_ids += part.prompt_ids
+        problems += part.problems
+        completions += [
+            Completion(
+                c.prompt_index + offset, c.token_ids, c.logprobs, c.finish_reason, c.policy_version
+            )
+            for c in part.completions
+        ]
+        rewards.append(part.rewards)
+    out = Rollouts(prompt_ids, problems, completions, torch.cat(rewards))
+    out.prompt_ids, out.problems = out.prompt_ids[:limit], out.problems[:limit]
+    out.completions = [c for c in out.completions if c.prompt_index < limit]
+    out.rewards = out.rewards[: limit * group_size]
+    return out
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer for a preference pair: a nearby integer, or a mangled
+    string for non-numeric answers."""
+    try:
+        value = int(answer)
+    except ValueError:
+        return answer[::-1] if answer[::-1] != answer else answer + "?"
+    delta = rng.choice([d for d in range(-10, 11) if d])
+    return str(value + delta)
+
+
+def preference_batch(
+    problems: list[Problem],
+    encode_prompt: Callable[[str], list[int]],
+    encode_answer: Callable[[str], list[int]],
+    pad_id: int,
+    rng: random.Random,
+) -> SequenceBatch:
+    """Rows (chosen, rejected) per problem: the reference answer against the source's
+    rejected answer, or a nearby wrong one."""
+    prompts, answers = [], []
+    for problem in problems:
+        rejected = problem.rejected or wrong_answer(problem.answer, rng)
+        prompt = encode_prompt(problem.prompt)
+        prompts += [prompt, prompt]
+        answers += [encode_answer(problem.answer), encode_answer(rejected)]
+    return pack(prompts, answers, pad_id)
+
+
+def supervised_batch(
+    problems: list[Problem],
+    encode_prompt: Callable[[str], list[int]],
+    encode_answer: Callable[[str], list[int]],
+    pad_id: int,
+) -> SequenceBatch:
+    return pack(
+        [encode_prompt(p.prompt) for p in problems],
+        [encode_answer(p.answer) for p in problems],
+        pad_id,
+    )
