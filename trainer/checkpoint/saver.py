@@ -52,6 +52,9 @@ from rlft.trainer.checkpoint.storage import TEMP_MARK, FileStorage, Storage, sha
 
 log = logging.getLogger("rlft.checkpoint")
 RANKS = "ranks.json"
+# DCP warns on every single-process save (also from its writer thread, where a local
+# catch_warnings does not reach); single-process saving is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
 
 
 @dataclass

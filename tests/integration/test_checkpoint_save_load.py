@@ -1,0 +1,172 @@
+"""Saving and resuming through both backends (a real SeaweedFS server and file://):
+exact resume, checksum fallback, retention, rollback timelines, the CLI and export."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_fixtures import batch_for, params_of, s3_options, tiny_model, train_step
+
+from rlft.trainer.checkpoint import load, open_storage
+from rlft.trainer.checkpoint.catalog import Catalog
+from rlft.trainer.checkpoint.errors import CheckpointError, NoCheckpointError
+from rlft.trainer.checkpoint.export import hf_files_of
+from rlft.trainer.checkpoint.saver import Checkpointer
+from rlft.trainer.cli import main as rlft
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(params=["s3", "file"])
+def location(request, tmp_path: Path) -> tuple[str, object]:
+    """(URI, S3 options or None) of an empty checkpoint location."""
+    if request.param == "file":
+        return f"file://{tmp_path}/ckpts", None
+    server = request.getfixturevalue("s3_env")
+    bucket = request.getfixturevalue("bucket")
+    return f"s3://{bucket}/run", s3_options(server)
+
+
+def _fresh(seed: int = 0):
+    model = tiny_model(seed)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_async_save_then_exact_resume(location) -> None:
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, interval_steps=2, keep_last=5, hf_files=hf_files_of(model))
+    for step in (1, 2):
+        train_step(model, optimizer, batch_for(step))
+        assert ckpt.poll(step).save is (step == 2)
+    saved = params_of(model)
+    ckpt.save(2, model, optimizer, extra={"step": 2, "cursor": [2, "x"]}, rank_state={"r": 0})
+    # Training goes on while the checkpoint is written and uploaded; the snapshot must
+    # not see these updates.
+    after = [train_step(model, optimizer, batch_for(step)) for step in (3, 4)]
+    expected = params_of(model)
+    assert ckpt.wait(timeout=60)
+    assert ckpt.stats.committed == 1 and ckpt.stats.last_step == 2
+    assert ckpt.stats.last_blocking_s < ckpt.stats.last_total_s
+
+    torch.manual_seed(12345)  # the resume must restore the RNG, whatever it is now
+    model2, optimizer2 = _fresh(seed=7)
+    resumed = load(storage, "auto", model2, optimizer2)
+    assert (resumed.step, resumed.extra, resumed.rank_state) == (
+        2,
+        {"step": 2, "cursor": [2, "x"]},
+        {"r": 0},
+    )
+    assert resumed.rng_restored
+    for name, value in params_of(model2).items():
+        assert torch.equal(value, saved[name]), name
+    again = [train_step(model2, optimizer2, batch_for(step)) for step in (3, 4)]
+    assert again == after  # bit-identical losses…
+    for name, value in params_of(model2).items():
+        assert torch.equal(value, expected[name]), name  # …and parameters
+    ckpt.close()
+
+
+def _save(ckpt, model, optimizer, step: int, healthy: bool = True) -> None:
+    assert ckpt.save(step, model, optimizer, extra={"step": step}, healthy=healthy, wait=True)
+
+
+def _corrupt(storage, key: str) -> None:
+    data = bytearray(storage.get_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    storage.put_bytes(key, bytes(data))
+
+
+def test_a_corrupted_shard_is_detected_and_the_previous_one_used(location, caplog) -> None:
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, keep_last=5)
+    _save(ckpt, model, optimizer, 2)
+    at_two = params_of(model)
+    train_step(model, optimizer, batch_for(3))
+    _save(ckpt, model, optimizer, 4)
+    _corrupt(storage, "step-000004/__0_0.distcp")
+
+    model2, optimizer2 = _fresh(seed=3)
+    with caplog.at_level(logging.WARNING, logger="rlft.checkpoint"):
+        resumed = load(storage, "auto", model2, optimizer2)
+    assert resumed.step == 2
+    assert "step-000004 is damaged (__0_0.distcp: checksum mismatch" in caplog.text
+    assert "falling back to the previous one" in caplog.text
+    assert all(torch.equal(v, at_two[k]) for k, v in params_of(model2).items())
+
+
+def test_nothing_intact_is_a_clear_error(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path))
+    model, optimizer = _fresh()
+    with pytest.raises(NoCheckpointError, match="committed steps: none"):
+        load(storage, "auto", model, optimizer)
+    ckpt = Checkpointer(storage)
+    _save(ckpt, model, optimizer, 5)
+    with pytest.raises(NoCheckpointError, match=r"--resume=7 .*\(committed steps: 5\)"):
+        load(storage, 7, model, optimizer)
+    with pytest.raises(CheckpointError, match=r"extra\['bad'\] is not JSON-serialisable"):
+        ckpt.save(6, model, optimizer, extra={"ok": 1, "bad": torch.zeros(1)})
+
+
+def test_retention_healthy_tags_and_rollback_timeline(tmp_path: Path) -> None:
+    storage = open_storage(f"file://{tmp_path}")
+    catalog = Catalog(storage)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, keep_last=2)
+    for step in range(1, 7):
+        _save(ckpt, model, optimizer, step, healthy=step in (1, 3))
+    scan = catalog.scan()
+    assert sorted(scan.manifests) == [1, 3, 5, 6] and scan.latest == 6
+    # latest-healthy takes the newest healthy one (a rollback)
+    resumed = load(storage, "latest-healthy", model, optimizer)
+    assert resumed.step == 3
+    # committing step 4 on the rolled-back timeline drops the abandoned 5 and 6
+    _save(ckpt, model, optimizer, 4, healthy=False)
+    scan = catalog.scan()
+    assert sorted(scan.manifests) == [1, 3, 4] and scan.latest == 4
+    assert load(storage, "auto", model, optimizer).step == 4
+    assert not any(info.key.startswith("step-000006") for info in storage.list())
+
+
+def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> None:
+    from transformers import AutoModelForCausalLM
+
+    uri, options = location
+    flags = []
+    if options is not None:
+        flags = ["--endpoint-url", options.endpoint_url, "--addressing-style", "path"]
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, hf_files=hf_files_of(model))
+    _save(ckpt, model, optimizer, 3)
+    train_step(model, optimizer, batch_for(4))
+    _save(ckpt, model, optimizer, 4, healthy=False)
+    storage.put_bytes("step-000009/__0_0.distcp", b"interrupted upload")
+
+    assert rlft(["checkpoints", "list", uri, *flags]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[1].split()[:3] == ["3", "yes", "1"]
+    assert listing[2].split()[:3] == ["4", "no", "1"] and listing[2].endswith("latest")
+    assert listing[3].split()[0] == "9" and listing[3].endswith("uncommitted")
+
+    assert rlft(["checkpoints", "verify", uri, *flags]) == 0
+    assert capsys.readouterr().out.splitlines() == ["step-000003: ok", "step-000004: ok"]
+    _corrupt(storage, "step-000003/extra.json")
+    assert rlft(["checkpoints", "verify", uri, *flags]) == 1
+    assert "step-000003: DAMAGED: extra.json: checksum mismatch" in capsys.readouterr().out
+
+    out = tmp_path / "hf"
+    assert rlft(["export", uri, str(out), *flags]) == 0  # the location → its latest
+    assert "exported step-000004" in capsys.readouterr().out
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    for name, value in exported.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
+    assert rlft(["export", f"{uri}/step-000004", str(out), *flags]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
