@@ -133,7 +133,7 @@ def worker_env(endpoint: str | None = None) -> dict[str, str]:
 
 def _worker(argv: list[str]) -> int:
     """A small training loop with checkpoints: prints `STEP n`, `SAVED n`, `COMMITTED n`
-    lines. `--slow-upload S` sleeps S seconds in every upload (to be killed mid-upload);
+    lines. `--slow-upload S` stalls S seconds after each stored file (to be killed mid-upload);
     `--grace G` installs the SIGTERM handler."""
     from rlft.trainer.checkpoint import GracefulStop, load, open_storage
     from rlft.trainer.checkpoint.errors import NoCheckpointError
@@ -157,15 +157,14 @@ def _worker(argv: list[str]) -> int:
     endpoint = os.environ.get("RLFT_TEST_ENDPOINT")
     options = S3Options(endpoint_url=endpoint, addressing_style="path") if endpoint else None
     storage = open_storage(args.uri, options)
-    current = {"step": 0}
     if args.slow_upload:
         put_file = storage.put_file
 
         def slow_put_file(key, path, *, move=False):
-            if current["step"] >= args.slow_from_step:
-                print(f"UPLOADING {key}", flush=True)
-                time.sleep(args.slow_upload)
             put_file(key, path, move=move)
+            if int(key.split("/")[0].removeprefix("step-")) >= args.slow_from_step:
+                print(f"UPLOADED {key}", flush=True)
+                time.sleep(args.slow_upload)  # the upload stalls after storing a file
 
         storage.put_file = slow_put_file
 
@@ -184,7 +183,6 @@ def _worker(argv: list[str]) -> int:
     with contextlib.suppress(NoCheckpointError):
         start = load(storage, "auto", model, optimizer).step
     for step in range(start + 1, args.steps + 1):
-        current["step"] = step
         loss = train_step(model, optimizer, batch_for(step))
         time.sleep(args.step_seconds)
         print(f"STEP {step} {loss:.6f}", flush=True)

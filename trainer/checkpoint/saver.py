@@ -269,7 +269,7 @@ class Checkpointer:
             except Exception:
                 log.exception("checkpoint event handler failed on %r", name)
 
-    def _retried(self, what: str, call: Callable[[], Any], deadline: float) -> Any:
+    def _retried(self, what: str, call: Callable[[], Any], deadline: float, step: int) -> Any:
         def on_retry(attempt: int, error: BaseException, delay: float) -> None:
             self.stats.upload_retries += 1
             log.warning(
@@ -279,7 +279,7 @@ class Checkpointer:
                 error,
                 delay,
             )
-            self._emit("retry", what=what, attempt=attempt, error=str(error))
+            self._emit("retry", step=step, what=what, attempt=attempt, error=str(error))
 
         return with_retries(
             call, deadline_s=max(0.0, deadline - time.monotonic()), on_retry=on_retry
@@ -298,7 +298,9 @@ class Checkpointer:
             # A stale manifest (a save of this step on an abandoned timeline) must not
             # vouch for the files about to replace the ones it lists.
             stale = f"{folder}/{MANIFEST}"
-            self._retried(f"clearing {stale}", lambda: self.storage.delete_prefix(stale), deadline)
+            self._retried(
+                f"clearing {stale}", lambda: self.storage.delete_prefix(stale), deadline, job.step
+            )
 
         def one(path: Path) -> FileEntry:
             size, digest = sha256_file(path)
@@ -307,6 +309,7 @@ class Checkpointer:
                 f"uploading {folder}/{rel}",
                 lambda: self.storage.put_file(f"{folder}/{rel}", path, move=True),
                 deadline,
+                job.step,
             )
             return FileEntry(rel, size, digest)
 
@@ -370,7 +373,9 @@ class Checkpointer:
             emergency=job.emergency,
         )
         try:
-            self._retried(f"committing {folder}", lambda: self.catalog.commit(manifest), deadline)
+            self._retried(
+                f"committing {folder}", lambda: self.catalog.commit(manifest), deadline, job.step
+            )
         except (StorageError, CheckpointError) as failure:
             log.error("checkpoint %s uploaded but not committed: %s", folder, failure)
             self._emit("failed", step=job.step, uri=folder, error=str(failure))

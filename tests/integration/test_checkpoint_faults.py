@@ -1,0 +1,208 @@
+"""Injected faults: a saver killed mid-upload, SIGTERM, and the S3 server going away
+for 30 s during training (a real SeaweedFS server, stopped and restarted)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_fixtures import (
+    batch_for,
+    s3_options,
+    tiny_model,
+    train_step,
+    worker_command,
+    worker_env,
+)
+from seaweedfs import SeaweedServer
+
+from rlft.trainer.checkpoint import load, open_storage
+from rlft.trainer.checkpoint.catalog import Catalog
+from rlft.trainer.checkpoint.saver import Checkpointer
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+OUTAGE_S = float(os.environ.get("RLFT_TEST_OUTAGE_S", "30"))
+
+
+class Worker:
+    """A training subprocess whose output lines are collected as they come."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, timeout: float = 90.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if line.startswith(prefix):
+                    return line
+            if self.process.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no line starting {prefix!r}; output:\n" + "\n".join(self.lines))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self._reader.join(5)
+
+
+@pytest.fixture
+def workers():
+    started: list[Worker] = []
+
+    def start(*args: str, endpoint: str | None = None) -> Worker:
+        worker = Worker(worker_command(*args), worker_env(endpoint))
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def test_killed_during_upload_leaves_nothing_a_resume_would_pick(s3_env, bucket, workers) -> None:
+    uri = f"s3://{bucket}/run"
+    # Uploads of every checkpoint after the first (step 2) are slowed down so that the
+    # kill lands in the middle of them; the first commits normally.
+    worker = workers(
+        uri,
+        "--every",
+        "2",
+        "--slow-upload",
+        "60",
+        "--slow-from-step",
+        "3",
+        endpoint=s3_env.endpoint,
+    )
+    worker.wait_for("EVENT committed 2")
+    second = int(worker.wait_for("UPLOADED ").split()[1].split("/")[0].removeprefix("step-"))
+    os.kill(worker.process.pid, signal.SIGKILL)
+    worker.stop()
+    assert worker.process.returncode == -signal.SIGKILL
+
+    storage = open_storage(uri, s3_options(s3_env))
+    scan = Catalog(storage).scan()
+    assert sorted(scan.manifests) == [2] and scan.latest == 2
+    assert second in scan.uncommitted  # some of its files exist, but no manifest
+    model = tiny_model(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert load(storage, "auto", model, optimizer).step == 2
+
+    # The restarted run resumes from 2 and commits 4; retention then removes the
+    # interrupted save's leftovers below it.
+    again = workers(uri, "--every", "2", "--steps", "4", endpoint=s3_env.endpoint)
+    assert again.process.wait(60) == 0
+    again.wait_for("EVENT committed 4")
+    assert again.wait_for("STEP ").startswith("STEP 3 ")  # resumed after step 2
+    scan = Catalog(storage).scan()
+    assert sorted(scan.manifests) == [2, 4] and scan.latest == 4
+    assert scan.uncommitted == ({second} if second > 4 else set())
+    assert Catalog(storage).verify(scan.manifests[4]) == []
+
+
+def test_sigterm_writes_an_emergency_checkpoint_within_the_grace_period(
+    s3_env, bucket, workers
+) -> None:
+    uri = f"s3://{bucket}/run"
+    grace = 20.0
+    worker = workers(
+        uri,
+        "--every",
+        "1000",
+        "--grace",
+        str(grace),
+        "--step-seconds",
+        "0.05",
+        endpoint=s3_env.endpoint,
+    )
+    worker.wait_for("STEP 3 ")
+    sent = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.process.wait(grace + 10) == 0
+    elapsed = time.monotonic() - sent
+    assert elapsed < grace
+    report = json.loads(worker.wait_for('{"stopped_at"'))
+    assert report["committed"] is True
+    scan = Catalog(open_storage(uri, s3_options(s3_env))).scan()
+    step = report["stopped_at"]
+    assert scan.latest == step and scan.manifests[step].emergency
+    assert Catalog(open_storage(uri, s3_options(s3_env))).verify(scan.manifests[step]) == []
+
+
+def test_an_s3_outage_during_training_is_retried_and_the_save_commits_later(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """The store goes away for OUTAGE_S seconds (30 by default) while a checkpoint is
+    being uploaded: training keeps stepping, the upload is retried (counted and logged)
+    and the checkpoint commits once the store is back."""
+    from seaweedfs import ACCESS_KEY, SECRET_KEY
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    server = SeaweedServer(tmp_path / "data", tmp_path / "weed.log")
+    server.start()
+    try:
+        server.create_bucket("outage")
+        storage = open_storage("s3://outage/run", s3_options(server, connect_timeout_s=1.0))
+        model = tiny_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        events: list[tuple[str, int | None]] = []
+        ckpt = Checkpointer(
+            storage,
+            interval_steps=2,
+            retry_seconds=OUTAGE_S + 60,
+            on_event=lambda name, info: events.append((name, info.get("step"))),
+        )
+        caplog.set_level(logging.INFO, logger="rlft.checkpoint")
+        step = 0
+        down_at = None
+        steps_while_down = 0
+        while True:
+            step += 1
+            train_step(model, optimizer, batch_for(step))
+            if step == 2:
+                server.stop()  # the outage starts just before the save
+                down_at = time.monotonic()
+            if down_at is not None and server.process is None:
+                steps_while_down += 1
+                if time.monotonic() - down_at >= OUTAGE_S:
+                    server.start()
+            decision = ckpt.poll(step)
+            if decision.save:
+                ckpt.save(step, model, optimizer, extra={"step": step})
+            if ckpt.stats.committed:
+                break
+            assert time.monotonic() - (down_at or time.monotonic()) < OUTAGE_S + 60, events
+            time.sleep(0.05)
+        ckpt.close()
+    finally:
+        server.stop()
+    assert steps_while_down > 20  # training went on during the outage
+    first = next(i for i, (name, _) in enumerate(events) if name == "committed")
+    assert events[first] == ("committed", 2), events
+    assert ckpt.stats.upload_retries >= 2 and events[0] == ("retry", 2)
+    assert "failed" not in [name for name, _ in events]
+    assert ckpt.stats.deferred > 0  # the saves due at 4, 6, … waited for the first
+    assert "failed (attempt 1)" in caplog.text and "retrying in" in caplog.text
+    assert "step-000002 committed" in caplog.text and "retries so far" in caplog.text
