@@ -53,12 +53,13 @@ def batch_for(step: int, rows: int = 4, length: int = 16) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, length), generator=generator)
 
 
-def train_step(model, optimizer, tokens: torch.Tensor, scale: float = 1.0) -> float:
+def train_step(model, optimizer, tokens: torch.Tensor, mask: bool = True) -> float:
     """One optimizer step; a random dropout-like mask makes the global RNG matter."""
-    noise = torch.rand(tokens.shape) < 0.1
-    labels = tokens.masked_fill(noise, -100)
+    labels = tokens
+    if mask:
+        labels = tokens.masked_fill(torch.rand(tokens.shape) < 0.1, -100)
     loss = model(input_ids=tokens, labels=labels).loss
-    (loss * scale).backward()
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach())
@@ -114,6 +115,67 @@ def s3_options(server: SeaweedServer, **overrides):
     settings = dict(endpoint_url=server.endpoint, addressing_style="path", part_size_mb=5)
     settings.update(overrides)
     return S3Options(**settings)
+
+
+# ------------------------------------------------------------ distributed (FSDP2)
+
+
+def fsdp_model(world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def local_rows(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return tokens[rank::world_size]
+
+
+def distributed_save_and_resume(
+    rank: int, world_size: int, uri: str, endpoint: str, port: int, out: str
+) -> None:
+    """Spawned per rank: FSDP2 training, an async sharded save at step 2, one more step;
+    then a fresh FSDP2 model resumes from the checkpoint and must redo step 3 exactly."""
+    import torch.distributed as dist
+
+    from rlft.trainer.checkpoint import load, open_storage
+    from rlft.trainer.checkpoint.export import hf_files_of
+    from rlft.trainer.checkpoint.saver import Checkpointer
+    from rlft.trainer.checkpoint.storage import S3Options
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    options = S3Options(endpoint_url=endpoint, addressing_style="path", part_size_mb=5)
+    storage = open_storage(uri, options)
+    model, optimizer = fsdp_model(world_size)
+    ckpt = Checkpointer(storage, interval_steps=2, hf_files=hf_files_of(model))
+    for step in (1, 2):
+        train_step(model, optimizer, local_rows(batch_for(step), rank, world_size), mask=False)
+        decision = ckpt.poll(step)
+    assert decision.save
+    at_two = params_of(model)
+    ckpt.save(2, model, optimizer, extra={"step": 2}, rank_state={"rank": rank})
+    train_step(model, optimizer, local_rows(batch_for(3), rank, world_size), mask=False)
+    at_three = params_of(model)
+    ckpt.close()
+    assert ckpt.stats.committed == 1, ckpt.stats
+    if rank == 0:
+        torch.save({"two": at_two, "three": at_three}, Path(out) / "reference.pt")
+
+    model2, optimizer2 = fsdp_model(world_size)
+    resumed = load(storage, "auto", model2, optimizer2)
+    assert resumed.step == 2 and resumed.rank_state == {"rank": rank}
+    train_step(model2, optimizer2, local_rows(batch_for(3), rank, world_size), mask=False)
+    for name, value in params_of(model2).items():
+        assert torch.equal(value, at_three[name]), f"rank {rank}: {name} differs after resume"
+    (Path(out) / f"ok-{rank}").write_text("resumed exactly")
+    dist.destroy_process_group()
 
 
 # -------------------------------------------------------------------- the worker
