@@ -152,13 +152,16 @@ class Detector:
         if self.steps_seen < spec.warmup_steps or len(self.log_grad) < 3:
             return None, x
         z = robust_z(list(self.log_grad), x, spec.min_scale)
-        levels["grad_norm_spike"] = _level(z, spec.warning_z, spec.critical_z)
-        if levels["grad_norm_spike"]:
-            median = math.exp(statistics.median(self.log_grad))
-            bar = spec.critical_z if levels["grad_norm_spike"] == CRITICAL else spec.warning_z
+        factor = math.exp(x - statistics.median(self.log_grad))
+        level = _level(z, spec.warning_z, spec.critical_z)
+        if level == WARNING and factor >= spec.critical_factor:
+            level = CRITICAL  # large and unusual, even if the run is noisy
+        levels["grad_norm_spike"] = level
+        if level:
+            median = value / factor
             reasons.append(
-                f"grad norm {value:.4g} is {value / median:.1f}× its rolling median "
-                f"{median:.4g} (robust z {z:.1f} ≥ {bar})"
+                f"grad norm {value:.4g} is {factor:.1f}× its rolling median {median:.4g} "
+                f"(robust z {z:.1f})"
             )
         return z, x
 

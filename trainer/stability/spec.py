@@ -43,8 +43,12 @@ class GradNormCheck(_Levels):
     warning_z: float = Field(4.0, gt=0, le=1000)
     """z-score at which a step is a warning (logged, counted, update applied)."""
     critical_z: float = Field(6.0, gt=0, le=1000)
-    """z-score at which a step is critical: its update is skipped (see `onSpike`). With
-    the MAD of healthy tiny runs (~0.25 in log units) a 10× spike scores ~9."""
+    """z-score at which a step is critical whatever its size: its update is skipped (see
+    `onSpike`)."""
+    critical_factor: float = Field(8.0, gt=1, le=1e6)
+    """A grad norm at least this many times its rolling median is critical as soon as
+    its z-score reaches `warningZ`: large and unusual. Catches 10× spikes in noisy runs
+    (healthy tiny runs have a log-scale of up to ~0.45, where 10× scores only ~5)."""
     min_scale: float = Field(0.1, gt=0, le=10)
     """Floor of the robust scale (1.4826·MAD of log grad norm), so a very steady run
     does not turn a 1.5× wobble into a spike."""
