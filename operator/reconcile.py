@@ -361,9 +361,9 @@ class _Run:
                 self.fail(w.kind, f"pod {w.pod} cannot start ({why}): {w.message}")
                 return
             self.cannot_start = True
-            if set_condition(
-                self.st, "Ready", "False", w.kind, f"pod {w.pod}: {w.message}", self.now
-            ):
+            before = next((c.reason for c in self.st.conditions if c.type == "Ready"), None)
+            set_condition(self.st, "Ready", "False", w.kind, f"pod {w.pod}: {w.message}", self.now)
+            if before != w.kind:  # one Event when the problem appears, not one per reconcile
                 self.event("Warning", w.kind, f"pod {w.pod} cannot start yet: {w.message}")
             self.requeue(timeout - waited)
 

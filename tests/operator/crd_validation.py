@@ -185,3 +185,6 @@ def validate(
         problems += _cel(full, old_full, schema, "")
     result = {**{k: obj[k] for k in ("apiVersion", "kind", "metadata") if k in obj}, **pruned}
     return result, problems, warnings
+
+
+_program("true")  # cel-python raises the recursion limit on first use: do it at import

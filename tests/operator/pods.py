@@ -1,0 +1,88 @@
+"""Raw pod objects in the states the kubelet and the control plane put them in."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from rlft.operator import names as N
+from rlft.operator.observe import PodView, pod_view
+
+_uids = itertools.count(1)
+
+
+def raw_pod(
+    name: str,
+    role: str = N.ROLE_TRAINER,
+    index: int = 0,
+    *,
+    phase: str = "Pending",
+    scheduled: bool = False,
+    exit_code: int | None = None,
+    terminated_reason: str = "",
+    message: str = "",
+    pod_reason: str = "",
+    waiting: str = "",
+    disruption: str = "",
+    uid: str | None = None,
+    created: str = "2026-01-01T00:00:00Z",
+    deleting: bool = False,
+    pod_ip: str | None = None,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase, "conditions": []}
+    if scheduled or phase in ("Running", "Succeeded", "Failed"):
+        status["conditions"].append({"type": "PodScheduled", "status": "True"})
+    elif phase == "Pending":
+        status["conditions"].append(
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+            }
+        )
+    if pod_reason:
+        status["reason"] = pod_reason
+    if disruption:
+        status["conditions"].append(
+            {"type": "DisruptionTarget", "status": "True", "reason": disruption}
+        )
+    state: dict[str, Any] = {}
+    if exit_code is not None:
+        state["terminated"] = {
+            "exitCode": exit_code,
+            "reason": terminated_reason or "Error",
+            "message": message,
+        }
+    elif waiting:
+        state["waiting"] = {"reason": waiting, "message": f"{waiting} for image"}
+    elif phase == "Running":
+        state["running"] = {"startedAt": created}
+    if state:
+        status["containerStatuses"] = [
+            {
+                "name": "main",
+                "state": state,
+                "ready": False,
+                "restartCount": 0,
+                "image": "x",
+                "imageID": "",
+            }
+        ]
+    if pod_ip:
+        status["podIP"] = pod_ip
+    meta: dict[str, Any] = {
+        "name": name,
+        "uid": uid or f"uid-{next(_uids)}",
+        "creationTimestamp": created,
+        "labels": {**N.labels("tiny-grpo", role, index)},
+    }
+    if deleting:
+        meta["deletionTimestamp"] = created
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {}, "status": status}
+
+
+def view(*args: Any, **kwargs: Any) -> PodView:
+    result = pod_view(raw_pod(*args, **kwargs))
+    assert result is not None
+    return result

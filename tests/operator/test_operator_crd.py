@@ -1,0 +1,248 @@
+"""The generated CRD: fresh, structural, documented, and its CEL rules agree with pydantic."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from crd_validation import validate
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import BaseModel, ValidationError
+
+from rlft.operator import crd
+from rlft.operator.status import RLFineTuneStatus
+from rlft.trainer.config import (
+    DataSpec,
+    ModelSpec,
+    Replicas,
+    RLFineTuneSpec,
+    RolloutSpec,
+    read_yaml,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = crd.crd_schema()
+
+
+def test_crd_file_is_fresh():
+    on_disk = crd.CRD_PATH.read_text() if crd.CRD_PATH.exists() else ""
+    assert on_disk == crd.render_crd(), (
+        f"{crd.CRD_PATH.relative_to(ROOT)} is stale (the pydantic models changed): "
+        f"run `.venv/bin/{crd.REGENERATE}` and commit the result"
+    )
+
+
+def test_rendering_is_deterministic():
+    assert crd.render_crd() == crd.render_crd()
+
+
+def test_cli_writes_the_same_file(tmp_path):
+    out = tmp_path / "crd.yaml"
+    cli = [sys.executable, "-m", "rlft.trainer.cli", "crd", "--out", str(out)]
+    subprocess.run(cli, check=True, capture_output=True)
+    assert out.read_text() == crd.render_crd()
+
+
+def _walk(node, path="<root>"):
+    yield path, node
+    for key, sub in (node.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{key}")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}.*")
+    if "items" in node:
+        yield from _walk(node["items"], f"{path}[]")
+
+
+def test_schema_is_structural():
+    for path, node in _walk(SCHEMA):
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "not", "$defs", "title", "default"):
+            assert banned not in node, f"{path} has {banned}"
+        typed = "type" in node
+        special = node.get("x-kubernetes-int-or-string") or node.get(
+            "x-kubernetes-preserve-unknown-fields"
+        )
+        assert typed or special, f"{path} has no type"
+        if "properties" in node:
+            assert "additionalProperties" not in node, path
+        if node.get("exclusiveMinimum") is not None:
+            assert node["exclusiveMinimum"] is True and "minimum" in node, path
+
+
+def test_every_field_is_described():
+    missing = [
+        path
+        for path, node in _walk(SCHEMA)
+        if path not in ("<root>", "<root>.metadata")
+        and not path.endswith(("[]", ".*"))  # list items and map values: described by their field
+        and not node.get("description")
+    ]
+    assert missing == []
+
+
+def _field_docs(model: type[BaseModel], prefix: str, out: dict[str, str]) -> None:
+    for name, info in model.model_fields.items():
+        alias = info.alias or name
+        if info.description:
+            out[f"{prefix}.{alias}"] = " ".join(info.description.split())
+        annotation = info.annotation
+        suffix = {list: "[]", dict: ".*"}.get(typing.get_origin(annotation), "")
+        for arg in [annotation, *typing.get_args(annotation)]:
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                _field_docs(arg, f"{prefix}.{alias}{suffix}", out)
+
+
+@pytest.mark.parametrize(("model", "key"), [(RLFineTuneSpec, "spec"), (RLFineTuneStatus, "status")])
+def test_docstrings_become_descriptions(model, key):
+    docs: dict[str, str] = {}
+    _field_docs(model, f"<root>.{key}", docs)
+    nodes = dict(_walk(SCHEMA))
+    assert len(docs) > 20
+    for path, doc in docs.items():
+        assert path in nodes, f"{path} is missing from the schema"
+        assert nodes[path]["description"].startswith(doc), path
+
+
+def test_crd_shape():
+    doc = crd.build_crd()
+    version = doc["spec"]["versions"][0]
+    assert doc["metadata"]["name"] == "rlfinetunes.rlft.dev"
+    assert doc["spec"]["names"]["shortNames"] == ["rlft"]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Phase", "Step", "Reward", "LastCheckpoint", "Age"]
+    nodes = dict(_walk(SCHEMA))
+    for column in version["additionalPrinterColumns"][:-1]:  # Age reads metadata
+        assert "<root>" + column["jsonPath"] in nodes, column
+
+
+def test_cel_rules_name_existing_models():
+    raw = RLFineTuneSpec.model_json_schema(by_alias=True)
+    for name in crd.CEL_RULES:
+        assert name in raw["$defs"], f"CEL rules for {name}, which the job models no longer have"
+
+
+def test_crd_files_pass_kubernetes_validate():
+    files = [str(crd.CRD_PATH), str(ROOT / "crds" / "kopf-peering.yaml")]
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", *files],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == 3
+
+
+# ------------------------------------------------------- CEL rules versus pydantic
+
+
+def _node(path: list[str]) -> dict:
+    node = SCHEMA
+    for part in path:
+        node = node["properties"][part]
+    return node
+
+
+def _cel_ok(path: list[str], value: dict) -> bool:
+    problems = [
+        p
+        for p in validate({"spec": value}, {"type": "object", "properties": {"spec": _node(path)}})[
+            1
+        ]
+    ]
+    return not problems
+
+
+def _pydantic_ok(model: type[BaseModel], value: dict) -> bool:
+    try:
+        model.model_validate(value, by_alias=True, by_name=False)
+    except ValidationError:
+        return False
+    return True
+
+
+@given(st.integers(1, 4096), st.integers(1, 4096), st.booleans(), st.booleans())
+def test_replicas_rule_agrees_with_pydantic(lo, hi, with_lo, with_hi):
+    value = {**({"min": lo} if with_lo else {}), **({"max": hi} if with_hi else {})}
+    path = ["spec", "trainer", "replicas"]
+    assert _cel_ok(path, value) == _pydantic_ok(Replicas, value)
+
+
+@given(st.integers(0, 512), st.integers(1, 16), st.integers(1, 16))
+def test_rollout_rule_agrees_with_pydantic(gpus, tp, ep):
+    value = {"gpusPerInstance": gpus, "tensorParallel": tp, "expertParallel": ep}
+    assert _cel_ok(["spec", "rollout"], value) == _pydantic_ok(RolloutSpec, value)
+
+
+@given(st.booleans(), st.booleans())
+def test_model_rule_agrees_with_pydantic(path, init):
+    value = {**({"path": "/models/x"} if path else {}), **({"init": {}} if init else {})}
+    assert _cel_ok(["spec", "model"], value) == _pydantic_ok(ModelSpec, value)
+
+
+@given(st.sampled_from(["arithmetic", "jsonl"]), st.booleans())
+def test_data_rule_agrees_with_pydantic(source, jsonl):
+    value = {"source": source, **({"jsonl": {"train": "a.jsonl"}} if jsonl else {})}
+    assert _cel_ok(["spec", "data"], value) == _pydantic_ok(DataSpec, value)
+
+
+# ------------------------------------------------------- whole manifests
+
+
+def _example() -> dict:
+    return read_yaml((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+
+
+def test_example_is_valid():
+    _, problems, _ = validate(_example(), SCHEMA)
+    assert problems == []
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "words"),
+    [
+        ({"trainer": {"microBatchSize": 0}}, "spec.trainer.microBatchSize", "less than"),
+        ({"trainer": {"replicas": {"min": 3, "max": 2}}}, "spec.trainer.replicas.min", "min must"),
+        ({"rollout": {"temperture": 1.0}}, "spec.rollout.temperture", "unknown field"),
+        (
+            {"rollout": {"gpusPerInstance": 3, "tensorParallel": 2}},
+            "spec.rollout.gpusPerInstance",
+            "divisible",
+        ),
+        ({"checkpoint": {"keepLast": "3"}}, "spec.checkpoint.keepLast", "is not of type"),
+        ({"restartPolicy": {"backoffSeconds": -1}}, "spec.restartPolicy.backoffSeconds", "less"),
+    ],
+)
+def test_invalid_manifests_name_the_field(patch, field, words):
+    doc = _example()
+    for section, values in patch.items():
+        target = doc["spec"].setdefault(section, {})
+        for key, value in values.items():
+            target[key] = value
+    _, problems, _ = validate(doc, SCHEMA)
+    assert any(p.field == field and words in p.message for p in problems), problems
+
+
+def _running(doc: dict) -> dict:
+    return {**doc, "status": {"phase": "Running"}}
+
+
+def test_identity_fields_are_immutable_while_running():
+    old = _running(_example())
+    new = yaml.safe_load(yaml.safe_dump(old))
+    new["spec"]["model"]["init"]["hiddenSize"] = 256
+    _, problems, _ = validate(new, SCHEMA, old)
+    assert any("cannot change while the job runs" in p.message for p in problems)
+    # suspending, or changing what may change, is fine
+    new = yaml.safe_load(yaml.safe_dump(old))
+    new["spec"]["suspend"] = True
+    new["spec"].setdefault("restartPolicy", {})["maxRestarts"] = 3
+    assert validate(new, SCHEMA, old)[1] == []
+    # once suspended (or before it ran) the model may change
+    old["status"]["phase"] = "Suspended"
+    new["spec"]["model"]["init"]["hiddenSize"] = 256
+    assert validate(new, SCHEMA, old)[1] == []

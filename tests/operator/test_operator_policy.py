@@ -1,0 +1,183 @@
+"""The failure policy: every failure kind is recognised from a real pod status, and the
+restart budget and backoff do what the docs say."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pods import raw_pod, view
+
+from rlft.operator import policy as P
+from rlft.operator.observe import pod_view, trainer_report
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+CASES = [
+    # (pod arguments, kind, permanent, group)
+    (dict(phase="Failed", exit_code=137, terminated_reason="OOMKilled"), P.OOM, False, False),
+    (dict(phase="Failed", pod_reason="Evicted"), P.EVICTED, False, False),
+    (
+        dict(phase="Failed", exit_code=143, disruption="PreemptionByScheduler"),
+        P.PREEMPTED,
+        False,
+        False,
+    ),
+    (dict(phase="Failed", pod_reason="Preempting"), P.PREEMPTED, False, False),
+    (dict(phase="Unknown"), P.NODE_LOST, False, False),
+    (dict(phase="Failed", pod_reason="NodeLost"), P.NODE_LOST, False, False),
+    (
+        dict(phase="Failed", exit_code=137, disruption="DeletionByTaintManager"),
+        P.NODE_LOST,
+        False,
+        False,
+    ),
+    (
+        dict(
+            phase="Failed",
+            exit_code=1,
+            message="torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError",
+        ),
+        P.RENDEZVOUS,
+        False,
+        True,
+    ),
+    (
+        dict(
+            phase="Failed",
+            exit_code=1,
+            message="[Rank 3] Watchdog caught collective operation "
+            "timeout: WorkNCCL(SeqNum=88, OpType=ALLREDUCE)",
+        ),
+        P.RENDEZVOUS,
+        False,
+        True,
+    ),
+    (
+        dict(phase="Failed", exit_code=1, message="Traceback ... KeyError: 'x'"),
+        P.ERROR,
+        False,
+        False,
+    ),
+    (dict(phase="Failed", exit_code=139), P.ERROR, False, False),
+    (
+        dict(phase="Failed", exit_code=2, message="job.yaml: spec.x: unknown field"),
+        P.INVALID_CONFIG,
+        True,
+        False,
+    ),
+    (dict(phase="Failed", exit_code=3), P.COLLAPSED, False, False),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "kind", "permanent", "group"), CASES)
+def test_classify(kwargs, kind, permanent, group):
+    failure = P.classify(view("tiny-grpo-trainer-0", **kwargs))
+    assert failure is not None and failure.kind == kind
+    assert failure.permanent == permanent and failure.group == group
+
+
+def test_covers_every_kind():
+    seen = {kind for _, kind, _, _ in CASES} | {P.IMAGE_PULL, P.CONFIG_ERROR}
+    assert seen == set(P.KINDS)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(phase="Running"),
+        dict(phase="Succeeded", exit_code=0),
+        dict(phase="Running", disruption="PreemptionByScheduler"),
+    ],
+)
+def test_no_failure(kwargs):
+    assert P.classify(view("tiny-grpo-trainer-0", **kwargs)) is None
+
+
+def test_a_rollout_server_that_exits_is_a_failure():
+    failure = P.classify(view("tiny-grpo-rollout-0", "rollout", phase="Succeeded", exit_code=0))
+    assert failure is not None and failure.kind == P.ERROR and not failure.group
+
+
+@pytest.mark.parametrize(
+    ("waiting", "kind", "permanent"),
+    [
+        ("ErrImagePull", P.IMAGE_PULL, False),
+        ("ImagePullBackOff", P.IMAGE_PULL, False),
+        ("InvalidImageName", P.IMAGE_PULL, True),
+        ("CreateContainerConfigError", P.CONFIG_ERROR, False),
+    ],
+)
+def test_waiting_problems(waiting, kind, permanent):
+    problem = P.waiting_problem(view("tiny-grpo-trainer-0", waiting=waiting))
+    assert problem is not None and problem.kind == kind and problem.permanent == permanent
+    assert P.classify(view("tiny-grpo-trainer-0", waiting=waiting)) is None
+
+
+def test_pod_view_ignores_foreign_pods():
+    pod = raw_pod("someone-else")
+    pod["metadata"]["labels"] = {"app": "web"}
+    assert pod_view(pod) is None
+
+
+def test_backoff_doubles_and_is_capped():
+    assert [P.backoff_seconds(10, n) for n in range(1, 5)] == [10, 20, 40, 80]
+    assert P.backoff_seconds(10, 40) == P.MAX_BACKOFF_SECONDS
+    assert P.backoff_seconds(0, 3) == 0
+
+
+def test_restart_budget_is_per_window():
+    history: list[datetime] = []
+    for i in range(3):
+        budget = P.ask_restart(
+            history, NOW + timedelta(seconds=i), max_restarts=3, window_minutes=10, backoff=5
+        )
+        assert budget.allowed and budget.delay == 5 * 2**i
+        history = budget.history
+    assert not P.ask_restart(
+        history, NOW + timedelta(minutes=1), max_restarts=3, window_minutes=10, backoff=5
+    ).allowed
+    # restarts older than the window no longer count
+    later = P.ask_restart(
+        history, NOW + timedelta(minutes=11), max_restarts=3, window_minutes=10, backoff=5
+    )
+    assert later.allowed and len(later.history) == 1 and later.delay == 5
+
+
+@given(st.lists(st.integers(0, 3600), max_size=30), st.integers(0, 10), st.floats(0.1, 120))
+def test_budget_never_exceeds_max_restarts(offsets, max_restarts, window):
+    history: list[datetime] = []
+    for offset in sorted(offsets):
+        now = NOW + timedelta(seconds=offset)
+        budget = P.ask_restart(
+            history, now, max_restarts=max_restarts, window_minutes=window, backoff=1
+        )
+        if budget.allowed:
+            history = budget.history
+        assert len(P.in_window(history, now, window)) <= max_restarts
+
+
+def test_trainer_report_parsing():
+    doc = {
+        "step": 120,
+        "policyVersion": 120,
+        "phase": "training",
+        "health": "warning",
+        "lastCheckpoint": {"step": 100, "uri": "s3://b/x/step-000100", "time": "t"},
+        "lastHealthyCheckpoint": {"step": 100, "uri": "s3://b/x/step-000100", "time": "t"},
+        "rollbacks": 1,
+        "skippedUpdates": 2,
+        "events": [{"kind": "spike"}],
+        "reward": 0.5,
+    }
+    report = trainer_report(doc, "uid-1")
+    assert report is not None and report.step == 120 and report.health == "warning"
+    assert report.last_checkpoint == {"step": 100, "uri": "s3://b/x/step-000100", "time": "t"}
+    assert report.reward == 0.5 and report.events == [{"kind": "spike"}]
+    assert trainer_report("<html>502</html>", "uid-1") is None
+    assert trainer_report({"step": "x", "health": "??", "lastCheckpoint": {"uri": 1}}, "u") == (
+        trainer_report({"step": None}, "u")
+    )

@@ -1,0 +1,454 @@
+"""The state machine: every phase transition, every failure kind's response, and
+properties over random sequences of pod events (hypothesis): no duplicate pods, never more
+restarts than maxRestarts in the window, never a lost checkpoint reference."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jobs import job_doc, parsed
+from pods import view
+
+from rlft.operator import policy as P
+from rlft.operator.observe import PodView, TrainerReport
+from rlft.operator.reconcile import Decision, Observed, parse_time, reconcile
+from rlft.operator.status import RLFineTuneStatus
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+RESTARTS = {"maxRestarts": 3, "windowMinutes": 60, "backoffSeconds": 10}
+
+
+@dataclass
+class World:
+    """A job, its pods and the clock: applies decisions like an API server would."""
+
+    spec: dict[str, Any] = field(default_factory=dict)
+    status: RLFineTuneStatus = field(default_factory=RLFineTuneStatus)
+    pods: dict[str, PodView] = field(default_factory=dict)
+    other: set[str] = field(default_factory=set)  # ConfigMaps and Services
+    now: datetime = T0
+    report: TrainerReport | None = None
+    events: list[str] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    serial: int = 0
+
+    def step(self) -> Decision:
+        job, body = parsed(job_doc(**copy.deepcopy(self.spec)))
+        observed = Observed(
+            pods=list(self.pods.values()),
+            config_maps=frozenset(self.other),
+            services=frozenset(self.other),
+            report=self.report,
+        )
+        d = reconcile(job, body, self.status, observed, self.now)
+        self.check(d)
+        self.status = d.status
+        for name in d.delete_pods:
+            self.pods.pop(name)
+        for manifest in d.create:
+            name = manifest["metadata"]["name"]
+            if manifest["kind"] == "Pod":
+                labels = manifest["metadata"]["labels"]
+                self.serial += 1
+                self.pods[name] = view(
+                    name,
+                    labels["rlft.dev/role"],
+                    int(labels["rlft.dev/index"]),
+                    uid=f"u{self.serial}",
+                    created=self.now.isoformat(),
+                )
+                self.created.append(name)
+            else:
+                self.other.add(name)
+        if d.set_suspend:
+            self.spec["suspend"] = True
+        self.events += [e.reason for e in d.events]
+        return d
+
+    def check(self, d: Decision) -> None:
+        names = [m["metadata"]["name"] for m in d.create]
+        assert len(names) == len(set(names)), "one name created twice"
+        for manifest in d.create:
+            assert manifest["metadata"]["name"] not in self.pods, "a pod created over another"
+        for name in d.delete_pods:
+            assert name in self.pods
+        st = d.status
+        limit = RESTARTS["maxRestarts"]
+        recent = P.in_window([parse_time(t) for t in st.restart_history], self.now, 60)
+        assert len(recent) <= limit
+        if st.phase in ("Failed", "Succeeded", "Suspended"):
+            assert not any(m["kind"] == "Pod" for m in d.create)
+        if self.status.last_checkpoint is not None:
+            assert st.last_checkpoint is not None, "the checkpoint reference was lost"
+        hold = parse_time(st.next_restart_at)
+        if hold is not None and self.now < hold:
+            assert not any(m["kind"] == "Pod" for m in d.create), "created during the backoff"
+
+    def set(self, name: str, **kwargs: Any) -> None:
+        pod = self.pods[name]
+        self.pods[name] = view(
+            name, pod.role, pod.index, uid=pod.uid, created=pod.created, **kwargs
+        )
+
+    def run_all(self) -> None:
+        for name in list(self.pods):
+            self.set(name, phase="Running", pod_ip="10.0.0.1")
+
+    def tick(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def _world(**spec: Any) -> World:
+    return World(spec={"restartPolicy": dict(RESTARTS), **spec})
+
+
+def test_first_reconcile_creates_every_child_and_waits():
+    w = _world()
+    d = w.step()
+    kinds = sorted(m["kind"] for m in d.create)
+    assert kinds == ["ConfigMap", "Pod", "Pod", "Service", "Service"]
+    assert w.status.phase == "Pending" and w.events == ["Creating"]
+    assert "--resume=auto" in d.create[-2]["spec"]["containers"][0]["command"] or any(
+        "--resume=auto" in m["spec"]["containers"][0]["command"]
+        for m in d.create
+        if m["kind"] == "Pod" and "trainer" in m["metadata"]["name"]
+    )
+    assert w.step().create == []  # idempotent
+
+
+def test_pending_to_running_when_the_gang_runs():
+    w = _world(trainer={"replicas": {"min": 2, "max": 3}})
+    w.step()
+    w.set("tiny-grpo-trainer-0", phase="Running")
+    w.step()
+    assert w.status.phase == "Pending"
+    w.set("tiny-grpo-trainer-1", phase="Running")
+    w.step()
+    assert w.status.phase == "Running" and w.events[-1] == "Running"
+    assert w.status.resume == "latest-healthy"
+    conditions = {c.type: c for c in w.status.conditions}
+    assert conditions["Scheduled"].status == "True"
+    assert conditions["Ready"].status == "False"  # trainer-2 and the rollout still pending
+    w.run_all()
+    w.step()
+    assert {c.type: c.status for c in w.status.conditions}["Ready"] == "True"
+
+
+def test_scheduling_timeout_sets_scheduled_false_once():
+    w = _world(scheduling={"schedulingTimeoutSeconds": 60})
+    w.step()
+    w.tick(30)
+    d = w.step()
+    assert {c.type: c.status for c in w.status.conditions}["Scheduled"] == "Unknown"
+    assert d.requeue_after == pytest.approx(30)
+    w.tick(31)
+    w.step()
+    scheduled = {c.type: c for c in w.status.conditions}["Scheduled"]
+    assert scheduled.status == "False" and scheduled.reason == "Unschedulable"
+    assert "Insufficient nvidia.com/gpu" in scheduled.message
+    assert w.status.phase == "Pending"  # waiting is not failing
+    w.step()
+    assert w.events.count("Unschedulable") == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kind"),
+    [
+        (dict(phase="Failed", exit_code=137, terminated_reason="OOMKilled"), P.OOM),
+        (dict(phase="Failed", pod_reason="Evicted"), P.EVICTED),
+        (dict(phase="Failed", pod_reason="Preempting"), P.PREEMPTED),
+        (dict(phase="Unknown"), P.NODE_LOST),
+        (dict(phase="Failed", exit_code=1), P.ERROR),
+    ],
+)
+def test_retryable_failure_recreates_the_pod_after_backoff(kwargs, kind):
+    w = _world(trainer={"replicas": {"min": 1, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    old_uid = w.pods["tiny-grpo-trainer-1"].uid
+    w.set("tiny-grpo-trainer-1", **kwargs)
+    d = w.step()
+    assert d.delete_pods == ["tiny-grpo-trainer-1"]
+    assert w.status.restarts == 1 and w.status.last_failure.reason == kind
+    assert w.status.last_failure.pod == "tiny-grpo-trainer-1"
+    assert w.status.phase == "Restarting" and "Restarting" in w.events
+    assert w.status.resume == "latest-healthy"
+    w.tick(9)
+    assert w.step().create == []  # backoff: 10 s
+    w.tick(1)
+    d = w.step()
+    assert [m["metadata"]["name"] for m in d.create] == ["tiny-grpo-trainer-1"]
+    assert "--resume=latest-healthy" in d.create[0]["spec"]["containers"][0]["command"]
+    assert w.pods["tiny-grpo-trainer-1"].uid != old_uid
+    w.run_all()
+    w.step()
+    assert w.status.phase == "Running" and w.status.restarts == 1
+
+
+def test_backoff_doubles_and_max_restarts_fails_the_job():
+    w = _world()
+    w.step()
+    waits = []
+    for _ in range(RESTARTS["maxRestarts"]):
+        w.run_all()
+        w.step()
+        w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=137, terminated_reason="OOMKilled")
+        w.step()
+        start = w.now
+        while "tiny-grpo-trainer-0" not in w.pods:
+            w.tick(1)
+            w.step()
+        waits.append((w.now - start).total_seconds())
+    assert waits == [10, 20, 40]
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=137, terminated_reason="OOMKilled")
+    d = w.step()
+    assert w.status.phase == "Failed" and w.status.last_failure.reason == "TooManyRestarts"
+    assert "tiny-grpo-rollout-0" in d.delete_pods  # the GPUs are freed
+    assert "tiny-grpo-trainer-0" not in d.delete_pods  # the failed pod stays for its logs
+    w.tick(3600)
+    assert w.step().create == []
+
+
+def test_rendezvous_timeout_restarts_the_whole_gang():
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-1", phase="Failed", exit_code=1, message="RendezvousTimeoutError")
+    d = w.step()
+    assert sorted(d.delete_pods) == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+    assert w.status.restarts == 1 and w.status.phase == "Restarting"
+
+
+def test_permanent_error_fails_fast():
+    w = _world()
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=2, message="spec.x: unknown field")
+    w.step()
+    assert w.status.phase == "Failed" and w.status.last_failure.reason == P.INVALID_CONFIG
+    assert w.status.restarts == 0 and "spec.x" in w.status.last_failure.message
+
+
+def _checkpoint(step: int) -> dict[str, Any]:
+    return {"step": step, "uri": f"s3://b/run/step-{step:06d}", "time": "2026-01-01T00:00:00Z"}
+
+
+def test_status_mirrors_the_trainer_report_and_keeps_the_checkpoint():
+    w = _world()
+    w.step()
+    w.run_all()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.report = TrainerReport(
+        pod_uid=uid,
+        step=120,
+        policy_version=120,
+        reward=0.75,
+        last_checkpoint=_checkpoint(100),
+        last_healthy_checkpoint=_checkpoint(100),
+    )
+    w.step()
+    st = w.status
+    assert (st.step, st.policy_version, st.reward) == (120, 120, 0.75)
+    assert st.last_checkpoint.step == 100 and st.last_checkpoint.healthy is True
+    assert {c.type: c.status for c in st.conditions}["Checkpointed"] == "True"
+    assert "Checkpointed" in w.events
+    w.report = TrainerReport(pod_uid=uid, step=121)  # a fresh trainer: nothing saved yet
+    w.step()
+    assert w.status.last_checkpoint.step == 100
+
+
+@pytest.mark.parametrize("source", ["exit-code", "status"])
+def test_collapse_rolls_back_to_the_last_healthy_checkpoint(source):
+    w = _world(stability={"onCollapse": "rollback", "maxRollbacks": 1})
+    w.step()
+    w.run_all()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.report = TrainerReport(
+        pod_uid=uid,
+        step=200,
+        last_checkpoint=_checkpoint(200),
+        last_healthy_checkpoint=_checkpoint(150),
+        health="collapsed" if source == "status" else "ok",
+    )
+    if source == "exit-code":
+        w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=3)
+    d = w.step()
+    assert d.delete_pods == ["tiny-grpo-trainer-0"]
+    assert w.status.phase == "RollingBack" and w.status.rollbacks == 1
+    assert w.status.last_failure.action == "roll back to checkpoint step 150"
+    assert w.status.restarts == 0
+    w.report = None
+    d = w.step()
+    assert "--resume=latest-healthy" in d.create[0]["spec"]["containers"][0]["command"]
+    w.run_all()
+    w.step()
+    assert w.status.phase == "Running"
+    # the next collapse is one too many
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=3)
+    w.step()
+    assert w.status.phase == "Failed" and w.status.last_failure.reason == "TooManyRollbacks"
+
+
+@pytest.mark.parametrize(
+    ("action", "phase"), [("fail", "Failed"), ("suspend", "Suspended"), ("alert", "Running")]
+)
+def test_collapse_actions(action, phase):
+    w = _world(stability={"onCollapse": action})
+    w.step()
+    w.run_all()
+    w.step()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.report = TrainerReport(pod_uid=uid, step=5, health="collapsed")
+    w.step()
+    w.step()
+    assert w.status.phase == phase
+    assert "Collapsed" in w.events or "Failed" in w.events
+    healthy = {c.type: c for c in w.status.conditions}["Healthy"]
+    assert healthy.status == "False" and healthy.reason == "Collapsed"
+
+
+def test_suspend_and_resume():
+    w = _world()
+    w.step()
+    w.run_all()
+    w.step()
+    w.spec["suspend"] = True
+    d = w.step()
+    assert sorted(d.delete_pods) == ["tiny-grpo-rollout-0", "tiny-grpo-trainer-0"]
+    assert w.status.phase == "Suspended" and w.pods == {}
+    assert w.step().create == []
+    w.spec["suspend"] = False
+    d = w.step()
+    assert w.status.phase == "Pending" and "Resumed" in w.events
+    trainer = next(m for m in d.create if m["metadata"]["name"] == "tiny-grpo-trainer-0")
+    assert "--resume=latest-healthy" in trainer["spec"]["containers"][0]["command"]
+    w.run_all()
+    w.step()
+    assert w.status.phase == "Running"
+
+
+def test_success_frees_the_rollout_pods():
+    w = _world()
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0)
+    d = w.step()
+    assert w.status.phase == "Succeeded" and d.delete_pods == ["tiny-grpo-rollout-0"]
+    assert w.step().create == []
+
+
+def test_image_pull_warns_then_fails_after_the_timeout():
+    w = _world(scheduling={"schedulingTimeoutSeconds": 100})
+    w.step()
+    w.set("tiny-grpo-rollout-0", waiting="ImagePullBackOff")
+    w.step()
+    ready = {c.type: c for c in w.status.conditions}["Ready"]
+    assert ready.reason == P.IMAGE_PULL and w.events.count(P.IMAGE_PULL) == 1
+    w.step()
+    assert w.events.count(P.IMAGE_PULL) == 1
+    w.tick(101)
+    w.step()
+    assert w.status.phase == "Failed" and w.status.last_failure.reason == P.IMAGE_PULL
+
+
+def test_scaling_down_removes_the_extra_slot():
+    w = _world(trainer={"replicas": {"min": 1, "max": 3}})
+    w.step()
+    w.spec["trainer"] = {"replicas": {"min": 1, "max": 2}}
+    d = w.step()
+    assert d.delete_pods == ["tiny-grpo-trainer-2"]
+
+
+# --------------------------------------------------------------- property tests
+
+POD_EVENTS = st.sampled_from(
+    [
+        "run",
+        "oom",
+        "evict",
+        "exit1",
+        "exit2",
+        "exit3",
+        "rdzv",
+        "lost",
+        "succeed",
+        "vanish",
+        "pull",
+        "schedule",
+    ]
+)
+ACTIONS = st.one_of(
+    st.tuples(st.just("pod"), st.integers(0, 4), POD_EVENTS),
+    st.tuples(st.just("tick"), st.integers(0, 400), st.just("")),
+    st.tuples(st.just("report"), st.integers(0, 500), st.sampled_from(["ok", "collapsed", "none"])),
+    st.tuples(st.just("suspend"), st.just(0), st.sampled_from(["on", "off"])),
+)
+EFFECTS = {
+    "run": dict(phase="Running", pod_ip="10.0.0.9"),
+    "oom": dict(phase="Failed", exit_code=137, terminated_reason="OOMKilled"),
+    "evict": dict(phase="Failed", pod_reason="Evicted"),
+    "exit1": dict(phase="Failed", exit_code=1),
+    "exit2": dict(phase="Failed", exit_code=2),
+    "exit3": dict(phase="Failed", exit_code=3),
+    "rdzv": dict(phase="Failed", exit_code=1, message="DistNetworkError: connectFullMesh"),
+    "lost": dict(phase="Unknown"),
+    "succeed": dict(phase="Succeeded", exit_code=0),
+    "pull": dict(waiting="ErrImagePull"),
+    "schedule": dict(scheduled=True),
+}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(ACTIONS, max_size=40),
+    st.sampled_from(["rollback", "suspend", "fail", "alert"]),
+    st.integers(1, 3),
+)
+def test_no_sequence_breaks_the_invariants(actions, on_collapse, replicas_max):
+    w = _world(
+        trainer={"replicas": {"min": 1, "max": replicas_max}},
+        stability={"onCollapse": on_collapse, "maxRollbacks": 2},
+        rollout={"instances": 2},
+    )
+    w.step()
+    for kind, number, what in actions:
+        if kind == "pod" and w.pods:
+            names = sorted(w.pods)
+            name = names[number % len(names)]
+            if what == "vanish":
+                w.pods.pop(name)
+            else:
+                w.set(name, **EFFECTS[what])
+        elif kind == "tick":
+            w.tick(number)
+        elif kind == "report":
+            trainers = [p for p in w.pods.values() if p.role == "trainer"]
+            w.report = (
+                None
+                if what == "none" or not trainers
+                else TrainerReport(
+                    pod_uid=trainers[0].uid,
+                    step=number,
+                    health=what,
+                    last_checkpoint=_checkpoint(number) if number % 2 else None,
+                )
+            )
+        elif kind == "suspend":
+            w.spec["suspend"] = what == "on"
+        w.step()  # World.check asserts the invariants after every reconcile
+    # one pod per slot, always
+    slots = [(p.role, p.index) for p in w.pods.values()]
+    assert len(slots) == len(set(slots))
+    assert w.status.rollbacks <= 2
