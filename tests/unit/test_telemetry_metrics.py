@@ -122,3 +122,20 @@ def test_rollout_source_gets_only_rollout_metrics():
     names = set(exporter.collectors)
     assert names == {m.name for m in M.METRICS if m.source == "rollout"}
     assert "rlft_rollout_request_duration_seconds" in names
+
+
+def test_operator_side_modules_import_neither_torch_nor_exporters():
+    """The operator image has no torch; rules, dashboard and detector must not need it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import rlft.trainer.telemetry.metrics, rlft.trainer.telemetry.alerts\n"
+        "import rlft.trainer.telemetry.dashboard, rlft.trainer.telemetry.spec\n"
+        "import rlft.trainer.stability.actions, rlft.trainer.stability.detector\n"
+        "heavy = {'torch', 'prometheus_client', 'opentelemetry'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
