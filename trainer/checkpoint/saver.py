@@ -281,8 +281,13 @@ class Checkpointer:
             )
             self._emit("retry", step=step, what=what, attempt=attempt, error=str(error))
 
+        # Backoff capped at 10 s: a store back from an outage is used again within
+        # seconds, at the price of one log line per 10 s while it is down.
         return with_retries(
-            call, deadline_s=max(0.0, deadline - time.monotonic()), on_retry=on_retry
+            call,
+            deadline_s=max(0.0, deadline - time.monotonic()),
+            cap=10.0,
+            on_retry=on_retry,
         )
 
     def _upload(self, job: _Job, deadline: float) -> list[FileEntry]:
