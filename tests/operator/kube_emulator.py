@@ -424,7 +424,12 @@ class Emulator(kmock.KubernetesEmulator):
             try:
                 body = json.loads(text) if text else None
             except ValueError:
-                raise ApiStatus(400, "BadRequest", "the request body is not JSON") from None
+                if method != "DELETE":  # DeleteOptions may come as protobuf: defaults then
+                    raise ApiStatus(
+                        415,
+                        "UnsupportedMediaType",
+                        f"only JSON bodies are served, not {raw.content_type}",
+                    ) from None
         validation = q.get("fieldValidation", "Warn")
         if method == "POST" and route.name is None:
             obj, warnings = self._write_create(rt, route.namespace, body, validation)
