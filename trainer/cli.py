@@ -72,6 +72,26 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     export.set_defaults(handler=ck.cmd_export)
 
 
+def cmd_crd(args: argparse.Namespace) -> int:
+    # Imported here: the operator's modules are not needed by the other commands.
+    from rlft.operator.crd import render_crd
+
+    text = render_crd()
+    if args.out in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"rlft: wrote {args.out}")
+    return ExitCode.OK
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from rlft.operator.__main__ import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlft", description="RL fine-tuning of language models, locally or on Kubernetes."
@@ -92,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a run already in the output folder"
     )
     train.set_defaults(handler=cmd_train)
+
+    crd = commands.add_parser("crd", help="print (or write) the RLFineTune CRD YAML")
+    crd.add_argument("--out", help="write it to this file (e.g. crds/rlfinetune.yaml)")
+    crd.set_defaults(handler=cmd_crd)
+
+    operator = commands.add_parser("operator", help="run the Kubernetes operator")
+    from rlft.operator.__main__ import add_arguments
+
+    add_arguments(operator)
+    operator.set_defaults(handler=cmd_operator)
     _add_checkpoint_commands(commands)
     return parser
 
