@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from rlft.trainer.cli_training import add_training_commands
 from rlft.trainer.config import JobFileError, RLFineTune, load_job
 from rlft.trainer.exit_codes import ExitCode
 
@@ -28,23 +29,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    job = _load_or_report(args.job)
-    if job is None:
-        return ExitCode.INVALID_CONFIG
-    # Imported here so that `rlft validate` works without the trainer's heavy extras.
-    from rlft.trainer.data.jsonl import DataFileError
-    from rlft.trainer.local_run import OutputExistsError, run_job
-    from rlft.trainer.modeling import ModelLoadError
-    from rlft.trainer.rewards import RewardError
+def cmd_crd(args: argparse.Namespace) -> int:
+    # Imported here: the operator's modules are not needed by the other commands.
+    from rlft.operator.crd import render_crd
 
-    out = Path(args.out) if args.out else Path("runs") / job.metadata.name
-    try:
-        run_job(job, out, max_steps=args.max_steps, overwrite=args.overwrite)
-    except (OutputExistsError, DataFileError, ModelLoadError, RewardError, ValueError) as error:
-        print(f"rlft: {error}", file=sys.stderr)
-        return ExitCode.INVALID_CONFIG
+    text = render_crd()
+    if args.out in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"rlft: wrote {args.out}")
     return ExitCode.OK
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from rlft.operator.__main__ import run
+
+    return run(args)
 
 
 def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
@@ -72,26 +74,6 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     export.set_defaults(handler=ck.cmd_export)
 
 
-def cmd_crd(args: argparse.Namespace) -> int:
-    # Imported here: the operator's modules are not needed by the other commands.
-    from rlft.operator.crd import render_crd
-
-    text = render_crd()
-    if args.out in (None, "-"):
-        sys.stdout.write(text)
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        print(f"rlft: wrote {args.out}")
-    return ExitCode.OK
-
-
-def cmd_operator(args: argparse.Namespace) -> int:
-    from rlft.operator.__main__ import run
-
-    return run(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlft", description="RL fine-tuning of language models, locally or on Kubernetes."
@@ -104,14 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("job", help="RLFineTune manifest (YAML)")
     validate.set_defaults(handler=cmd_validate)
 
-    train = commands.add_parser("train", help="run a job on this machine")
-    train.add_argument("job", help="RLFineTune manifest (YAML)")
-    train.add_argument("--out", help="output folder (default runs/<metadata.name>)")
-    train.add_argument("--max-steps", type=int, help="stop after this many RL steps")
-    train.add_argument(
-        "--overwrite", action="store_true", help="replace a run already in the output folder"
-    )
-    train.set_defaults(handler=cmd_train)
+    add_training_commands(commands)
 
     crd = commands.add_parser("crd", help="print (or write) the RLFineTune CRD YAML")
     crd.add_argument("--out", help="write it to this file (e.g. crds/rlfinetune.yaml)")

@@ -199,3 +199,56 @@ def supervised_batch(
         [encode_answer(p.answer) for p in problems],
         pad_id,
     )
+
+
+def sample_and_score(
+    engine,
+    problems: list[Problem],
+    encode_prompt: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    reward_model,
+    group_size: int,
+    sampling,
+    generator: torch.Generator,
+) -> Rollouts:
+    """One round: `group_size` completions per problem, scored by the job's rewards."""
+    prompt_ids = [encode_prompt(p.prompt) for p in problems]
+    completions = engine.generate(prompt_ids, group_size, sampling, generator)
+    texts = [decode(c.token_ids) for c in completions]
+    answers = [problems[c.prompt_index].answer for c in completions]
+    scores = reward_model.score(texts, answers)
+    exact = scores.per_term.get("exact_match")
+    accuracy = sum(exact) / len(exact) if exact else float("nan")
+    return Rollouts(prompt_ids, problems, completions, torch.tensor(scores.total), accuracy)
+
+
+def collect(
+    draw: Callable[[int], list[Problem]],
+    sample: Callable[[list[Problem]], Rollouts],
+    prompts: int,
+    group_size: int,
+    dynamic: bool,
+    max_rounds: int,
+) -> Rollouts:
+    """Rollouts for `prompts` prompts; with dynamic sampling, only informative groups,
+    sampling more rounds (at most `max_rounds`) until enough are found."""
+    first = sample(draw(prompts))
+    if not dynamic:
+        return first
+    kept, rounds, seen = [], 0, 0
+    accuracy_sum, count = 0.0, 0
+    part = first
+    while True:
+        rounds += 1
+        seen += len(part.problems)
+        accuracy_sum += part.accuracy * len(part.completions)
+        count += len(part.completions)
+        kept.append(keep_informative(part, group_size))
+        have = sum(len(k.problems) for k in kept)
+        if have >= prompts or rounds >= max_rounds:
+            break
+        part = sample(draw(prompts))
+    out = concat(kept, prompts, group_size)
+    out.accuracy = accuracy_sum / max(count, 1)
+    out.stats = {"sampling_rounds": rounds, "groups_kept": min(have, prompts), "groups_seen": seen}
+    return out

@@ -96,6 +96,9 @@ def compare(
 
 def _load_models(folder: Path, dist: Dist, job: RLFineTune) -> Models:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     from rlft.trainer.distributed.fsdp import shard_model
     from rlft.trainer.modeling import to_float64
@@ -154,11 +157,12 @@ def write_case(
 
 def run_cases(world_size: int, cases: list[Path]) -> list[dict[str, torch.Tensor]]:
     """Gradients from `world_size` torchrun ranks, one launch for all cases."""
-    from rlft.trainer.distributed.launch import run_workers
+    from rlft.trainer.distributed.launch import WorkersFailed, run_workers_captured
 
-    code = run_workers(world_size, WORKER, [str(c) for c in cases], timeout_s=900)
-    if code != 0:
-        raise RuntimeError(f"the {world_size} verification workers failed (exit {code})")
+    try:
+        run_workers_captured(world_size, WORKER, [str(c) for c in cases], timeout_s=900)
+    except WorkersFailed as error:
+        raise RuntimeError(f"the {world_size} verification workers failed: {error}") from None
     outs = [json.loads(c.read_text())["out"] for c in cases]
     return [torch.load(out, weights_only=False) for out in outs]
 
@@ -177,7 +181,11 @@ def local_gradients(
 def prepare(job: RLFineTune, folder: Path, sequences: int) -> str:
     """Build the job's model(s) and a batch of real rollouts into `folder`; returns a note
     on how the batch was made."""
+    from transformers.utils import logging as hf_logging
+
     from rlft.trainer.verify_batch import verification_batch
+
+    hf_logging.disable_progress_bar()
 
     models, batch, note = verification_batch(job, sequences, random.Random(job.spec.trainer.seed))
     models.policy.save_pretrained(folder / "policy")

@@ -69,7 +69,8 @@ def arithmetic_spec(rl_steps: int = 3, kl: float = 0.0) -> dict:
         "data": {"source": "arithmetic", "arithmetic": {"digits": 2, "evalSize": 40}},
         "algorithm": {
             "sft": {"steps": 5, "batchSize": 16, "warmupSteps": 1},
-            "grpo": {"groupSize": 4, "klCoef": kl},
+            "groupSize": 4,
+            "kl": {"coef": kl},
         },
         "trainer": {"steps": rl_steps, "promptsPerStep": 4, "microBatchSize": 5},
         "rollout": {"sampling": {"maxNewTokens": 4}},
@@ -134,7 +135,7 @@ def test_grpo_learns_a_user_reward(tmp_path: Path, monkeypatch) -> None:
         "model": TINY_MODEL,
         "data": {"source": "jsonl", "jsonl": {"train": str(prompts)}},
         "reward": {"functions": [{"name": "sevens:starts_with_seven"}]},
-        "algorithm": {"sft": {"steps": 0}, "grpo": {"groupSize": 8}},
+        "algorithm": {"sft": {"steps": 0}, "groupSize": 8},
         "trainer": {"steps": 40, "promptsPerStep": 8, "learningRate": 0.01, "seed": 3},
         "rollout": {"sampling": {"maxNewTokens": 2}},
     }
@@ -193,7 +194,7 @@ def test_warm_start_stops_once_the_probe_reaches_its_target(tmp_path: Path) -> N
                 "probeEverySteps": 5,
                 "probeProblems": 32,
             },
-            "grpo": {"groupSize": 2},
+            "groupSize": 2,
         },
         "trainer": {"steps": 1, "promptsPerStep": 2},
         "rollout": {"sampling": {"maxNewTokens": 2}},

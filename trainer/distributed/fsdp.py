@@ -45,6 +45,9 @@ def shard_model(model: torch.nn.Module, parallelism: Parallelism, dist: Dist) ->
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives: gloo has no PREMUL_SUM, and with a factor of 1 there
+            # is nothing to pre- or post-scale.
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 

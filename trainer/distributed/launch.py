@@ -35,3 +35,34 @@ def run_workers(nproc: int, module: str, args: list[str], timeout_s: float | Non
     """Run the module on `nproc` local ranks; returns torchrun's exit code."""
     command = torchrun_command(nproc, module, args)
     return subprocess.run(command, env=worker_env(nproc), timeout=timeout_s).returncode
+
+
+class WorkersFailed(RuntimeError):
+    """The workers exited non-zero; the message holds the first error lines they printed."""
+
+
+def run_workers_captured(
+    nproc: int, module: str, args: list[str], timeout_s: float | None = None, attempts: int = 2
+) -> str:
+    """Run the module on `nproc` local ranks, capturing their output; a launch that fails
+    before the workers start (the free rendezvous port taken by another process in the
+    meantime) is retried. Returns the output; raises `WorkersFailed` otherwise."""
+    output = ""
+    for _ in range(attempts):
+        done = subprocess.run(
+            torchrun_command(nproc, module, args),
+            env=worker_env(nproc),
+            timeout=timeout_s,
+            capture_output=True,
+            text=True,
+        )
+        output = done.stdout + done.stderr
+        if done.returncode == 0:
+            return output
+        if not any(sign in output for sign in _LAUNCH_FAILURES):
+            break
+    errors = [line for line in output.splitlines() if "Error" in line or "error:" in line]
+    raise WorkersFailed("; ".join(dict.fromkeys(errors[:6])) or output[-2000:])
+
+
+_LAUNCH_FAILURES = ("Address already in use", "EADDRINUSE", "RendezvousConnectionError")

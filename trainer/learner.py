@@ -1,0 +1,120 @@
+"""The trainer side of a step, on every rank: take this rank's shard of the batch,
+accumulate the whole batch's gradient, clip, apply; then publish the new weights to the
+rollout engine (rank 0's unsharded copy when the policy is sharded).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from rlft.trainer.algorithms.objectives import Models
+from rlft.trainer.batch import SequenceBatch, rank_shard
+from rlft.trainer.config import TrainerSpec
+from rlft.trainer.distributed import Dist
+from rlft.trainer.distributed.fsdp import shard_model
+from rlft.trainer.train_step import backward, clip_and_norm, plan_step
+
+
+@dataclass
+class StepResult:
+    stats: dict[str, float] = field(default_factory=dict)
+    grad_norm: float = 0.0
+    applied: bool = True
+    reason: str = ""
+
+
+class Learner:
+    """Owns the trained models and their optimizers."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        trainer: TrainerSpec,
+        dist: Dist,
+    ):
+        self.dist = dist
+        self.trainer = trainer
+        # Rank 0 samples with an unsharded copy when the policy is sharded; in a single
+        # process the engine shares the policy itself, so its weights are always current.
+        self.engine_model = copy.deepcopy(policy) if dist.active and dist.is_main else policy
+        self.models = Models(shard_model(policy, trainer.parallelism, dist))
+        self.optimizer = self._adamw(self.models.policy, trainer.learning_rate)
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+
+    def _adamw(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=lr, weight_decay=self.trainer.weight_decay)
+
+    def attach_critic(self, critic: torch.nn.Module, lr: float) -> None:
+        """PPO's critic, built once the policy it starts from is final (after SFT)."""
+        self.models.critic = shard_model(critic, self.trainer.parallelism, self.dist)
+        self.critic_optimizer = self._adamw(self.models.critic, lr)
+
+    def reset_optimizer(self, lr: float) -> None:
+        """A fresh optimizer (new phase, e.g. RL after the warm start)."""
+        self.optimizer = self._adamw(self.models.policy, lr)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, objective, batch: SequenceBatch, epochs: int = 1) -> StepResult:
+        """`epochs` optimizer steps over `batch` (which every rank holds whole)."""
+        self.models.policy.train()
+        shard = rank_shard(batch, self.dist.rank, self.dist.world, objective.unit)
+        plan = plan_step(
+            objective, self.models, shard, batch, self.trainer.micro_batch_size, self.dist
+        )
+        if plan.norms.tokens <= 0:
+            return StepResult(applied=False, reason="no trainable tokens in the batch")
+        result = StepResult()
+        for _ in range(epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.critic_optimizer is not None:
+                self.critic_optimizer.zero_grad(set_to_none=True)
+            result.stats = backward(objective, self.models, plan, self.dist)
+            result.grad_norm = clip_and_norm(
+                list(self.models.policy.parameters()), self.trainer.grad_clip
+            )
+            if not math.isfinite(result.grad_norm):
+                result.applied, result.reason = False, "non-finite gradient norm"
+                break
+            self.optimizer.step()
+            if self.critic_optimizer is not None:
+                clip_and_norm(list(self.models.critic.parameters()), self.trainer.grad_clip)
+                self.critic_optimizer.step()
+        result.stats["norm_tokens"] = plan.norms.tokens
+        result.stats["norm_sequences"] = plan.norms.sequences
+        result.stats["norm_pairs"] = plan.norms.pairs
+        return result
+
+    def publish(self) -> None:
+        """Copy the new weights into rank 0's engine model (collective when sharded)."""
+        if not self.dist.active:
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.models.policy, options=options)
+        if self.dist.is_main:
+            self.engine_model.load_state_dict(state)
+
+    def full_policy_state(self) -> dict[str, torch.Tensor]:
+        """The whole policy state on every rank (collective when sharded)."""
+        if not self.dist.active:
+            return self.models.policy.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(
+            self.models.policy, options=StateDictOptions(full_state_dict=True)
+        )

@@ -1,0 +1,370 @@
+"""The step loops of a job: the supervised warm start, RL (grpo, rloo, reinforce++, ppo),
+preference optimisation (dpo) and supervised training (sft).
+
+Rank 0 makes each batch (it owns the rollout engine, the rewards and the reference
+model) and broadcasts it; every rank trains on its shard through the `Learner`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import IO
+
+import torch
+
+from rlft.trainer.algorithms.objectives import Supervised, build_objective
+from rlft.trainer.batch import SequenceBatch
+from rlft.trainer.config import RLFineTune
+from rlft.trainer.data import Problem, Task
+from rlft.trainer.distributed import Dist
+from rlft.trainer.encoding import Encoder
+from rlft.trainer.evaluate import greedy_accuracy
+from rlft.trainer.learner import Learner, StepResult
+from rlft.trainer.orchestrator import (
+    collect,
+    preference_batch,
+    reference_logprobs,
+    rl_batch,
+    sample_and_score,
+    supervised_batch,
+)
+from rlft.trainer.progress import Reporter
+from rlft.trainer.rewards import RewardModel
+from rlft.trainer.rollout import SamplingParams, TransformersEngine
+
+
+@dataclass
+class Run:
+    """Everything the loops share. `engine`, `rewards` and `metrics` exist on rank 0."""
+
+    job: RLFineTune
+    task: Task
+    encoder: Encoder
+    learner: Learner
+    dist: Dist
+    reporter: Reporter
+    engine: TransformersEngine | None = None
+    rewards: RewardModel | None = None
+    metrics: IO[str] | None = None
+    reference: torch.nn.Module | None = None
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def spec(self):
+        return self.job.spec
+
+    def accuracy(self, problems: list[Problem]) -> float:
+        assert self.engine is not None
+        return greedy_accuracy(
+            self.engine,
+            problems,
+            self.encoder.prompt,
+            self.encoder.decode,
+            self.spec.rollout.sampling.max_new_tokens,
+        )
+
+    def eval_accuracy(self) -> float:
+        """Held-out greedy accuracy, computed on rank 0 and shared with every rank."""
+        value = None
+        if self.dist.is_main:
+            value = self.accuracy(self.task.eval_problems()[: self.spec.eval.max_problems])
+        return self.dist.broadcast(value)
+
+    def freeze_reference(self) -> None:
+        """A frozen copy of the current policy (rank 0), for KL terms and DPO."""
+        if self.dist.is_main:
+            self.reference = copy.deepcopy(self.learner.engine_model).eval()
+            for parameter in self.reference.parameters():
+                parameter.requires_grad_(False)
+
+    def ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
+        assert self.reference is not None
+        return reference_logprobs(
+            self.reference,
+            batch,
+            self.spec.rollout.sampling.temperature,
+            self.spec.trainer.micro_batch_size,
+        )
+
+    def write(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+
+def warmup_lr(step: int, warmup_steps: int, peak: float) -> float:
+    """Linear warm-up over `warmup_steps`, then constant."""
+    return peak * min(1.0, step / max(1, warmup_steps))
+
+
+def warm_start(run: Run) -> int:
+    """Supervised fine-tuning on reference answers before RL; stops early once a probe of
+    fresh training problems reaches `stopAtAccuracy`. Returns the steps taken."""
+    sft = run.spec.algorithm.sft
+    rng, probe_rng = (
+        random.Random(run.spec.trainer.seed + 1),
+        random.Random(run.spec.trainer.seed + 2),
+    )
+    objective = Supervised(run.spec.algorithm)
+    run.learner.reset_optimizer(sft.learning_rate)
+    run.reporter.start("SFT warm start", sft.steps)
+    for step in range(1, sft.steps + 1):
+        run.learner.set_lr(warmup_lr(step, sft.warmup_steps, sft.learning_rate))
+        problems = [run.task.train_problem(rng) for _ in range(sft.batch_size)]
+        batch = supervised_batch(
+            problems, run.encoder.prompt, run.encoder.answer, run.encoder.pad_id
+        )
+        result = run.learner.step(objective, batch)
+        run.learner.publish()
+        run.reporter.advance(step, f"loss {result.stats.get('loss', float('nan')):.3f}")
+        if sft.stop_at_accuracy is not None and step % sft.probe_every_steps == 0:
+            accuracy = None
+            if run.dist.is_main:
+                probe = [run.task.train_problem(probe_rng) for _ in range(sft.probe_problems)]
+                accuracy = run.accuracy(probe)
+            accuracy = run.dist.broadcast(accuracy)
+            if accuracy >= sft.stop_at_accuracy:
+                run.reporter.stop()
+                run.reporter.log(
+                    f"rlft: warm start reached {accuracy:.3f} on a probe of training problems "
+                    f"after {step} steps (target {sft.stop_at_accuracy}); starting RL"
+                )
+                return step
+    run.reporter.stop()
+    return sft.steps
+
+
+def _sampling(run: Run) -> SamplingParams:
+    s = run.spec.rollout.sampling
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+
+
+def _make_rl_batch(run: Run, rng: random.Random, generator: torch.Generator):
+    """Rank 0: rollouts → scored, shaped, filtered → a training batch (or None)."""
+    spec, algorithm = run.spec, run.spec.algorithm
+    sampling = _sampling(run)
+
+    def sample(problems: list[Problem]):
+        return sample_and_score(
+            run.engine,
+            problems,
+            run.encoder.prompt,
+            run.encoder.decode,
+            run.rewards,
+            algorithm.group_size,
+            sampling,
+            generator,
+        )
+
+    rollouts = collect(
+        lambda n: [run.task.train_problem(rng) for _ in range(n)],
+        sample,
+        spec.trainer.prompts_per_step,
+        algorithm.group_size,
+        algorithm.dynamic_sampling.enabled,
+        algorithm.dynamic_sampling.max_rounds,
+    )
+    if not rollouts.completions:
+        return None, rollouts
+    reference = run.ref_logp if run.reference is not None else None
+    batch = rl_batch(algorithm, rollouts, run.encoder.pad_id, sampling.max_new_tokens, reference)
+    return batch, rollouts
+
+
+def rl_loop(run: Run, steps: int) -> None:
+    """grpo / rloo / reinforce++ / ppo."""
+    spec = run.spec
+    trainer, algorithm = spec.trainer, spec.algorithm
+    rng, generator = random.Random(trainer.seed), torch.Generator().manual_seed(trainer.seed)
+    objective = build_objective(
+        algorithm, spec.rollout.sampling.temperature, spec.rollout.sampling.max_new_tokens
+    )
+    run.learner.reset_optimizer(trainer.learning_rate)
+    run.reporter.start(algorithm.name.upper(), steps)
+    for step in range(1, steps + 1):
+        started = time.perf_counter()
+        lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
+        run.learner.set_lr(lr)
+        batch, rollouts = _make_rl_batch(run, rng, generator) if run.dist.is_main else (None, None)
+        generated = time.perf_counter()
+        batch = run.dist.broadcast(batch)
+        if batch is None:
+            result = StepResult(applied=False, reason="no informative groups were sampled")
+        else:
+            result = run.learner.step(objective, batch, algorithm.policy_loss.epochs)
+        run.learner.publish()
+        if result.applied and run.engine is not None:
+            run.engine.set_policy_version(run.engine.policy_version + 1)
+        finished = time.perf_counter()
+        if run.dist.is_main:
+            record = {"step": step, "policy_version": run.engine.policy_version, "lr": lr}
+            record |= rollout_metrics(rollouts) | update_metrics(result)
+            record |= {
+                "gen_time_s": generated - started,
+                "train_time_s": finished - generated,
+                "step_time_s": finished - started,
+            }
+            if spec.eval.every_steps and step % spec.eval.every_steps == 0 and step < steps:
+                record["eval_accuracy"] = run.accuracy(
+                    run.task.eval_problems()[: spec.eval.max_problems]
+                )
+            run.write(record)
+            run.reporter.advance(
+                step,
+                f"reward {record['reward_mean']:.3f} acc {record['train_accuracy']:.2f} "
+                f"loss {record.get('loss', float('nan')):+.4f} "
+                f"gnorm {record.get('grad_norm', float('nan')):.3f}",
+            )
+    run.reporter.stop()
+
+
+def rollout_metrics(rollouts) -> dict[str, float]:
+    rewards = rollouts.rewards.to(torch.float64)
+    completions = rollouts.completions
+    lengths = [len(c.token_ids) for c in completions] or [0]
+    out = {
+        "reward_mean": rewards.mean().item() if rewards.numel() else float("nan"),
+        "reward_std": rewards.std(unbiased=False).item() if rewards.numel() else float("nan"),
+        "train_accuracy": rollouts.accuracy,
+        "response_len_mean": sum(lengths) / len(lengths),
+        "truncated_fraction": sum(c.finish_reason == "length" for c in completions)
+        / max(1, len(completions)),
+    }
+    return out | rollouts.stats
+
+
+def update_metrics(result: StepResult) -> dict[str, float]:
+    """Per-step averages from the summed statistics of the update."""
+    stats = result.stats
+    tokens = max(stats.get("norm_tokens", 0.0), 1.0)
+    pairs = max(stats.get("norm_pairs", 0.0), 1.0)
+    out: dict[str, float] = {"update_applied": result.applied}
+    if not result.applied:
+        out["skip_reason"] = result.reason
+        if not stats:
+            return out
+    out["loss"] = stats.get("loss", float("nan"))
+    out["grad_norm"] = result.grad_norm
+    out["tokens"] = stats.get("norm_tokens", 0.0)
+    for key in ("kl", "entropy", "is_weight"):
+        if key in stats:
+            out[key if key != "is_weight" else "is_weight_mean"] = stats[key] / tokens
+    if "clip" in stats:
+        out["clip_fraction"] = stats["clip"] / tokens
+        out["ratio_mean"] = stats["ratio"] / tokens
+        out["ratio_max"] = stats["ratio_max"]
+        out["ratio_min"] = stats["ratio_min"]
+        out["is_rejected_fraction"] = stats["is_rejected"] / tokens
+    if "value_loss" in stats:
+        out["value_loss"] = stats["value_loss"]
+    if "margin" in stats:
+        out["margin_mean"] = stats["margin"] / pairs
+        out["preference_accuracy"] = stats["preference_accuracy"] / pairs
+    return out | expert_metrics(stats)
+
+
+def expert_metrics(stats: dict[str, float]) -> dict[str, float | list[float]]:
+    """MoE load: tokens per expert per layer → imbalance (max / mean load) per layer."""
+    loads: dict[int, dict[int, float]] = {}
+    for key, value in stats.items():
+        if key.startswith("expert_tokens."):
+            _, layer, expert = key.split(".")
+            loads.setdefault(int(layer), {})[int(expert)] = value
+    if not loads:
+        return {}
+    imbalance, per_layer = [], []
+    for layer in sorted(loads):
+        counts = [loads[layer][e] for e in sorted(loads[layer])]
+        mean = sum(counts) / len(counts)
+        imbalance.append(max(counts) / mean if mean > 0 else float("nan"))
+        total = sum(counts) or 1.0
+        per_layer.append([c / total for c in counts])
+    return {
+        "expert_imbalance_max": max(imbalance),
+        "expert_imbalance": imbalance,
+        "expert_load": per_layer,
+    }
+
+
+def dpo_loop(run: Run, steps: int) -> dict[str, float]:
+    """DPO / IPO on preference pairs; returns held-out pair accuracy before and after."""
+    spec = run.spec
+    trainer, dpo = spec.trainer, spec.algorithm.dpo
+    rng = random.Random(trainer.seed)
+    objective = build_objective(spec.algorithm, 1.0, spec.rollout.sampling.max_new_tokens)
+    before = held_out_preferences(run)
+    run.learner.reset_optimizer(trainer.learning_rate)
+    run.reporter.start("DPO", steps)
+    for step in range(1, steps + 1):
+        lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
+        run.learner.set_lr(lr)
+        batch = None
+        if run.dist.is_main:
+            problems = [run.task.train_problem(rng) for _ in range(dpo.pairs_per_step)]
+            batch = _pairs(run, problems, rng)
+        result = run.learner.step(objective, run.dist.broadcast(batch))
+        run.learner.publish()
+        if run.dist.is_main:
+            run.engine.set_policy_version(run.engine.policy_version + 1)
+            record = {"step": step, "policy_version": run.engine.policy_version, "lr": lr}
+            record |= update_metrics(result)
+            run.write(record)
+            run.reporter.advance(
+                step,
+                f"loss {record['loss']:.4f} margin {record['margin_mean']:+.3f} "
+                f"pair acc {record['preference_accuracy']:.2f}",
+            )
+    run.reporter.stop()
+    after = held_out_preferences(run)
+    return {"eval_preference_accuracy_start": before, "eval_preference_accuracy_final": after}
+
+
+def _pairs(run: Run, problems: list[Problem], rng: random.Random) -> SequenceBatch:
+    batch = preference_batch(
+        problems, run.encoder.prompt, run.encoder.answer, run.encoder.pad_id, rng
+    )
+    return batch.with_fields(ref_logp=run.ref_logp(batch))
+
+
+def held_out_preferences(run: Run) -> float:
+    """Share of held-out pairs whose chosen answer the policy prefers to the rejected one
+    by more than the reference does (DPO's implicit reward), on rank 0."""
+    value = None
+    if run.dist.is_main:
+        problems = run.task.eval_problems()[: min(256, run.spec.eval.max_problems)]
+        batch = _pairs(run, problems, random.Random(12345))
+        policy_logp = reference_logprobs(
+            run.learner.engine_model, batch, 1.0, run.spec.trainer.micro_batch_size
+        )
+        margin = ((policy_logp - batch.ref_logp) * batch.mask).sum(-1)
+        value = (margin[0::2] > margin[1::2]).float().mean().item()
+    return run.dist.broadcast(value)
+
+
+def sft_loop(run: Run, steps: int) -> None:
+    """Supervised training as the job's algorithm (`name: sft`)."""
+    spec = run.spec
+    trainer = spec.trainer
+    rng = random.Random(trainer.seed)
+    objective = Supervised(spec.algorithm)
+    run.learner.reset_optimizer(trainer.learning_rate)
+    run.reporter.start("SFT", steps)
+    for step in range(1, steps + 1):
+        lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
+        run.learner.set_lr(lr)
+        problems = [run.task.train_problem(rng) for _ in range(trainer.prompts_per_step)]
+        batch = supervised_batch(
+            problems, run.encoder.prompt, run.encoder.answer, run.encoder.pad_id
+        )
+        result = run.learner.step(objective, batch)
+        run.learner.publish()
+        if run.dist.is_main:
+            run.engine.set_policy_version(run.engine.policy_version + 1)
+            record = {"step": step, "policy_version": run.engine.policy_version, "lr": lr}
+            run.write(record | update_metrics(result))
+            run.reporter.advance(step, f"loss {result.stats.get('loss', float('nan')):.4f}")
+    run.reporter.stop()
