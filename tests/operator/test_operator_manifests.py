@@ -195,3 +195,11 @@ def test_long_or_odd_job_names_still_give_valid_names(name):
     for pod in d.pods.values():
         assert len(pod["spec"]["hostname"]) <= 63
         assert len(pod["spec"]["subdomain"]) <= 63
+
+
+def test_the_operator_imports_no_torch():
+    code = (
+        "import sys, rlft.operator.handlers, rlft.operator.__main__, rlft.operator.crd\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
