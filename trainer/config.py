@@ -43,8 +43,9 @@ _USER_FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 class ModelInit(Section):
     """A small randomly initialised model built from this config (no download)."""
 
-    family: Literal["qwen3", "llama", "qwen3-moe"] = "qwen3"
-    """Architecture: dense `qwen3` or `llama`, or the mixture-of-experts `qwen3-moe`."""
+    family: Literal["qwen3", "llama", "qwen3-moe", "mixtral"] = "qwen3"
+    """Architecture: dense `qwen3` or `llama`, or mixture-of-experts `qwen3-moe` or
+    `mixtral`."""
     hidden_size: int = Field(128, ge=8, le=16384)
     """Width of the residual stream."""
     num_layers: int = Field(4, ge=1, le=256)
@@ -56,11 +57,11 @@ class ModelInit(Section):
     intermediate_size: int = Field(512, ge=8, le=65536)
     """Width of the dense MLP."""
     num_experts: int = Field(8, ge=2, le=1024)
-    """Experts per MoE layer (qwen3-moe only)."""
+    """Experts per MoE layer (MoE families only)."""
     experts_per_token: int = Field(2, ge=1, le=64)
-    """Experts each token is routed to (qwen3-moe only)."""
+    """Experts each token is routed to (MoE families only)."""
     moe_intermediate_size: int = Field(128, ge=8, le=65536)
-    """Width of each expert's MLP (qwen3-moe only)."""
+    """Width of each expert's MLP (MoE families only)."""
     max_position_embeddings: int = Field(512, ge=16, le=1_048_576)
     """Longest sequence (prompt + completion) the model supports."""
 
@@ -70,7 +71,7 @@ class ModelInit(Section):
             raise ValueError("hiddenSize must be divisible by numHeads")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("numHeads must be divisible by numKvHeads")
-        if self.family == "qwen3-moe" and self.experts_per_token > self.num_experts:
+        if self.family in ("qwen3-moe", "mixtral") and self.experts_per_token > self.num_experts:
             raise ValueError("expertsPerToken must be ≤ numExperts")
         return self
 
@@ -131,7 +132,10 @@ class JsonlTask(Section):
     prompt_field: str = "prompt"
     """Key of the prompt text in each object."""
     answer_field: str = "answer"
-    """Key of the reference answer in each object."""
+    """Key of the reference answer in each object (the preferred answer for DPO)."""
+    rejected_field: str | None = None
+    """Key of a dispreferred answer, for DPO pairs (without it DPO pairs each answer with
+    a nearby wrong one)."""
     chat: bool = False
     """Wrap each prompt in the tokenizer's chat template."""
 

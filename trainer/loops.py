@@ -331,17 +331,23 @@ def _pairs(run: Run, problems: list[Problem], rng: random.Random) -> SequenceBat
 
 
 def held_out_preferences(run: Run) -> float:
-    """Share of held-out pairs whose chosen answer the policy prefers to the rejected one
-    by more than the reference does (DPO's implicit reward), on rank 0."""
+    """Share of held-out pairs whose chosen answer the policy finds more likely than the
+    rejected one (summed log-probs), on rank 0."""
     value = None
     if run.dist.is_main:
         problems = run.task.eval_problems()[: min(256, run.spec.eval.max_problems)]
-        batch = _pairs(run, problems, random.Random(12345))
-        policy_logp = reference_logprobs(
+        batch = preference_batch(
+            problems,
+            run.encoder.prompt,
+            run.encoder.answer,
+            run.encoder.pad_id,
+            random.Random(12345),
+        )
+        logp = reference_logprobs(
             run.learner.engine_model, batch, 1.0, run.spec.trainer.micro_batch_size
         )
-        margin = ((policy_logp - batch.ref_logp) * batch.mask).sum(-1)
-        value = (margin[0::2] > margin[1::2]).float().mean().item()
+        total = (logp * batch.mask).sum(-1)
+        value = (total[0::2] > total[1::2]).float().mean().item()
     return run.dist.broadcast(value)
 
 

@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -44,6 +45,13 @@ def model_config(init: ModelInit, vocab_size: int, pad_id: int, eos_id: int) -> 
     )
     if init.family == "llama":
         return LlamaConfig(intermediate_size=init.intermediate_size, **common)
+    if init.family == "mixtral":
+        return MixtralConfig(
+            intermediate_size=init.moe_intermediate_size,
+            num_local_experts=init.num_experts,
+            num_experts_per_tok=init.experts_per_token,
+            **common,
+        )
     head_dim = init.hidden_size // init.num_heads
     if init.family == "qwen3":
         return Qwen3Config(intermediate_size=init.intermediate_size, head_dim=head_dim, **common)

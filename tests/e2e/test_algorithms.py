@@ -117,9 +117,10 @@ def test_two_ranks_train_like_one(tmp_path) -> None:
     assert any(r["grad_norm"] > 0 for r in metrics(tmp_path / "one"))
 
 
-def test_moe_gspo_trains_and_reports_expert_load(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_moe_gspo_trains_and_reports_expert_load(tmp_path, family) -> None:
     moe = TINY | {
-        "family": "qwen3-moe",
+        "family": family,
         "numExperts": 4,
         "expertsPerToken": 2,
         "moeIntermediateSize": 16,
@@ -165,3 +166,19 @@ def test_verify_passes_on_the_example_and_catches_a_planted_bug(tmp_path) -> Non
     )
     assert bad.returncode == 1, bad.stdout + bad.stderr[-3000:]
     assert "FAIL" in bad.stdout and "above tolerance" in bad.stdout
+
+
+def test_two_ranks_with_bf16_and_activation_checkpointing(tmp_path) -> None:
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["parallelism"] = {
+        "mixedPrecision": "bf16",
+        "activationCheckpointing": True,
+        "reshardAfterForward": False,
+    }
+    job.write_text(yaml.safe_dump(spec))
+    result = rlft("train", str(job), "--out", "out", "--nproc", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(tmp_path / "out")
+    assert len(records) == 3 and all(r["update_applied"] for r in records)
+    assert any(r["grad_norm"] > 0 for r in records)

@@ -121,6 +121,11 @@ CASES: dict[str, tuple[dict, dict, int]] = {
     "dpo": ({"name": "dpo"}, TINY, 16),
     "ipo": ({"name": "dpo", "dpo": {"loss": "ipo", "beta": 0.5}}, TINY, 16),
     "sft-uneven": ({"name": "sft"}, TINY, 14),
+    "mixtral-grpo": (
+        {"name": "grpo", "groupSize": 4},
+        MOE | {"family": "mixtral"},
+        16,
+    ),
     "moe-gspo": (
         {
             "name": "grpo",

@@ -97,3 +97,21 @@ def test_preference_pairs_put_the_answer_first() -> None:
     assert len(batch) == 4
     assert batch.targets[3, batch.mask[3] > 0].tolist() == [ord("n"), ord("o")]
     assert wrong_answer("12", random.Random(1)) != "12"
+
+
+def test_jsonl_preference_pairs_are_read(tmp_path) -> None:
+    from rlft.trainer.config import JsonlTask
+    from rlft.trainer.data.jsonl import DataFileError, JsonlProblems
+
+    path = tmp_path / "prefs.jsonl"
+    path.write_text('{"q": "hi", "good": "hello", "bad": "go away"}\n')
+    task = JsonlProblems(
+        JsonlTask(train=str(path), prompt_field="q", answer_field="good", rejected_field="bad")
+    )
+    assert task.train_problem(random.Random(0)) == Problem("hi", "hello", "go away")
+    with pytest.raises(DataFileError, match="'worse' is missing"):
+        JsonlProblems(
+            JsonlTask(
+                train=str(path), prompt_field="q", answer_field="good", rejected_field="worse"
+            )
+        )

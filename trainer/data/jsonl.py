@@ -15,7 +15,9 @@ class DataFileError(Exception):
     """A prompt file that cannot be used; the message names the file, line and key."""
 
 
-def read_problems(path: str, prompt_field: str, answer_field: str) -> list[Problem]:
+def read_problems(
+    path: str, prompt_field: str, answer_field: str, rejected_field: str | None = None
+) -> list[Problem]:
     file = Path(path)
     try:
         lines = file.read_text().splitlines()
@@ -31,13 +33,17 @@ def read_problems(path: str, prompt_field: str, answer_field: str) -> list[Probl
             raise DataFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
         if not isinstance(row, dict):
             raise DataFileError(f"{path}:{number}: each line must be a JSON object")
-        for key in (prompt_field, answer_field):
+        keys = (prompt_field, answer_field) + ((rejected_field,) if rejected_field else ())
+        for key in keys:
             if not isinstance(row.get(key), str | int | float):
                 raise DataFileError(
-                    f"{path}:{number}: key {key!r} is missing or not text "
-                    f"(set spec.data.jsonl.promptField/answerField to the file's keys)"
+                    f"{path}:{number}: key {key!r} is missing or not text (set "
+                    "spec.data.jsonl.promptField/answerField/rejectedField to the file's keys)"
                 )
-        problems.append(Problem(prompt=str(row[prompt_field]), answer=str(row[answer_field])))
+        rejected = str(row[rejected_field]) if rejected_field else None
+        problems.append(
+            Problem(prompt=str(row[prompt_field]), answer=str(row[answer_field]), rejected=rejected)
+        )
     if not problems:
         raise DataFileError(f"{path}: holds no problems")
     return problems
@@ -46,10 +52,9 @@ def read_problems(path: str, prompt_field: str, answer_field: str) -> list[Probl
 class JsonlProblems:
     def __init__(self, spec: JsonlTask):
         self.spec = spec
-        self._train = read_problems(spec.train, spec.prompt_field, spec.answer_field)
-        self._eval = (
-            read_problems(spec.eval, spec.prompt_field, spec.answer_field) if spec.eval else []
-        )
+        fields = (spec.prompt_field, spec.answer_field, spec.rejected_field)
+        self._train = read_problems(spec.train, *fields)
+        self._eval = read_problems(spec.eval, *fields) if spec.eval else []
 
     def train_problem(self, rng: random.Random) -> Problem:
         return rng.choice(self._train)
