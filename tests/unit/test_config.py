@@ -292,7 +292,7 @@ def test_micro_batch_size_zero_exact_line() -> None:
         ),
         pytest.param(
             manifest(model={"init": {"family": "gpt2"}}),
-            "spec.model.init.family: must be one of 'qwen3', 'llama' or 'qwen3-moe'",
+            "spec.model.init.family: must be one of 'qwen3', 'llama', 'qwen3-moe' or 'mixtral'",
             id="family",
         ),
         pytest.param(
