@@ -14,9 +14,12 @@ planted into every healthy trace at several onsets by these transforms:
                      the 100 steps before it ("the grad norm jumped 10×"), and the loss
                      is scaled by the same factor. "own value" rows instead multiply the
                      step's own grad_norm by N (which may be below the median).
-- lr ×100:           the update of the onset step is 100× too large; from the next step
-                     on grad_norm is multiplied by the factor seen after the real lr×100
-                     step (LR100_GRAD_FACTORS, then 1) and the reward by LR100_REWARD_FACTORS.
+- lr ×100:           the update of the onset step is 100× too large. What the real run
+                     with that fault (traces/lr100-seed5.csv) showed from the next step on,
+                     for the 110 steps it lasted: the policy is wrecked, reward and grad
+                     norm drop to ~0 (all-zero rewards give zero advantages) and entropy
+                     rises ~3×. The transform multiplies reward_mean and grad_norm by
+                     LR100_FACTOR and entropy by 3 from the step after the onset on.
 - data poisoning:    for 30 steps from the onset the reference answers are wrong: the
                      reward of those steps is multiplied by POISON_REWARD_FACTOR (what
                      the real poisoned run showed) and entropy, grad norm stay real.
@@ -56,8 +59,7 @@ ONSETS = (40, 120, 220, 320, 420)
 ENTROPY_TAU, ENTROPY_LABEL_OFFSET = 20, 28  # exp(-28/20) ≈ 0.25
 POISON_STEPS = 30
 # Measured on the real runs in traces/ (see README there); used by the transforms.
-LR100_GRAD_FACTORS = (30.0, 8.0, 3.0, 1.5)
-LR100_REWARD_FACTORS = (0.2, 0.3, 0.5, 0.8)
+LR100_FACTOR = 0.02
 POISON_REWARD_FACTOR = 0.05
 
 
@@ -115,9 +117,10 @@ def plant_spike(factor, relative_to_median=True):
 
 def plant_lr100(records, t):
     out = _copy(records, t + HORIZON)
-    for i, (g, r) in enumerate(zip(LR100_GRAD_FACTORS, LR100_REWARD_FACTORS, strict=True)):
-        out[t + 1 + i]["grad_norm"] *= g
-        out[t + 1 + i]["reward_mean"] *= r
+    for r in out[t + 1 :]:
+        r["grad_norm"] *= LR100_FACTOR
+        r["reward_mean"] *= LR100_FACTOR
+        r["entropy"] *= 3
     return out, t + 1, t + 1  # the step's own record is clean: its gradient came first
 
 

@@ -237,3 +237,13 @@ def test_state_dict_resume_gives_identical_verdicts(seed: int, split: int, spike
 def test_unknown_state_version_is_refused():
     with pytest.raises(ValueError, match="version"):
         Detector().load_state_dict({"version": 99})
+
+
+def test_zero_gradients_stay_out_of_the_spike_statistics():
+    records = stream(80)
+    for record in records[30:70]:
+        record["grad_norm"] = 0.0  # all advantages zero: a no-op step
+    records[75]["grad_norm"] = 0.05  # small, after many zero steps: not a spike
+    detector, verdicts = run(records)
+    assert not any(v.skip_update for v in verdicts)
+    assert all(math.isfinite(x) and x > -10 for x in detector.log_grad)

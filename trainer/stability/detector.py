@@ -46,7 +46,7 @@ TREND_CHECKS = (
 )
 CHECKS = STEP_CHECKS + TREND_CHECKS
 _MAD_TO_SIGMA = 1.4826
-_LOG_EPS = 1e-12
+_ZERO_GRAD = 1e-10
 
 
 @dataclass
@@ -145,9 +145,11 @@ class Detector:
 
     def _grad_norm(self, record: dict, levels: dict, reasons: list) -> tuple[float | None, float]:
         value = record.get("grad_norm")
-        if not _finite(value):
+        if not _finite(value) or value <= _ZERO_GRAD:
+            # A zero gradient (every group's rewards equal: zero advantages) says nothing
+            # about the scale of the next one; it stays out of the statistics.
             return None, math.nan
-        x = math.log(max(float(value), 0.0) + _LOG_EPS)
+        x = math.log(float(value))
         spec = self.spec.grad_norm
         if self.steps_seen < spec.warmup_steps or len(self.log_grad) < 3:
             return None, x
