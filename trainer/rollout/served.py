@@ -1,0 +1,102 @@
+"""Engines as the rollout server hosts them: built from a published Hugging Face folder,
+updated in place to a new policy version, generating with a per-request seed.
+
+`transformers` wraps the in-process `TransformersEngine` (runs anywhere); `vllm` lives in
+`vllm_engine.py` and is imported only when asked for (it needs its own environment on
+these machines, see FACTS.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from rlft.trainer.rollout.engine import Completion, SamplingParams
+from rlft.trainer.rollout.transformers_engine import TransformersEngine
+
+
+class ServedEngine(Protocol):
+    name: str
+    policy_version: int
+    vocab_size: int
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        stop_ids: list[int],
+    ) -> list[Completion]: ...
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def load_folder(self, folder: Path, version: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def load_named(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy Hugging Face-named tensors into `model`; only tied aliases may be absent."""
+    result = model.load_state_dict(tensors, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(
+            f"weights name {len(result.unexpected_keys)} tensor(s) the served model lacks, "
+            f"e.g. {result.unexpected_keys[0]!r}: publish weights of the same architecture"
+        )
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ValueError(
+            f"weights lack {len(missing)} tensor(s) of the served model, e.g. {missing[0]!r}"
+        )
+
+
+class TransformersServed:
+    """The transformers engine on a model of its own (not shared with a trainer)."""
+
+    name = "transformers"
+
+    def __init__(self, folder: Path, version: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
+        eos = config.eos_token_id
+        self.default_stops = [eos] if isinstance(eos, int) else list(eos or [])
+        self.policy_version = version
+
+    def generate(self, prompts, n, sampling, seed, stop_ids) -> list[Completion]:
+        engine = TransformersEngine(self.model, self.pad_id, stop_ids or self.default_stops)
+        engine.set_policy_version(self.policy_version)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return engine.generate(prompts, n, sampling, generator)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            load_named(self.model, tensors)
+        self.policy_version = version
+
+    def load_folder(self, folder: Path, version: int) -> None:
+        from rlft.trainer.weights.store import read_tensors
+
+        self.load_tensors(read_tensors(folder), version)
+
+    def close(self) -> None:
+        pass
+
+
+def build_engine(
+    kind: str, folder: Path, version: int, tensor_parallel: int = 1, expert_parallel: int = 1
+) -> ServedEngine:
+    if kind == "transformers":
+        return TransformersServed(folder, version)
+    if kind == "vllm":
+        from rlft.trainer.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(folder, version, tensor_parallel, expert_parallel)
+    raise ValueError(f"unknown rollout engine {kind!r}: use transformers or vllm")

@@ -1,0 +1,327 @@
+"""`rlft rollout` (alias `rlft rollout-server`): one rollout instance behind HTTP.
+
+The protocol is in `protocol.py`. Weight updates are atomic with respect to requests: a
+generate request holds the engine for its whole duration, a weight load waits for it and
+then keeps new requests out until it is done (writer preference), so every completion
+is produced by exactly one policy version, which it reports.
+
+Start-up: the engine is built from the newest version under the publication location
+(catch-up after a restart), or from `spec.model.path`, or from the first `POST /weights`;
+until then `/healthz` answers 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from rlft.trainer.rollout.protocol import (
+    GenerateRequest,
+    ProtocolError,
+    WeightsRequest,
+    completion_to_json,
+)
+
+MAX_BODY = 64 << 20
+
+
+class EngineHost:
+    """The served engine plus the lock that makes weight updates atomic."""
+
+    def __init__(self, build: Callable[[Path, int], Any], metrics=None):
+        self._build = build
+        self.engine = None
+        self._cond = threading.Condition()
+        self._busy = False
+        self._writers_waiting = 0
+        self._group = None
+        self._metrics = metrics
+
+    @contextlib.contextmanager
+    def _use(self, writer: bool) -> Iterator[None]:
+        with self._cond:
+            if writer:
+                self._writers_waiting += 1
+            try:
+                while self._busy or (not writer and self._writers_waiting):
+                    self._cond.wait()
+            finally:
+                if writer:
+                    self._writers_waiting -= 1
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    @property
+    def policy_version(self) -> int | None:
+        return None if self.engine is None else self.engine.policy_version
+
+    def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        started = time.perf_counter()
+        with self._use(writer=False):
+            if self.engine is None:
+                raise RuntimeError("no weights loaded yet")
+            completions = self.engine.generate(
+                request.prompts, request.n, request.sampling, request.seed, request.stop_ids
+            )
+            version = self.engine.policy_version
+        seconds = time.perf_counter() - started
+        tokens = sum(len(c.token_ids) for c in completions)
+        if self._metrics is not None:
+            self._metrics.generated(tokens, seconds)
+        return {
+            "request_id": request.request_id,
+            "policy_version": version,
+            "completions": [completion_to_json(c) for c in completions],
+            "tokens": tokens,
+            "seconds": seconds,
+        }
+
+    def load(self, request: WeightsRequest) -> dict[str, Any]:
+        started = time.perf_counter()
+        if request.broadcast is not None:
+            version, tensors = self._receive(request)
+            with self._use(writer=True):
+                if self.engine is None:
+                    raise RuntimeError(
+                        "a broadcast cannot start an engine (no config): load a uri first"
+                    )
+                self.engine.load_tensors(tensors, version)
+        else:
+            from rlft.trainer.weights.store import fetch
+
+            folder = fetch(request.uri)
+            with self._use(writer=True):
+                if self.engine is None:
+                    self.engine = self._build(folder, request.version)
+                else:
+                    self.engine.load_folder(folder, request.version)
+        seconds = time.perf_counter() - started
+        if self._metrics is not None:
+            self._metrics.version(request.version)
+        return {"policy_version": request.version, "seconds": seconds}
+
+    def _receive(self, request: WeightsRequest):
+        """Join (or re-join) the trainer's broadcast group and receive one version. Runs
+        outside the engine lock: generation goes on while the bytes arrive."""
+        from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
+
+        spec = request.broadcast
+        address = GroupAddress.parse(spec["address"], spec["world_size"])
+        if self._group is None or (self._group.address, self._group.rank) != (
+            address,
+            spec["rank"],
+        ):
+            self._group = BroadcastGroup(address, spec["rank"], spec.get("timeout_s", 60.0))
+        version, tensors = self._group.receive()
+        if version != request.version:
+            raise ProtocolError(f"version: asked for {request.version}, received {version}")
+        return version, tensors
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+class ServerMetrics:
+    """The rollout server's Prometheus series (names from rlft.trainer.telemetry.metrics)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry
+
+        from rlft.trainer.telemetry import metrics as M
+        from rlft.trainer.telemetry.exporter import build_collectors
+
+        self.registry = CollectorRegistry()
+        c = build_collectors(self.registry, "rollout")
+        self._requests = c[M.ROLLOUT_REQUESTS.name]
+        self._tokens = c[M.ROLLOUT_TOKENS.name]
+        self._version = c[M.ROLLOUT_VERSION.name]
+        self._latency = c[M.ROLLOUT_LATENCY.name]
+
+    def generated(self, tokens: int, seconds: float) -> None:
+        self._tokens.inc(tokens)
+        self._latency.observe(seconds)
+
+    def request(self, status: str) -> None:
+        self._requests.labels(status=status).inc()
+
+    def version(self, version: int) -> None:
+        self._version.set(version)
+
+    def text(self) -> bytes:
+        from prometheus_client.exposition import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: RolloutHTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise
+        pass
+
+    def _reply(self, code: int, body: Any, content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise ProtocolError(f"request body over {MAX_BODY} bytes")
+        try:
+            return json.loads(self.rfile.read(length) or b"null")
+        except json.JSONDecodeError as error:
+            raise ProtocolError(f"the request body is not JSON ({error.msg})") from None
+
+    def do_GET(self) -> None:
+        host = self.server.host
+        if self.path == "/healthz":
+            version = host.policy_version
+            body = {"ok": version is not None, "policy_version": version, "engine": self.server.kind}
+            if version is None:
+                body["reason"] = "no weights loaded yet"
+            self._reply(200 if version is not None else 503, body)
+        elif self.path == "/metrics":
+            self._reply(200, self.server.metrics.text(), "text/plain; version=0.0.4")
+        else:
+            self._reply(404, {"error": f"no route GET {self.path}"})
+
+    def do_POST(self) -> None:
+        host, metrics = self.server.host, self.server.metrics
+        try:
+            if self.path == "/generate":
+                vocab = getattr(host.engine, "vocab_size", None)
+                request = GenerateRequest.from_json(self._body(), vocab)
+                self._reply(200, host.generate(request))
+                metrics.request("ok")
+            elif self.path == "/weights":
+                self._reply(200, host.load(WeightsRequest.from_json(self._body())))
+            else:
+                self._reply(404, {"error": f"no route POST {self.path}"})
+        except ProtocolError as error:
+            metrics.request("bad_request")
+            self._reply(400, {"error": str(error)})
+        except RuntimeError as error:
+            metrics.request("unavailable")
+            self._reply(503, {"error": str(error)})
+        except Exception as error:  # the server stays up; the client re-issues elsewhere
+            metrics.request("error")
+            self._reply(500, {"error": f"{type(error).__name__}: {error}"})
+
+
+class RolloutHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], host: EngineHost, metrics, kind: str):
+        super().__init__(address, _Handler)
+        self.host, self.metrics, self.kind = host, metrics, kind
+
+
+def start_server(
+    kind: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+) -> RolloutHTTPServer:
+    """A server on (host, port), not yet serving (call serve_forever)."""
+    from rlft.trainer.rollout.served import build_engine
+
+    metrics = ServerMetrics()
+    engine_host = EngineHost(
+        lambda folder, version: build_engine(
+            kind, folder, version, tensor_parallel, expert_parallel
+        ),
+        metrics,
+    )
+    return RolloutHTTPServer((host, port), engine_host, metrics, kind)
+
+
+def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | None:
+    """What to load before serving: the newest published version, else spec.model.path."""
+    from rlft.trainer.weights.store import WeightStore
+
+    uri = args.weights_uri or (job.spec.rollout.weights_uri if job is not None else None)
+    if uri:
+        latest = WeightStore.at(uri).latest_uri()
+        if latest is not None:
+            return WeightsRequest(version=latest[0], uri=latest[1])
+    if job is not None and job.spec.model.path:
+        return WeightsRequest(version=0, uri=Path(job.spec.model.path).resolve().as_uri())
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", nargs="?", help="RLFineTune manifest (YAML); optional locally")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    parser.add_argument("--instance", type=int, default=0, help="index of this instance")
+    parser.add_argument("--engine", choices=["transformers", "vllm"], help="overrides the job's")
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument("--ray-address", help="Ray head of a multi-node instance (vLLM)")
+    parser.add_argument("--weights-uri", help="publication location to catch up from")
+    parser.add_argument("--ready-file", help="write {port, pid} here once listening")
+
+
+def run(args: argparse.Namespace) -> int:
+    job = None
+    if args.job:
+        from rlft.trainer.config import load_job
+
+        job = load_job(args.job)
+    kind = args.engine or (job.spec.rollout.engine if job is not None else "transformers")
+    if args.ray_address:
+        os.environ.setdefault("RAY_ADDRESS", args.ray_address)
+    server = start_server(kind, args.host, args.port, args.tensor_parallel, args.expert_parallel)
+    initial = _initial_weights(args, job)
+    if initial is not None:
+        server.host.load(initial)
+    port = server.server_address[1]
+    if args.ready_file:
+        temp = Path(args.ready_file + ".tmp")
+        temp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+        temp.replace(args.ready_file)
+    print(
+        f"rlft rollout: instance {args.instance} ({kind}) on http://{args.host}:{port}",
+        flush=True,
+    )
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        server.host.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlft rollout", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    sys.exit(main())

