@@ -21,16 +21,28 @@ def _job(path: str) -> RLFineTune | None:
 
 def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     # Imported here so that `rlft validate` works without the trainer's heavy extras.
+    from rlft.trainer.checkpoint import BadUriError, CheckpointError, NoCheckpointError
     from rlft.trainer.data.jsonl import DataFileError
     from rlft.trainer.local_run import OutputExistsError, run_job
     from rlft.trainer.modeling import ModelLoadError
     from rlft.trainer.rewards import RewardError
 
     try:
-        run_job(job, _out(job, args), args.max_steps, args.overwrite, dist=dist)
-    except (OutputExistsError, DataFileError, ModelLoadError, RewardError, ValueError) as error:
+        run_job(job, _out(job, args), args.max_steps, args.overwrite, dist=dist, resume=args.resume)
+    except (
+        OutputExistsError,
+        DataFileError,
+        ModelLoadError,
+        RewardError,
+        ValueError,
+        NoCheckpointError,
+        BadUriError,
+    ) as error:
         print(f"rlft: {error}", file=sys.stderr)
         return ExitCode.INVALID_CONFIG
+    except CheckpointError as error:  # storage trouble: worth retrying
+        print(f"rlft: {error}", file=sys.stderr)
+        return ExitCode.FAILURE
     return ExitCode.OK
 
 
@@ -48,22 +60,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc == 1:
         return _run(job, args)
     from rlft.trainer.distributed.launch import run_workers
-    from rlft.trainer.local_run import OutputExistsError, prepare_output
 
     out = _out(job, args)
-    try:  # fail before starting any worker, with the same message as a single process
-        if not args.overwrite:
-            prepare_output(out, overwrite=False)
-    except OutputExistsError as error:
-        print(f"rlft: {error}", file=sys.stderr)
-        return ExitCode.INVALID_CONFIG
     forwarded = [args.job, "--out", str(out)]
+    if args.resume is not None:
+        forwarded += ["--resume", str(args.resume)]
     if args.max_steps is not None:
         forwarded += ["--max-steps", str(args.max_steps)]
     if args.overwrite:
         forwarded.append("--overwrite")
     code = run_workers(args.nproc, WORKER, forwarded)
     return ExitCode.OK if code == 0 else ExitCode.FAILURE
+
+
+def _which(value: str) -> str | int:
+    if value in ("auto", "latest-healthy", "never"):
+        return value
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError("use auto, latest-healthy, never or a step number")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -96,6 +111,12 @@ def add_training_commands(commands: argparse._SubParsersAction) -> None:
     )
     train.add_argument(
         "--nproc", type=int, default=1, help="train on this many local ranks (torchrun, FSDP2)"
+    )
+    train.add_argument(
+        "--resume",
+        type=_which,
+        help="auto (default: continue from the newest checkpoint if any), latest-healthy, "
+        "never, or a step number",
     )
     train.set_defaults(handler=cmd_train)
 
@@ -131,6 +152,7 @@ def worker_main(argv: list[str]) -> int:
     parser.add_argument("--out")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--resume", type=_which)
     args = parser.parse_args(argv)
     job = load_job(args.job)
     dist = init_from_env()

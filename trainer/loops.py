@@ -33,6 +33,7 @@ from rlft.trainer.orchestrator import (
     supervised_batch,
 )
 from rlft.trainer.progress import Reporter
+from rlft.trainer.resume import Checkpointing, Cursor
 from rlft.trainer.rewards import RewardModel
 from rlft.trainer.rollout import SamplingParams, TransformersEngine
 
@@ -51,6 +52,8 @@ class Run:
     rewards: RewardModel | None = None
     metrics: IO[str] | None = None
     reference: torch.nn.Module | None = None
+    cursor: Cursor | None = None
+    checkpoints: Checkpointing | None = None
     events: list[str] = field(default_factory=list)
 
     @property
@@ -75,11 +78,20 @@ class Run:
         return self.dist.broadcast(value)
 
     def freeze_reference(self) -> None:
-        """A frozen copy of the current policy (rank 0), for KL terms and DPO."""
-        if self.dist.is_main:
-            self.reference = copy.deepcopy(self.learner.engine_model).eval()
-            for parameter in self.reference.parameters():
-                parameter.requires_grad_(False)
+        """A frozen copy of the current policy, for KL terms and DPO. Rank 0 scores with
+        it; every rank holds one so that checkpoints are alike on all ranks."""
+        state = self.learner.full_policy_state()
+        self.reference = copy.deepcopy(self.learner.engine_model).eval()
+        self.reference.load_state_dict(state)
+        for parameter in self.reference.parameters():
+            parameter.requires_grad_(False)
+
+    def end_of_step(self, step: int, policy_version: int) -> None:
+        """Record the step in the cursor; checkpoint when due (may raise StopRequested)."""
+        assert self.cursor is not None
+        self.cursor.step, self.cursor.policy_version = step, policy_version
+        if self.checkpoints is not None:
+            self.checkpoints.end_of_step(self.cursor, self.learner, self.reference)
 
     def ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
         assert self.reference is not None
@@ -179,13 +191,12 @@ def rl_loop(run: Run, steps: int) -> None:
     """grpo / rloo / reinforce++ / ppo."""
     spec = run.spec
     trainer, algorithm = spec.trainer, spec.algorithm
-    rng, generator = random.Random(trainer.seed), torch.Generator().manual_seed(trainer.seed)
+    rng, generator = run.cursor.rng, run.cursor.generator
     objective = build_objective(
         algorithm, spec.rollout.sampling.temperature, spec.rollout.sampling.max_new_tokens
     )
-    run.learner.reset_optimizer(trainer.learning_rate)
     run.reporter.start(algorithm.name.upper(), steps)
-    for step in range(1, steps + 1):
+    for step in range(run.cursor.step + 1, steps + 1):
         started = time.perf_counter()
         lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
         run.learner.set_lr(lr)
@@ -219,6 +230,7 @@ def rl_loop(run: Run, steps: int) -> None:
                 f"loss {record.get('loss', float('nan')):+.4f} "
                 f"gnorm {record.get('grad_norm', float('nan')):.3f}",
             )
+        run.end_of_step(step, run.dist.broadcast(run.engine.policy_version if run.engine else 0))
     run.reporter.stop()
 
 
@@ -294,12 +306,12 @@ def dpo_loop(run: Run, steps: int) -> dict[str, float]:
     """DPO / IPO on preference pairs; returns held-out pair accuracy before and after."""
     spec = run.spec
     trainer, dpo = spec.trainer, spec.algorithm.dpo
-    rng = random.Random(trainer.seed)
+    rng = run.cursor.rng
     objective = build_objective(spec.algorithm, 1.0, spec.rollout.sampling.max_new_tokens)
-    before = held_out_preferences(run)
-    run.learner.reset_optimizer(trainer.learning_rate)
+    if "eval_preference_accuracy_start" not in run.cursor.results:
+        run.cursor.results["eval_preference_accuracy_start"] = held_out_preferences(run)
     run.reporter.start("DPO", steps)
-    for step in range(1, steps + 1):
+    for step in range(run.cursor.step + 1, steps + 1):
         lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
         run.learner.set_lr(lr)
         batch = None
@@ -318,9 +330,12 @@ def dpo_loop(run: Run, steps: int) -> dict[str, float]:
                 f"loss {record['loss']:.4f} margin {record['margin_mean']:+.3f} "
                 f"pair acc {record['preference_accuracy']:.2f}",
             )
+        run.end_of_step(step, step)
     run.reporter.stop()
-    after = held_out_preferences(run)
-    return {"eval_preference_accuracy_start": before, "eval_preference_accuracy_final": after}
+    return {
+        "eval_preference_accuracy_start": run.cursor.results["eval_preference_accuracy_start"],
+        "eval_preference_accuracy_final": held_out_preferences(run),
+    }
 
 
 def _pairs(run: Run, problems: list[Problem], rng: random.Random) -> SequenceBatch:
@@ -355,11 +370,10 @@ def sft_loop(run: Run, steps: int) -> None:
     """Supervised training as the job's algorithm (`name: sft`)."""
     spec = run.spec
     trainer = spec.trainer
-    rng = random.Random(trainer.seed)
+    rng = run.cursor.rng
     objective = Supervised(spec.algorithm)
-    run.learner.reset_optimizer(trainer.learning_rate)
     run.reporter.start("SFT", steps)
-    for step in range(1, steps + 1):
+    for step in range(run.cursor.step + 1, steps + 1):
         lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
         run.learner.set_lr(lr)
         problems = [run.task.train_problem(rng) for _ in range(trainer.prompts_per_step)]
@@ -373,4 +387,5 @@ def sft_loop(run: Run, steps: int) -> None:
             record = {"step": step, "policy_version": run.engine.policy_version, "lr": lr}
             run.write(record | update_metrics(result))
             run.reporter.advance(step, f"loss {result.stats.get('loss', float('nan')):.4f}")
+        run.end_of_step(step, step)
     run.reporter.stop()

@@ -109,11 +109,19 @@ def test_max_steps_caps_the_run_and_existing_output_is_kept(tmp_path: Path, caps
     first = (out / "metrics.jsonl").read_text()
     assert len(first.splitlines()) == 2
 
-    # A second run into the same folder refuses instead of clobbering the first one...
-    assert main(["train", str(job), "--out", str(out), "--max-steps", "1"]) == 2
+    # A second run into the same folder that may not resume refuses instead of
+    # clobbering the first one...
+    args = ["train", str(job), "--out", str(out), "--max-steps", "3"]
+    assert main([*args, "--resume", "never"]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_text() == first
-    # ...unless asked to replace it.
+    # ...by default it continues from the last checkpoint...
+    assert main(args) == 0
+    assert "resumed from the checkpoint of step 2" in capsys.readouterr().out
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    assert "\n".join(lines[:2]) + "\n" == first
+    # ...and --overwrite replaces it.
     assert main(["train", str(job), "--out", str(out), "--max-steps", "1", "--overwrite"]) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
 

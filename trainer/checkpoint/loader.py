@@ -27,7 +27,7 @@ from rlft.trainer.checkpoint.catalog import Catalog, Scan
 from rlft.trainer.checkpoint.errors import StorageError
 from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, problems_with
 from rlft.trainer.checkpoint.saver import RANKS
-from rlft.trainer.checkpoint.state import apply_tensor_state, tensor_state
+from rlft.trainer.checkpoint.state import Modules, apply_tensor_state, tensor_state
 from rlft.trainer.checkpoint.storage import FileStorage, Storage, sha256_file
 
 log = logging.getLogger("rlft.checkpoint")
@@ -128,6 +128,7 @@ def load(
     process_group: Any = None,
     cache_dir: Path | None = None,
     restore_rng: bool = True,
+    modules: Modules | None = None,
 ) -> Resumed:
     """Restore model and optimizer (and this rank's RNG states) from the checkpoint that
     `which` selects (`auto`, `latest-healthy` or a step); returns the rest of the state.
@@ -150,7 +151,7 @@ def load(
     try:
         manifest = catalog.choose(which, check=check, scan=shared_scan(catalog, process_group))
         assert local.path is not None
-        state = tensor_state(model, optimizer)
+        state = tensor_state(model, optimizer, modules)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
@@ -159,7 +160,7 @@ def load(
                 process_group=process_group,
                 no_dist=not distributed,
             )
-        apply_tensor_state(model, optimizer, state)
+        apply_tensor_state(model, optimizer, state, modules)
         extra = json.loads((local.path / EXTRA).read_text())
         ranks = json.loads((local.path / RANKS).read_text())
     finally:

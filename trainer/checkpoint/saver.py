@@ -47,7 +47,7 @@ from rlft.trainer.checkpoint.manifest import (
 )
 from rlft.trainer.checkpoint.policy import SavePolicy
 from rlft.trainer.checkpoint.retry import with_retries
-from rlft.trainer.checkpoint.state import tensor_state
+from rlft.trainer.checkpoint.state import Modules, tensor_state
 from rlft.trainer.checkpoint.storage import TEMP_MARK, FileStorage, Storage, sha256_file
 
 log = logging.getLogger("rlft.checkpoint")
@@ -184,6 +184,7 @@ class Checkpointer:
         policy_version: int | None = None,
         healthy: bool = True,
         rank_state: dict[str, Any] | None = None,
+        modules: Modules | None = None,
         wait: bool = False,
         emergency: bool = False,
         retry_seconds: float | None = None,
@@ -211,7 +212,7 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             future = dcp.async_save(
-                tensor_state(model, optimizer),
+                tensor_state(model, optimizer, modules),
                 storage_writer=writer,
                 process_group=self._io,
                 no_dist=not self.distributed,

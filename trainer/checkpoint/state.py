@@ -18,22 +18,56 @@ from torch.distributed.checkpoint.state_dict import (
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
-def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """{"model": …, "optim": …}: sharded (DTensor) under FSDP2, plain tensors otherwise.
+Modules = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
+"""More trained or frozen models of a run by name (PPO's critic, a KL reference), each
+with its optimizer or None; stored next to the policy as `<name>` and `<name>.optim`."""
 
-    For an optimizer that has not stepped yet, torch initialises its state with a zero
-    step at learning rate 0 (parameters unchanged), so the layout is complete.
-    """
+
+def _one(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=_OPTIONS)}
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     return {"model": model_state, "optim": optim_state}
 
 
+def tensor_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    modules: Modules | None = None,
+) -> dict[str, Any]:
+    """{"model": …, "optim": …, plus `<name>` / `<name>.optim` per extra module}: sharded
+    (DTensor) under FSDP2, plain tensors otherwise.
+
+    For an optimizer that has not stepped yet, torch initialises its state with a zero
+    step at learning rate 0 (parameters unchanged), so the layout is complete.
+    """
+    state = _one(model, optimizer)
+    for name, (module, module_optimizer) in (modules or {}).items():
+        part = _one(module, module_optimizer)
+        state[name] = part["model"]
+        if "optim" in part:
+            state[f"{name}.optim"] = part["optim"]
+    return state
+
+
 def apply_tensor_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    modules: Modules | None = None,
+) -> None:
+    """Put a loaded `tensor_state` back into the model, optimizer and extra modules."""
+    for name, (module, module_optimizer) in (modules or {}).items():
+        part = {"model": state[name]}
+        if module_optimizer is not None:
+            part["optim"] = state[f"{name}.optim"]
+        _apply(module, module_optimizer, part)
+    _apply(model, optimizer, state)
+
+
+def _apply(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
 ) -> None:
-    """Put a loaded `tensor_state` back into the model and optimizer."""
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=_OPTIONS)
         return

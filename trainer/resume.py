@@ -1,0 +1,152 @@
+"""Checkpoints of a running job and resuming from them, around the step loops.
+
+What a checkpoint of the main phase holds: the policy and its optimizer (sharded), PPO's
+critic and its optimizer, the frozen reference (KL, DPO), and the loop's cursor (step,
+policy version, the data and sampling random streams, results of the warm start). A run
+killed at any point resumes from the newest committed checkpoint and continues exactly
+as the uninterrupted run would have (bit for bit on the CPU at the same world size).
+The warm start is not checkpointed: a run killed during it starts again (deterministic).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlft.trainer.checkpoint import GracefulStop, NoCheckpointError, checkpointer_from_spec
+from rlft.trainer.checkpoint import load as load_checkpoint
+from rlft.trainer.checkpoint.export import hf_files_of
+from rlft.trainer.checkpoint.rng import generator_state, set_generator_state
+from rlft.trainer.config import RLFineTune, dump_job
+from rlft.trainer.distributed import Dist
+
+
+class StopRequested(Exception):
+    """SIGTERM arrived; the emergency checkpoint of `step` is committed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after the emergency checkpoint of step {step}")
+        self.step = step
+
+
+@dataclass
+class Cursor:
+    """Where the main phase stands; everything a resume needs besides tensors."""
+
+    seed: int
+    step: int = 0
+    policy_version: int = 0
+    sft_steps: int = 0
+    results: dict[str, float] = field(default_factory=dict)
+    """Figures computed once before the main phase (e.g. accuracy after the warm start)."""
+    rng: random.Random = field(init=False)
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def to_json(self) -> dict[str, Any]:
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "seed": self.seed,
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "sft_steps": self.sft_steps,
+            "results": self.results,
+            "rng": [version, list(internal), gauss],
+            "generator": generator_state(self.generator),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Cursor:
+        cursor = cls(data["seed"], data["step"], data["policy_version"], data["sft_steps"])
+        cursor.results = dict(data["results"])
+        version, internal, gauss = data["rng"]
+        cursor.rng.setstate((version, tuple(internal), gauss))
+        set_generator_state(cursor.generator, data["generator"])
+        return cursor
+
+
+class Checkpointing:
+    """The job's checkpointer, SIGTERM handling, and resume, on every rank."""
+
+    def __init__(self, job: RLFineTune, out: Path, dist: Dist, policy, tokenizer):
+        spec = job.spec.checkpoint
+        self.dist = dist
+        self.stop = GracefulStop(spec.grace_period_seconds).install()
+        self.checkpointer = checkpointer_from_spec(
+            spec,
+            out / "checkpoints",
+            job_config=dump_job(job),
+            hf_files=hf_files_of(policy, tokenizer) if dist.is_main else {},
+        )
+        self.committed: list[int] = []
+
+    @property
+    def stats(self):
+        return self.checkpointer.stats
+
+    def resume(self, which: str | int, learner, reference) -> Cursor | None:
+        """Restore the newest checkpoint `which` selects; None when there is none."""
+        try:
+            resumed = load_checkpoint(
+                self.checkpointer.storage,
+                which,
+                learner.models.policy,
+                learner.optimizer,
+                modules=_modules(learner, reference, self.dist),
+            )
+        except NoCheckpointError:
+            if which not in ("auto",):
+                raise
+            return None
+        learner.publish()
+        return Cursor.from_json(resumed.extra["cursor"])
+
+    def end_of_step(self, cursor: Cursor, learner, reference, healthy: bool = True) -> None:
+        """Save when due; on SIGTERM save synchronously and raise StopRequested."""
+        decision = self.checkpointer.poll(cursor.step, self.stop.requested)
+        if not decision.save:
+            return
+        self._save(cursor, learner, reference, healthy, decision.stop)
+        if decision.stop:
+            self.close()
+            raise StopRequested(cursor.step)
+
+    def final(self, cursor: Cursor, learner, reference) -> None:
+        """The last step's checkpoint, committed before the run reports success."""
+        self.checkpointer.wait()
+        if self.checkpointer.stats.last_step != cursor.step:
+            self._save(cursor, learner, reference, True, wait=True)
+
+    def _save(self, cursor, learner, reference, healthy: bool, wait: bool) -> None:
+        self.checkpointer.save(
+            cursor.step,
+            learner.models.policy,
+            learner.optimizer,
+            extra={"cursor": cursor.to_json()},
+            policy_version=cursor.policy_version,
+            healthy=healthy,
+            modules=_modules(learner, reference, self.dist),
+            wait=wait,
+            emergency=wait and self.stop.requested,
+            retry_seconds=self.stop.remaining() if self.stop.requested else None,
+        )
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.stop.uninstall()
+
+
+def _modules(learner, reference, dist: Dist) -> dict:
+    modules = {}
+    if learner.models.critic is not None:
+        modules["critic"] = (learner.models.critic, learner.critic_optimizer)
+    if reference is not None:
+        modules["reference"] = (reference, None)
+    return modules
