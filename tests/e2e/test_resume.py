@@ -168,3 +168,31 @@ def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
     steps = len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines())
     rows = [line.split() for line in listing.stdout.splitlines()[1:]]
     assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", listing.stdout
+
+
+def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
+    """The same, with checkpoints in a real SeaweedFS S3 bucket."""
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["checkpoint"] |= {
+        "uri": f"s3://{bucket}/runs/resume",
+        "endpointUrl": s3_env.endpoint,
+        "addressingStyle": "path",
+    }
+    job.write_text(yaml.safe_dump(spec))
+    whole = start(tmp_path, "whole", "--resume", "never")
+    assert whole.wait(timeout=600) == 0, whole.stdout.read()
+    # `whole` left its checkpoints in the bucket: a fresh prefix for the killed run.
+    spec["spec"]["checkpoint"]["uri"] = f"s3://{bucket}/runs/killed"
+    job.write_text(yaml.safe_dump(spec))
+    victim = start(tmp_path, "killed")
+    wait_for_step(tmp_path / "killed", 5, victim)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    resumed = start(tmp_path, "killed")
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output
+    assert f"s3://{bucket}/runs/killed" in output
+    assert records(tmp_path / "killed") == records(tmp_path / "whole")
+    final, expected = parameters(tmp_path / "killed"), parameters(tmp_path / "whole")
+    assert all(torch.equal(final[name], expected[name]) for name in expected)

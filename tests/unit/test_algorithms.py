@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -167,7 +168,7 @@ def test_overlong_penalty_and_informative_groups() -> None:
 def test_rank_shards_cover_the_batch_in_whole_units(units, world, unit) -> None:
     bounds = [shard_bounds(units, rank, world) for rank in range(world)]
     assert bounds[0][0] == 0 and bounds[-1][1] == units
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     sizes = [stop - start for start, stop in bounds]
     assert max(sizes) - min(sizes) <= 1
     if units:
