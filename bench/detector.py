@@ -20,9 +20,10 @@ planted into every healthy trace at several onsets by these transforms:
                      norm drop to ~0 (all-zero rewards give zero advantages) and entropy
                      rises ~3×. The transform multiplies reward_mean and grad_norm by
                      LR100_FACTOR and entropy by 3 from the step after the onset on.
-- data poisoning:    for 30 steps from the onset the reference answers are wrong: the
-                     reward of those steps is multiplied by POISON_REWARD_FACTOR (what
-                     the real poisoned run showed) and entropy, grad norm stay real.
+- data poisoning:    for 30 steps from the onset the reference answers are wrong. The
+                     real poisoned run (traces/poison-seed6.csv) scored every completion
+                     0 on them, so every advantage and the gradient were 0: the transform
+                     multiplies reward_mean and grad_norm by POISON_FACTOR for 30 steps.
 - entropy collapse:  from the onset t0 entropy is multiplied by exp(-(t-t0)/20); the
                      labelled collapse point is t0+28, where entropy is down to 25%.
                      Detection before that point (but after t0) gives a negative delay.
@@ -60,7 +61,7 @@ ENTROPY_TAU, ENTROPY_LABEL_OFFSET = 20, 28  # exp(-28/20) ≈ 0.25
 POISON_STEPS = 30
 # Measured on the real runs in traces/ (see README there); used by the transforms.
 LR100_FACTOR = 0.02
-POISON_REWARD_FACTOR = 0.05
+POISON_FACTOR = 0.0
 
 
 # ----------------------------------------------------------------------- traces
@@ -127,7 +128,8 @@ def plant_lr100(records, t):
 def plant_poison(records, t):
     out = _copy(records, t + HORIZON)
     for r in out[t : t + POISON_STEPS]:
-        r["reward_mean"] *= POISON_REWARD_FACTOR
+        r["reward_mean"] *= POISON_FACTOR
+        r["grad_norm"] *= POISON_FACTOR
     return out, t, t
 
 

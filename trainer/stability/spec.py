@@ -126,7 +126,7 @@ class RewardCheck(TrendCheck):
     """Latest steps whose median is compared."""
     warning_drop: float = Field(0.5, gt=0, le=100)
     """Relative drop at or above which a step is a warning."""
-    critical_drop: float = Field(0.7, gt=0, le=100)
+    critical_drop: float = Field(0.6, gt=0, le=100)
     """Relative drop at or above which collapse is declared."""
     min_scale: float = Field(0.1, gt=0, le=1e6)
     """Smallest reward scale the drop is divided by (rewards near 0)."""
