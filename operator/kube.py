@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from rlft.operator import crd
+from rlft.operator import crd, permissions
 
 _PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events"}
 
@@ -68,6 +68,7 @@ class Kube:
     async def _request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
     ) -> dict[str, Any]:
+        permissions.require(method, path)  # every call has its RBAC rule in the chart
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 headers=self.connection.headers, timeout=self._timeout
