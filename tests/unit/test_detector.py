@@ -94,8 +94,12 @@ def test_spikes_are_not_judged_during_warm_up():
     assert verdicts[25].levels["grad_norm_spike"] == CRITICAL
 
 
-@given(seed=st.integers(0, 2**32 - 1), sigma=st.floats(0.05, 0.5))
+@given(seed=st.integers(0, 2**32 - 1), sigma=st.floats(0.05, 0.4))
 def test_stationary_noise_raises_no_critical_alarm(seed: int, sigma: float):
+    """Healthy tiny runs have a log grad-norm scale of 0.25-0.45. With Gaussian noise of
+    σ ≤ 0.4, an 8× step (criticalFactor) is a ≥5.2σ event: ~1e-7 per step. (At σ = 0.5
+    it is a 4.2σ event, ~1e-5 per step: rare skips are the price of catching 10× spikes
+    in noisy runs.)"""
     rng = random.Random(seed)
     records = [healthy(s, rng, grad_norm=math.exp(rng.gauss(0, sigma))) for s in range(1, 301)]
     _, verdicts = run(records)
