@@ -291,6 +291,23 @@ class RolloutSpec(Section):
     """vLLM expert-parallel size within an instance (MoE models)."""
     nodes_per_instance: int = Field(1, ge=1, le=64)
     """Nodes one instance spans (more than 1 runs vLLM on a small Ray cluster)."""
+    publication: Literal["store", "broadcast"] = "store"
+    """How trainer rank 0 sends new weights to the instances after each step: `store`
+    writes Hugging Face safetensors of the version under `weightsUri`, then POSTs
+    /weights; `broadcast` sends them over a torch.distributed group (gloo on CPU, NCCL
+    on GPUs). Instances that (re)start always catch up from `weightsUri`."""
+    weights_uri: str | None = None
+    """Where published weight versions live (file:///… or s3://…). Default: the output
+    folder's `weights/` (local runs)."""
+    request_timeout_seconds: float = Field(600.0, gt=0, le=86_400)
+    """A generate request unanswered for this long is re-issued to another instance."""
+    request_prompts: int = Field(0, ge=0, le=65_536)
+    """Prompts per generate request (0: the step's prompts split evenly over the
+    instances); smaller requests balance load better and lose less when an instance dies."""
+    local: Literal["auto", "in-process", "servers"] = "auto"
+    """How `rlft train` generates on one machine: `in-process` shares the trainer's model
+    (synchronous only), `servers` starts `instances` rollout servers as subprocesses;
+    `auto` is in-process for one transformers instance with maxStaleness 0."""
     resources: Resources = Resources()
     """Resource requests and limits of rollout pods (Kubernetes only)."""
 
@@ -299,6 +316,11 @@ class RolloutSpec(Section):
         parallel = self.tensor_parallel * self.expert_parallel
         if self.gpus_per_instance and self.gpus_per_instance % parallel:
             raise ValueError("gpusPerInstance must be divisible by tensorParallel × expertParallel")
+        if self.local == "in-process" and (self.max_staleness or self.engine != "transformers"):
+            raise ValueError(
+                "local: in-process shares the trainer's model, so it needs engine: transformers "
+                "and maxStaleness: 0; use local: servers (or auto)"
+            )
         return self
 
 

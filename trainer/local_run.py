@@ -90,7 +90,7 @@ def run_job(
         prepare_output(out, overwrite)
     dist.barrier()
     learner = Learner(policy, spec.trainer, dist)
-    run = Run(job, task, encoder, learner, dist, reporter)
+    run = Run(job, task, encoder, learner, dist, reporter, out=out)
     if dist.is_main:
         run.engine = TransformersEngine(
             learner.engine_model, tokenizer.pad_token_id, stop_token_ids(tokenizer)
@@ -159,11 +159,6 @@ def _announce(run: Run, out: Path, tokenizer, cursor: Cursor | None) -> None:
     if not run.dist.is_main:
         return
     spec, model = run.spec, run.learner.engine_model
-    if spec.rollout.engine != "transformers":
-        run.reporter.log(
-            f"rlft: warning: spec.rollout.engine={spec.rollout.engine!r} is not available "
-            "to local runs yet; generating with the in-process transformers engine"
-        )
     (out / "job.yaml").write_text(yaml.safe_dump(dump_job(run.job), sort_keys=False))
     ranks = f", {run.dist.world} ranks (FSDP2)" if run.dist.active else ""
     run.reporter.log(

@@ -12,6 +12,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 import torch
@@ -25,17 +26,16 @@ from rlft.trainer.encoding import Encoder
 from rlft.trainer.evaluate import greedy_accuracy
 from rlft.trainer.learner import Learner, StepResult
 from rlft.trainer.orchestrator import (
-    collect,
     preference_batch,
     reference_logprobs,
     rl_batch,
-    sample_and_score,
     supervised_batch,
 )
 from rlft.trainer.progress import Reporter
 from rlft.trainer.resume import Checkpointing, Cursor
 from rlft.trainer.rewards import RewardModel
 from rlft.trainer.rollout import SamplingParams, TransformersEngine
+from rlft.trainer.rollout.session import RolloutSession
 
 
 @dataclass
@@ -54,6 +54,8 @@ class Run:
     reference: torch.nn.Module | None = None
     cursor: Cursor | None = None
     checkpoints: Checkpointing | None = None
+    out: Path | None = None
+    """Output folder (local runs; rollout servers' weights and logs go below it)."""
     events: list[str] = field(default_factory=list)
 
     @property
@@ -155,52 +157,55 @@ def _sampling(run: Run) -> SamplingParams:
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
 
 
-def _make_rl_batch(run: Run, rng: random.Random, generator: torch.Generator):
-    """Rank 0: rollouts → scored, shaped, filtered → a training batch (or None)."""
-    spec, algorithm = run.spec, run.spec.algorithm
-    sampling = _sampling(run)
-
-    def sample(problems: list[Problem]):
-        return sample_and_score(
-            run.engine,
-            problems,
-            run.encoder.prompt,
-            run.encoder.decode,
-            run.rewards,
-            algorithm.group_size,
-            sampling,
-            generator,
-        )
-
-    rollouts = collect(
-        lambda n: [run.task.train_problem(rng) for _ in range(n)],
-        sample,
-        spec.trainer.prompts_per_step,
-        algorithm.group_size,
-        algorithm.dynamic_sampling.enabled,
-        algorithm.dynamic_sampling.max_rounds,
-    )
+def _make_rl_batch(run: Run, rollouts):
+    """Rank 0: scored rollouts (from the rollout pipeline) → shaped, filtered → a training
+    batch (or None)."""
     if not rollouts.completions:
-        return None, rollouts
+        return None
     reference = run.ref_logp if run.reference is not None else None
-    batch = rl_batch(algorithm, rollouts, run.encoder.pad_id, sampling.max_new_tokens, reference)
-    return batch, rollouts
+    return rl_batch(
+        run.spec.algorithm,
+        rollouts,
+        run.encoder.pad_id,
+        run.spec.rollout.sampling.max_new_tokens,
+        reference,
+    )
 
 
 def rl_loop(run: Run, steps: int) -> None:
     """grpo / rloo / reinforce++ / ppo."""
     spec = run.spec
-    trainer, algorithm = spec.trainer, spec.algorithm
+    algorithm = spec.algorithm
     rng, generator = run.cursor.rng, run.cursor.generator
     objective = build_objective(
         algorithm, spec.rollout.sampling.temperature, spec.rollout.sampling.max_new_tokens
     )
+    # Rank 0 gets rollouts from the pipeline: in-process (synchronous) or rollout servers
+    # running up to maxStaleness steps ahead (rlft.trainer.rollout.session).
+    session = (
+        RolloutSession.start(run, rng, generator, _sampling(run), run.out)
+        if run.dist.is_main
+        else None
+    )
+    try:
+        _rl_steps(run, steps, objective, session)
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _rl_steps(run: Run, steps: int, objective, session) -> None:
+    spec = run.spec
+    trainer, algorithm = spec.trainer, spec.algorithm
     run.reporter.start(algorithm.name.upper(), steps)
     for step in range(run.cursor.step + 1, steps + 1):
         started = time.perf_counter()
         lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
         run.learner.set_lr(lr)
-        batch, rollouts = _make_rl_batch(run, rng, generator) if run.dist.is_main else (None, None)
+        batch, rollouts, flow = None, None, {}
+        if run.dist.is_main:
+            rollouts, flow = session.pipeline.next(run.engine.policy_version)
+            batch = _make_rl_batch(run, rollouts)
         generated = time.perf_counter()
         batch = run.dist.broadcast(batch)
         if batch is None:
@@ -210,6 +215,8 @@ def rl_loop(run: Run, steps: int) -> None:
         run.learner.publish()
         if result.applied and run.engine is not None:
             run.engine.set_policy_version(run.engine.policy_version + 1)
+        if session is not None:
+            session.step_done(run.learner.engine_model, run.engine.policy_version, run.cursor)
         finished = time.perf_counter()
         if run.dist.is_main:
             record = {"step": step, "policy_version": run.engine.policy_version, "lr": lr}
@@ -219,6 +226,7 @@ def rl_loop(run: Run, steps: int) -> None:
                 "train_time_s": finished - generated,
                 "step_time_s": finished - started,
             }
+            record |= session.step_metrics(flow, finished - started)
             if spec.eval.every_steps and step % spec.eval.every_steps == 0 and step < steps:
                 record["eval_accuracy"] = run.accuracy(
                     run.task.eval_problems()[: spec.eval.max_problems]

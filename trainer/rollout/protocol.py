@@ -92,7 +92,9 @@ class GenerateRequest:
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, list) or not prompt:
                 raise ProtocolError(f"prompts[{i}]: must be a non-empty list of token ids")
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= limit for t in prompt):
+            if any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= limit for t in prompt
+            ):
                 raise ProtocolError(f"prompts[{i}]: token ids must be integers in [0, {limit}]")
         seed = body.get("seed")
         if seed is not None:

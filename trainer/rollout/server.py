@@ -195,7 +195,11 @@ class _Handler(BaseHTTPRequestHandler):
         host = self.server.host
         if self.path == "/healthz":
             version = host.policy_version
-            body = {"ok": version is not None, "policy_version": version, "engine": self.server.kind}
+            body = {
+                "ok": version is not None,
+                "policy_version": version,
+                "engine": self.server.kind,
+            }
             if version is None:
                 body["reason"] = "no weights loaded yet"
             self._reply(200 if version is not None else 503, body)

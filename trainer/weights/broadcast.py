@@ -46,7 +46,11 @@ class BroadcastGroup:
     """One member of a weight-broadcast group (rank 0 = the trainer, the source)."""
 
     def __init__(
-        self, address: GroupAddress, rank: int, timeout_s: float = 60.0, bind_host: str = "127.0.0.1"
+        self,
+        address: GroupAddress,
+        rank: int,
+        timeout_s: float = 60.0,
+        bind_host: str = "127.0.0.1",
     ):
         self.address, self.rank = address, rank
         timeout = datetime.timedelta(seconds=timeout_s)

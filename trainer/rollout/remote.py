@@ -1,0 +1,67 @@
+"""Rollout instances behind the same `generate` call as the in-process engine, so the
+orchestrator's `sample_and_score` and `collect` run unchanged against either."""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+
+import torch
+
+from rlft.trainer.rollout.client import RolloutClient
+from rlft.trainer.rollout.engine import Completion, SamplingParams
+from rlft.trainer.rollout.protocol import GenerateRequest
+
+
+class RemoteEngine:
+    def __init__(self, client: RolloutClient, stop_ids: list[int], request_prompts: int = 0):
+        self.client = client
+        self.stop_ids = list(stop_ids)
+        self.request_prompts = request_prompts
+        self._lock = threading.Lock()
+        self.tokens = 0
+        """Completion tokens generated (cumulative)."""
+        self.engine_seconds = 0.0
+        """Time the instances spent generating them (summed over requests)."""
+
+    def _chunks(self, count: int) -> list[tuple[int, int]]:
+        size = self.request_prompts or math.ceil(count / max(1, len(self.client.live()) or 1))
+        return [(start, min(count, start + size)) for start in range(0, count, size)]
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Completion]:
+        """`n` completions per prompt, grouped by prompt, from requests spread over the
+        instances; each request is seeded from `generator` (reproducible given its state)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        base = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+        chunks = self._chunks(len(prompts))
+        futures = [
+            self.client.submit(
+                GenerateRequest(
+                    prompts=prompts[start:end],
+                    n=n,
+                    sampling=sampling,
+                    seed=(base + k) % 2**62,
+                    request_id=uuid.uuid4().hex,
+                    stop_ids=self.stop_ids,
+                )
+            )
+            for k, (start, end) in enumerate(chunks)
+        ]
+        out: list[Completion] = []
+        for (start, _), future in zip(chunks, futures, strict=True):
+            answer = future.result()
+            with self._lock:
+                self.tokens += answer.tokens
+                self.engine_seconds += answer.seconds
+            for c in answer.completions:
+                c.prompt_index += start
+                out.append(c)
+        return out

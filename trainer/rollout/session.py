@@ -1,0 +1,163 @@
+"""What trainer rank 0 needs to get rollouts in `rl_loop`: the engine(s), the pipeline,
+the weight publisher, and the local rollout servers it started (stopped by `close`).
+
+`spec.rollout.local` decides (auto: in-process for one transformers instance with
+maxStaleness 0, as the synchronous loop always did; servers otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from rlft.trainer.pipeline import RolloutPipeline, rollout_producer
+from rlft.trainer.rollout.engine import SamplingParams
+
+CPUS_ENV = "RLFT_ROLLOUT_CPUS"
+"""Local runs: pin rollout servers to CPUs, e.g. `1` or `1;2` (one set per instance)."""
+
+
+def uses_servers(rollout) -> bool:
+    if rollout.local != "auto":
+        return rollout.local == "servers"
+    return rollout.instances > 1 or rollout.max_staleness > 0 or rollout.engine != "transformers"
+
+
+def _cpus_from_env() -> list[set[int]] | None:
+    text = os.environ.get(CPUS_ENV, "").strip()
+    if not text:
+        return None
+    return [{int(c) for c in part.split(",") if c.strip()} for part in text.split(";")]
+
+
+class RolloutSession:
+    def __init__(
+        self, pipeline: RolloutPipeline, publisher=None, servers=None, client=None, remote=None
+    ):
+        self.pipeline, self.publisher = pipeline, publisher
+        self.servers, self.client, self.remote = servers, client, remote
+        self._reissued_seen = 0
+
+    @classmethod
+    def start(
+        cls,
+        run,
+        rng: random.Random,
+        generator: torch.Generator,
+        sampling: SamplingParams,
+        out: Path | None,
+    ) -> RolloutSession:
+        spec = run.spec
+        rollout, algorithm = spec.rollout, spec.algorithm
+
+        def producer(engine):
+            return rollout_producer(
+                engine,
+                run.task,
+                run.encoder,
+                run.rewards,
+                algorithm,
+                spec.trainer.prompts_per_step,
+                sampling,
+            )
+
+        if not uses_servers(rollout):  # the synchronous loop, exactly
+            pipeline = RolloutPipeline(
+                producer(run.engine), rng, generator, 0, algorithm.group_size, threaded=False
+            )
+            return cls(pipeline)
+
+        from rlft.trainer.rollout.client import RolloutClient
+        from rlft.trainer.rollout.local import LocalServers
+        from rlft.trainer.rollout.remote import RemoteEngine
+        from rlft.trainer.weights.publisher import WeightPublisher
+        from rlft.trainer.weights.store import WeightStore, config_json, serialize
+
+        base = out if out is not None else Path.cwd() / "runs" / run.job.metadata.name
+        uri = rollout.weights_uri or (base.resolve() / "weights").as_uri()
+        store = WeightStore.at(uri)
+        model, version = run.learner.engine_model, run.engine.policy_version
+        store.write(version, serialize(model), config_json(model))  # servers start from it
+        servers = LocalServers(
+            rollout.instances, rollout.engine, uri, _cpus_from_env(), base, warn=run.reporter.log
+        )
+        session = cls(None, servers=servers)  # type: ignore[arg-type]
+        try:
+            client = RolloutClient(servers.start(), rollout.request_timeout_seconds)
+            session.client = client
+            client.wait_ready(servers.startup_timeout_s)
+            publisher = WeightPublisher(
+                client, store, rollout.publication, rollout.request_timeout_seconds
+            )
+            publisher.mark_acked(version)
+            session.publisher = publisher
+            remote = RemoteEngine(client, run.engine.stop_ids.tolist(), rollout.request_prompts)
+            session.remote = remote
+            # Own RNG copies: the producer draws ahead of the trainer; step_done points
+            # the cursor's (checkpointed) RNGs at the oldest batch not yet trained on.
+            own_rng, own_generator = random.Random(), torch.Generator()
+            own_rng.setstate(rng.getstate())
+            own_generator.set_state(generator.get_state())
+            session.pipeline = RolloutPipeline(
+                producer(remote),
+                own_rng,
+                own_generator,
+                rollout.max_staleness,
+                algorithm.group_size,
+                threaded=True,
+                wait_published=publisher.wait,
+                tokens=lambda: remote.tokens,
+            )
+        except BaseException:
+            session.close()
+            raise
+        run.reporter.log(
+            f"rlft: {rollout.instances} rollout server(s) ({servers.engine}) at "
+            f"{', '.join(servers.urls)}; maxStaleness {rollout.max_staleness}, "
+            f"weights by {rollout.publication} via {uri}"
+        )
+        return session
+
+    def step_done(self, model: torch.nn.Module, version: int, cursor=None) -> None:
+        """After an optimizer step: ship the weights (servers), release the next batch, and
+        point the checkpoint cursor's RNGs at the oldest batch not yet trained on (the
+        threaded pipeline draws ahead; a resume regenerates what was in flight)."""
+        if self.publisher is not None:
+            self.publisher.publish(model, version)
+        self.pipeline.step_done(version)
+        if cursor is not None and self.pipeline.threaded:
+            state = self.pipeline.state_dict()
+            cursor.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
+            cursor.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+    def step_metrics(self, flow: dict[str, float], step_seconds: float) -> dict[str, float]:
+        """The step's rollout figures for metrics.jsonl."""
+        out = {k: v for k, v in flow.items() if k != "rollout_wait_s"}
+        wait = flow.get("rollout_wait_s", 0.0)
+        out["trainer_idle_ratio"] = wait / step_seconds if step_seconds > 0 else 0.0
+        return out | self.metrics()
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.publisher is not None:
+            out["weight_publish_s"] = self.publisher.last_publish_s
+        if self.client is not None:
+            total = self.client.reissued
+            out["reissued_requests"] = float(total - self._reissued_seen)
+            self._reissued_seen = total
+            out["rollout_engines_healthy"] = float(len(self.client.live()))
+            out["rollout_engines_expected"] = float(len(self.client.instances))
+        return out
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.client is not None:
+            self.client.close()
+        if self.servers is not None:
+            self.servers.stop()

@@ -1,0 +1,69 @@
+"""The staleness gate: pure rules over plain numbers (no torch, no I/O).
+
+Policy version v = the number of optimizer updates applied to the weights that generated
+a sample. The trainer, holding weights of version V, may train on it only if
+`V - v <= maxStaleness` (0 = synchronous, on-policy). Two rules keep that true:
+
+- `may_start`: batch b (0-based) may start generating once the weights published after
+  step b - maxStaleness - 1 are on the instances, so in normal operation nothing is late;
+- `gate`: at training time every sample is checked anyway (an instance that missed a
+  weight update serves an old version); late ones are dropped and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def may_start(batch: int, steps_released: int, max_staleness: int) -> bool:
+    """Whether batch `batch` may start: steps 0 .. batch - max_staleness - 1 have finished
+    and their weights were published."""
+    if batch < 0 or steps_released < 0 or max_staleness < 0:
+        raise ValueError("batch, steps_released and max_staleness must be ≥ 0")
+    return steps_released >= batch - max_staleness
+
+
+def required_step(batch: int, max_staleness: int) -> int | None:
+    """The step whose published weights batch `batch` must wait for (None: none)."""
+    step = batch - max_staleness - 1
+    return step if step >= 0 else None
+
+
+@dataclass(frozen=True)
+class GateResult:
+    keep: list[int]
+    """Indices of the samples that may be trained on, in their original order."""
+    dropped: list[int]
+    """Indices of the samples that are too stale."""
+    staleness: list[int]
+    """Staleness (V - v) of each kept sample."""
+
+    @property
+    def staleness_mean(self) -> float:
+        return sum(self.staleness) / len(self.staleness) if self.staleness else 0.0
+
+    @property
+    def staleness_max(self) -> int:
+        return max(self.staleness, default=0)
+
+
+def gate(versions: Sequence[int], trainer_version: int, max_staleness: int) -> GateResult:
+    """Split samples (by the policy version that produced each) into trainable and too
+    stale. A version newer than the trainer's is a bug upstream, not a sample to train."""
+    if max_staleness < 0:
+        raise ValueError("max_staleness must be ≥ 0")
+    keep, dropped, lags = [], [], []
+    for index, version in enumerate(versions):
+        lag = trainer_version - version
+        if lag < 0:
+            raise ValueError(
+                f"sample {index} has policy version {version}, newer than the trainer's "
+                f"{trainer_version}: versions must only come from published weights"
+            )
+        if lag <= max_staleness:
+            keep.append(index)
+            lags.append(lag)
+        else:
+            dropped.append(index)
+    return GateResult(keep, dropped, lags)

@@ -1,0 +1,189 @@
+"""Trainer rank 0's weight publisher: after each optimizer step it snapshots the policy
+(on the trainer thread, so later updates cannot leak in) and ships it to every live
+instance on a background thread, so the trainer does not wait for instances busy with a
+generate request (their weight load waits for it: updates are atomic per request).
+
+Only the newest pending version is shipped: if the trainer is two versions ahead of a
+slow publication, the older one is skipped. `wait(version)` blocks until every live
+instance serves at least that version (the pipeline's start rule needs this).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rlft.trainer.rollout.client import RolloutClient
+from rlft.trainer.rollout.protocol import WeightsRequest
+from rlft.trainer.weights.store import WeightStore, config_json, serialize, unique_tensors
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WeightPublisher:
+    def __init__(
+        self,
+        client: RolloutClient,
+        store: WeightStore,
+        mode: str = "store",
+        timeout_s: float = 600.0,
+        host: str = "127.0.0.1",
+    ):
+        if mode not in ("store", "broadcast"):
+            raise ValueError(f"publication mode {mode!r}: use store or broadcast")
+        self.client, self.store, self.mode = client, store, mode
+        self.timeout_s, self.host = timeout_s, host
+        self._cond = threading.Condition()
+        self._pending: tuple[int, object, str] | None = None
+        self._acked = -1
+        self._error: BaseException | None = None
+        self._closed = False
+        self._group = None
+        self._members: tuple[str, ...] = ()
+        self.last_publish_s = 0.0
+        """Seconds from snapshot to the last instance's acknowledgement (last publication)."""
+        self.published = 0
+        self._thread = threading.Thread(target=self._run, name="weight-publisher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ trainer side
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Snapshot `model` as `version` and ship it in the background."""
+        if self.mode == "store" or self.published == 0:  # the first version builds engines
+            snapshot: object = serialize(model)
+        else:
+            snapshot = {k: v.clone() for k, v in unique_tensors(model.state_dict()).items()}
+        with self._cond:
+            self._raise_error()
+            self._pending = (version, snapshot, config_json(model))
+            self._cond.notify_all()
+
+    def publish_now(self, model: torch.nn.Module, version: int) -> None:
+        self.publish(model, version)
+        self.wait(version)
+
+    def wait(self, version: int, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._acked < version:
+                self._raise_error()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"weights of version {version} not acknowledged in time")
+                self._cond.wait(timeout=remaining if remaining is not None else 1.0)
+            self._raise_error()
+
+    def mark_acked(self, version: int) -> None:
+        """Every instance already serves `version` (it started from the store)."""
+        with self._cond:
+            self._acked = max(self._acked, version)
+            self._cond.notify_all()
+
+    @property
+    def acked(self) -> int:
+        with self._cond:
+            return self._acked
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"weight publication failed: {self._error}") from self._error
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # ---------------------------------------------------------- background side
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                version, snapshot, config = self._pending
+                self._pending = None
+            started = time.perf_counter()
+            try:
+                self._ship(version, snapshot, config)
+            except BaseException as error:  # surfaced to the trainer on its next call
+                with self._cond:
+                    self._error = error
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.last_publish_s = time.perf_counter() - started
+                self.published += 1
+                self._acked = max(self._acked, version)
+                self._cond.notify_all()
+
+    def _ship(self, version: int, snapshot, config: str) -> None:
+        if isinstance(snapshot, bytes):
+            uri = self.store.write(version, snapshot, config)
+            self._post_all(WeightsRequest(version=version, uri=uri))
+            return
+        try:
+            self._broadcast(version, snapshot)
+        except Exception:  # a member died mid-broadcast: fall back to the store
+            self._group, self._members = None, ()
+            from safetensors.torch import save
+
+            uri = self.store.write(version, save(snapshot), config)
+            self._post_all(WeightsRequest(version=version, uri=uri))
+
+    def _post_all(self, request: WeightsRequest) -> None:
+        live = self.client.live()
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            results = list(
+                pool.map(lambda i: self.client.load_weights(i, request, self.timeout_s), live)
+            )
+        if live and not any(results):
+            raise RuntimeError(f"no rollout instance accepted weights version {request.version}")
+
+    def _broadcast(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Send over the group; (re)form it when the live instances changed. A store copy
+        is written whenever the group is re-formed, for instances that catch up later."""
+        from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
+
+        live = self.client.live()
+        members = tuple(i.url for i in live)
+        if members != self._members:
+            self._group = None
+        address = (
+            GroupAddress(self.host, free_port(self.host), len(live) + 1)
+            if self._group is None
+            else self._group.address
+        )
+        requests = [
+            WeightsRequest(
+                version=version,
+                broadcast={
+                    "address": address.address,
+                    "rank": rank,
+                    "world_size": address.world_size,
+                    "timeout_s": min(self.timeout_s, 60.0),
+                },
+            )
+            for rank in range(1, len(live) + 1)
+        ]
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            futures = [
+                pool.submit(self.client.load_weights, i, r, self.timeout_s)
+                for i, r in zip(live, requests, strict=True)
+            ]
+            if self._group is None:
+                self._group = BroadcastGroup(address, 0, min(self.timeout_s, 60.0), self.host)
+                self._members = members
+            self._group.send(version, state)
+            results = [f.result() for f in futures]
+        if not all(results):  # someone fell out: re-form the group next time
+            self._group, self._members = None, ()
