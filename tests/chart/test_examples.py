@@ -1,0 +1,83 @@
+"""Every file in examples/ is a job a user can `kubectl apply` and `rlft train`: it validates
+against the CRD's own schema (as the API server would: unknown fields, OpenAPI schema, CEL
+rules), passes `rlft validate`, and the pods the operator would create for it are valid
+Kubernetes objects."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from chart_render import ROOT
+from crd_validation import validate
+from example_jobs import EXAMPLES, parsed_examples
+from example_jobs import document as _document
+
+from rlft.operator import manifests as M
+
+CRD = yaml.safe_load((ROOT / "crds" / "rlfinetune.yaml").read_text())
+SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+RLFT = str(Path(sys.executable).parent / "rlft")
+
+
+def test_the_examples_cover_what_users_start_from():
+    names = {path.name for path in EXAMPLES}
+    assert {"tiny-grpo.yaml", "tiny-dpo.yaml", "qwen3-moe-vllm-gpu.yaml"} <= names
+    assert "s3-checkpoints.yaml" in names
+    moe = _document(ROOT / "examples" / "qwen3-moe-vllm-gpu.yaml")["spec"]
+    assert moe["rollout"]["engine"] == "vllm" and moe["rollout"]["expertParallel"] > 1
+    assert moe["trainer"]["gpusPerPod"] > 0 and moe["model"]["path"].startswith("/")
+    s3 = _document(ROOT / "examples" / "s3-checkpoints.yaml")["spec"]["checkpoint"]
+    assert s3["uri"].startswith("s3://") and s3["credentialsSecret"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_validates_against_the_crd_schema(path):
+    document = _document(path)
+    assert document["apiVersion"] == "rlft.dev/v1alpha1" and document["kind"] == "RLFineTune"
+    _, problems, warnings = validate(document, SCHEMA)
+    assert problems == [] and warnings == [], [str(p) for p in problems]
+    text = path.read_text()
+    assert text.lstrip().startswith("#"), f"{path.name}: say what the job is in a comment"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_passes_rlft_validate(path):
+    result = subprocess.run([RLFT, "validate", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "valid RLFineTune" in result.stdout
+
+
+def test_a_broken_example_fails_both_checks(tmp_path):
+    document = _document(ROOT / "examples" / "qwen3-moe-vllm-gpu.yaml")
+    broken = copy.deepcopy(document)
+    broken["spec"]["rollout"]["gpusPerInstance"] = 6  # not divisible by 2 × 4
+    broken["spec"]["trainer"]["gpusPerNode"] = 8  # no such field
+    _, problems, _ = validate(broken, SCHEMA)
+    fields = {p.field for p in problems}
+    assert {"spec.trainer.gpusPerNode"} <= fields, fields
+    broken["spec"]["trainer"].pop("gpusPerNode")
+    _, problems, _ = validate(broken, SCHEMA)
+    assert [p.field for p in problems] == ["spec.rollout.gpusPerInstance"]
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    result = subprocess.run([RLFT, "validate", str(path)], capture_output=True, text=True)
+    assert result.returncode == 2 and "spec.rollout" in result.stderr, result.stderr
+
+
+def test_the_pods_of_every_example_are_valid_kubernetes_objects(tmp_path):
+    manifests = []
+    for job, body in parsed_examples(multi_node_rollout=True):
+        manifests += M.desired(job, body, M.Settings(), "auto").all()
+    out = tmp_path / "children.yaml"
+    out.write_text(yaml.safe_dump_all(manifests))
+    tool = str(Path(sys.executable).parent / "kubernetes-validate")
+    result = subprocess.run([tool, "--strict", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == len(manifests)
+    gpu_pods = [m for m in manifests if "nvidia.com/gpu" in str(m.get("spec", {}))]
+    assert gpu_pods, "the GPU example asks for GPUs"
