@@ -155,6 +155,7 @@ class RolloutPipeline:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._base = 0
+        self._in_progress: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ state
     def _snapshot(self) -> dict[str, Any]:
@@ -164,7 +165,12 @@ class RolloutPipeline:
         """JSON-able: cursor, RNG states at the oldest untrained batch, what is in flight."""
         with self._cond:
             pending = list(self._produced)
-            start = pending[0].start_state if pending else self._snapshot()
+            if pending:
+                start = pending[0].start_state
+            elif self.threaded and self._in_progress is not None:
+                start = self._in_progress
+            else:
+                start = self._snapshot()
             return {
                 "batches_consumed": self.consumed,
                 "max_staleness": self.max_staleness,
@@ -186,6 +192,7 @@ class RolloutPipeline:
     def _produce(self, index: int) -> Produced:
         with self._cond:
             start_state = self._snapshot()
+            self._in_progress = start_state
         tokens_before, started = self.tokens(), time.perf_counter()
         rollouts = self.produce(self.rng, self.generator)
         return Produced(
@@ -220,6 +227,7 @@ class RolloutPipeline:
                 produced = self._produce(index)
                 with self._cond:
                     self._produced.append(produced)
+                    self._in_progress = None
                 self._queue.put(produced)
                 index += 1
         except BaseException as error:  # surfaced to the trainer on its next batch

@@ -1,0 +1,69 @@
+"""Tiny models and rollout servers for the rollout tests (real HTTP servers on loopback)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from rlft.trainer.config import ModelInit, ModelSpec, TokenizerSpec
+from rlft.trainer.modeling import build_policy
+from rlft.trainer.rollout.server import start_server
+from rlft.trainer.weights.store import WeightStore, config_json, serialize
+
+PROMPTS = [[40, 41, 42, 43, 44], [17], [100, 7, 250, 9, 31, 77, 5, 200]]
+
+
+def tiny_model(family: str = "qwen3", seed: int = 0):
+    """A random model whose greedy output is not trivial (weights re-drawn with a larger
+    spread). head_dim 32: the smallest vLLM's CPU attention supports."""
+    spec = ModelSpec(
+        init=ModelInit(
+            family=family,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            num_experts=4,
+            experts_per_token=2,
+            moe_intermediate_size=16,
+            max_position_embeddings=64,
+        ),
+        tokenizer=TokenizerSpec(kind="byte"),
+    )
+    model, tokenizer = build_policy(spec, corpus=[], seed=0)
+    redraw(model, seed)
+    return model.eval(), tokenizer
+
+
+def redraw(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+
+
+def publish(store: WeightStore, model, version: int) -> str:
+    return store.write(version, serialize(model), config_json(model))
+
+
+class ThreadServer:
+    """A rollout server on a thread of this process (transformers engine)."""
+
+    def __init__(self, kind: str = "transformers"):
+        self.server = start_server(kind)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def store_at(tmp_path: Path) -> WeightStore:
+    return WeightStore.at((tmp_path / "weights").as_uri())

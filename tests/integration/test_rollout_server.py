@@ -1,0 +1,236 @@
+"""The rollout protocol on real HTTP servers (transformers engine): round trip, bad
+requests, health and metrics, weight updates atomic with respect to requests, and an
+instance killed with requests in flight (every prompt still yields exactly one group).
+
+The same protocol on the vLLM engine is in test_rollout_vllm.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rollout_fixtures import PROMPTS, ThreadServer, publish, redraw, store_at, tiny_model
+
+from rlft.trainer.rollout import SamplingParams, TransformersEngine
+from rlft.trainer.rollout.client import RolloutClient, http_json
+from rlft.trainer.rollout.local import LocalServers
+from rlft.trainer.rollout.protocol import GenerateRequest, ProtocolError, WeightsRequest
+from rlft.trainer.rollout.remote import RemoteEngine
+
+GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def server():
+    instance = ThreadServer()
+    yield instance
+    instance.stop()
+
+
+def greedy_reference(model, tokenizer, prompts=PROMPTS, n=1):
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    return [c.token_ids for c in engine.generate(prompts, n, GREEDY)]
+
+
+def test_protocol_round_trip_health_and_metrics(server, tmp_path: Path) -> None:
+    model, tokenizer = tiny_model()
+    health = http_json_status(f"{server.url}/healthz")
+    assert health[0] == 503 and "no weights" in health[1]["reason"]
+
+    store = store_at(tmp_path)
+    uri = publish(store, model, 3)
+    client = RolloutClient([server.url], timeout_s=60)
+    assert client.load_weights(client.instances[0], WeightsRequest(version=3, uri=uri), 60)
+    assert http_json(f"{server.url}/healthz", None, 5) == {
+        "ok": True,
+        "policy_version": 3,
+        "engine": "transformers",
+    }
+    request = GenerateRequest(PROMPTS, 2, GREEDY, seed=1, stop_ids=[tokenizer.eos_token_id])
+    answer = client.generate(request)
+    assert answer.policy_version == 3
+    assert [c.prompt_index for c in answer.completions] == [0, 0, 1, 1, 2, 2]
+    assert all(c.policy_version == 3 for c in answer.completions)
+    assert [c.token_ids for c in answer.completions] == greedy_reference(model, tokenizer, n=2)
+    assert all(len(c.logprobs) == len(c.token_ids) for c in answer.completions)
+    assert answer.tokens == sum(len(c.token_ids) for c in answer.completions)
+
+    metrics = urlopen_text(f"{server.url}/metrics")
+    assert 'rlft_rollout_requests_total{status="ok"} 1.0' in metrics
+    assert f"rlft_rollout_generated_tokens_total {float(answer.tokens)}" in metrics
+    assert "rlft_rollout_policy_version 3.0" in metrics
+    client.close()
+
+
+def test_sampled_requests_are_reproducible_by_seed(server, tmp_path: Path) -> None:
+    model, tokenizer = tiny_model()
+    uri = publish(store_at(tmp_path), model, 0)
+    http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=8)
+    body = GenerateRequest(PROMPTS, 3, sampling, seed=11).to_json()
+    first = http_json(f"{server.url}/generate", body, 60)["completions"]
+    again = http_json(f"{server.url}/generate", body, 60)["completions"]
+    other = http_json(f"{server.url}/generate", body | {"seed": 12}, 60)["completions"]
+    assert first == again
+    assert [c["token_ids"] for c in first] != [c["token_ids"] for c in other]
+    # behaviour log-probs are those of the sampling distribution (softmax of logits / T)
+    c = first[0]
+    ids = torch.tensor([PROMPTS[0] + c["token_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(PROMPTS[0]) - 1 : -1].float() / 0.8
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c["token_ids"])[:, None])
+    assert torch.allclose(expected.squeeze(-1), torch.tensor(c["logprobs"]), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompts": [], "n": 1}, "prompts"),
+        ({"prompts": [[1, 2]], "n": 0}, "n:"),
+        ({"prompts": [[1, 99999]], "n": 1}, "prompts[0]"),
+        ({"prompts": [[1]], "sampling": {"temperture": 1.0}}, "unknown field"),
+        ({"prompts": [[1]], "sampling": {"top_p": 0}}, "sampling.top_p"),
+    ],
+)
+def test_bad_requests_are_rejected_naming_the_field(server, tmp_path, body, field) -> None:
+    model, _ = tiny_model()
+    http_json(
+        f"{server.url}/weights", {"version": 0, "uri": publish(store_at(tmp_path), model, 0)}, 60
+    )
+    with pytest.raises(ProtocolError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        http_json(f"{server.url}/generate", body, 10)
+
+
+def test_weights_request_needs_a_published_version(server, tmp_path: Path) -> None:
+    with pytest.raises(ProtocolError, match="exactly one of uri and broadcast"):
+        http_json(f"{server.url}/weights", {"version": 1}, 10)
+    missing = (tmp_path / "nothing").as_uri()
+    status, body = http_json_status(f"{server.url}/weights", {"version": 1, "uri": missing})
+    assert status == 500 and "not a published weight version" in body["error"]
+
+
+def test_weight_updates_are_atomic_with_respect_to_requests(server, tmp_path: Path) -> None:
+    """Requests and updates race; every answer is exactly one version's greedy output."""
+    store = store_at(tmp_path)
+    models, expected = {}, {}
+    for version in range(4):
+        model, tokenizer = tiny_model(seed=version)
+        models[version] = model
+        expected[version] = greedy_reference(model, tokenizer)
+    http_json(f"{server.url}/weights", {"version": 0, "uri": publish(store, models[0], 0)}, 60)
+    client = RolloutClient([server.url], timeout_s=60)
+    answers = []
+    stop = threading.Event()
+
+    def ask() -> None:
+        while not stop.is_set():
+            answers.append(client.generate(GenerateRequest(PROMPTS, 1, GREEDY)))
+
+    askers = [threading.Thread(target=ask) for _ in range(3)]
+    for thread in askers:
+        thread.start()
+    for version in range(1, 4):
+        time.sleep(0.15)
+        uri = publish(store, models[version], version)
+        assert client.load_weights(
+            client.instances[0], WeightsRequest(version=version, uri=uri), 60
+        )
+    time.sleep(0.15)
+    stop.set()
+    for thread in askers:
+        thread.join()
+    seen = set()
+    for answer in answers:
+        versions = {c.policy_version for c in answer.completions}
+        assert versions == {answer.policy_version}
+        assert [c.token_ids for c in answer.completions] == expected[answer.policy_version]
+        seen.add(answer.policy_version)
+    assert len(seen) >= 3, f"the race covered too few versions: {sorted(seen)}"
+    client.close()
+
+
+def test_killed_instance_requests_are_reissued_and_no_group_is_lost(tmp_path: Path) -> None:
+    """Three subprocess servers; one is SIGKILLed while requests are in flight. Every
+    prompt still yields exactly one group of completions, generated by a live instance."""
+    model, tokenizer = tiny_model()
+    store = store_at(tmp_path)
+    publish(store, model, 0)
+    servers = LocalServers(3, "transformers", store.storage.uri, log_dir=tmp_path)
+    try:
+        client = RolloutClient(servers.start(), timeout_s=30, probe_every_s=0.2)
+        client.wait_ready(120)
+        remote = RemoteEngine(client, [tokenizer.eos_token_id], request_prompts=1)
+        prompts = [[10 + i, 20 + i, 30 + i] for i in range(24)]
+        sampling = SamplingParams(max_new_tokens=48, greedy=True)
+        result: dict = {}
+        worker = threading.Thread(
+            target=lambda: result.setdefault("out", remote.generate(prompts, 2, sampling))
+        )
+        worker.start()
+        deadline = time.monotonic() + 30
+        while client.instances[0].in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert client.instances[0].in_flight > 0, "no request reached instance 0"
+        servers.kill(0)
+        worker.join(timeout=120)
+        completions = result["out"]
+        assert [c.prompt_index for c in completions] == [i for i in range(24) for _ in range(2)]
+        assert client.reissued >= 1
+        assert not client.instances[0].healthy
+        reference = TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        expected = reference.generate(prompts, 2, sampling)
+        assert [c.token_ids for c in completions] == [c.token_ids for c in expected]
+        client.close()
+    finally:
+        servers.stop()
+
+
+def http_json_status(url: str, body=None):
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def urlopen_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def test_new_instance_catches_up_from_the_store(tmp_path: Path) -> None:
+    """An instance started after versions were published serves the newest one."""
+    store = store_at(tmp_path)
+    for version in range(3):
+        model, tokenizer = tiny_model(seed=version)
+        publish(store, model, version)
+    assert store.versions() == [0, 1, 2]
+    redraw(model, 2)
+    with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
+        client = RolloutClient(servers.start(), timeout_s=60)
+        client.wait_ready(120)
+        answer = client.generate(
+            GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id])
+        )
+        assert answer.policy_version == 2
+        assert [c.token_ids for c in answer.completions] == greedy_reference(model, tokenizer)
+        client.close()
