@@ -6,6 +6,7 @@ and the trainer image installs every program the operator's pods run."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -56,8 +57,6 @@ def _stages(path: Path) -> list[list[tuple[str, str]]]:
 
 
 def _exec_form(rest: str) -> list[str]:
-    import json
-
     value = json.loads(rest)
     assert isinstance(value, list), f"use the exec form: {rest}"
     return value
@@ -193,3 +192,32 @@ def test_the_trainer_image_installs_every_program_the_pods_run():
     }
     settings = M.Settings()
     assert exposed == {settings.rollout_port, settings.status_port, settings.rdzv_port}
+
+
+def test_the_rlft_commands_of_the_pods_parse_with_the_real_cli():
+    """`rlft train …` (after torchrun's `--no-python`) and `rlft rollout …` (also behind a Ray
+    head's `exec`), exactly as the operator writes them, are accepted by `rlft`'s parser.
+    In a subprocess: building that parser imports the rollout engines (torch)."""
+    argvs = []
+    for job, body in parsed_examples(multi_node_rollout=True):
+        for pod in M.desired(job, body, M.Settings(), "auto").pods.values():
+            command = pod["spec"]["containers"][0]["command"]
+            if command[0] == "torchrun":
+                argvs.append(command[command.index("--no-python") + 2 :])
+            elif command[0] == "rlft":
+                argvs.append(command[1:])
+            elif command[:2] == ["sh", "-c"]:
+                argvs.append(shlex.split(command[2].split("exec rlft", 1)[1]))
+    assert {argv[0] for argv in argvs} == {"train", "rollout"}
+    code = (
+        "import json, sys\n"
+        "from rlft.trainer.cli import build_parser\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    build_parser().parse_args(argv)\n"
+        "print(len(json.loads(sys.argv[1])))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(len(argvs))
