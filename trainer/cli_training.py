@@ -28,7 +28,9 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     from rlft.trainer.rewards import RewardError
 
     try:
-        run_job(job, _out(job, args), args.max_steps, args.overwrite, dist=dist, resume=args.resume)
+        summary = run_job(
+            job, _out(job, args), args.max_steps, args.overwrite, dist=dist, resume=args.resume
+        )
     except (
         OutputExistsError,
         DataFileError,
@@ -43,7 +45,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     except CheckpointError as error:  # storage trouble: worth retrying
         print(f"rlft: {error}", file=sys.stderr)
         return ExitCode.FAILURE
-    return ExitCode.OK
+    return summary.get("exit_code", ExitCode.OK)
 
 
 def _out(job: RLFineTune, args: argparse.Namespace) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,8 @@ class StepResult:
     grad_norm: float = 0.0
     applied: bool = True
     reason: str = ""
+    action: str = "apply"
+    """What the stability guard decided for this update (apply, skip, rollback, …)."""
 
 
 class Learner:
@@ -62,8 +65,20 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, objective, batch: SequenceBatch, epochs: int = 1) -> StepResult:
-        """`epochs` optimizer steps over `batch` (which every rank holds whole)."""
+    def step(
+        self,
+        objective,
+        batch: SequenceBatch,
+        epochs: int = 1,
+        judge: Callable[[StepResult], str] | None = None,
+    ) -> StepResult:
+        """`epochs` optimizer steps over `batch` (which every rank holds whole).
+
+        `judge` sees the first epoch's gradient statistics after clipping and before the
+        optimizer step, and answers `apply` or another action (skip, rollback, pause,
+        fail), in which case no update is applied at all; every rank must get the same
+        answer.
+        """
         self.models.policy.train()
         shard = rank_shard(batch, self.dist.rank, self.dist.world, objective.unit)
         plan = plan_step(
@@ -72,25 +87,31 @@ class Learner:
         if plan.norms.tokens <= 0:
             return StepResult(applied=False, reason="no trainable tokens in the batch")
         result = StepResult()
-        for _ in range(epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.critic_optimizer is not None:
-                self.critic_optimizer.zero_grad(set_to_none=True)
+        for epoch in range(epochs):
+            self._zero_grad()
             result.stats = backward(objective, self.models, plan, self.dist)
+            result.stats |= {"norm_tokens": plan.norms.tokens, "norm_pairs": plan.norms.pairs}
             result.grad_norm = clip_and_norm(
                 list(self.models.policy.parameters()), self.trainer.grad_clip
             )
-            if not math.isfinite(result.grad_norm):
-                result.applied, result.reason = False, "non-finite gradient norm"
+            if epoch == 0 and judge is not None:
+                result.action = judge(result)
+            elif not math.isfinite(result.grad_norm):
+                result.action = "skip"
+            if result.action != "apply":
+                self._zero_grad()
+                result.applied, result.reason = False, result.action
                 break
             self.optimizer.step()
             if self.critic_optimizer is not None:
                 clip_and_norm(list(self.models.critic.parameters()), self.trainer.grad_clip)
                 self.critic_optimizer.step()
-        result.stats["norm_tokens"] = plan.norms.tokens
-        result.stats["norm_sequences"] = plan.norms.sequences
-        result.stats["norm_pairs"] = plan.norms.pairs
         return result
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
 
     def publish(self) -> None:
         """Copy the new weights into rank 0's engine model (collective when sharded)."""

@@ -19,6 +19,7 @@ from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.data import build_task
 from rlft.trainer.distributed import Dist
 from rlft.trainer.encoding import Encoder
+from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.learner import Learner
 from rlft.trainer.loops import Run, dpo_loop, rl_loop, sft_loop, warm_start
 from rlft.trainer.modeling import build_critic, build_policy, count_parameters
@@ -26,6 +27,7 @@ from rlft.trainer.progress import Reporter
 from rlft.trainer.resume import Checkpointing, Cursor, StopRequested
 from rlft.trainer.rewards import RewardModel
 from rlft.trainer.rollout import TransformersEngine
+from rlft.trainer.supervisor import RunEnded, Supervisor
 from rlft.trainer.tokenizer import stop_token_ids
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml")
@@ -96,7 +98,8 @@ def run_job(
             learner.engine_model, tokenizer.pad_token_id, stop_token_ids(tokenizer)
         )
         run.rewards = rewards
-    run.checkpoints = Checkpointing(job, out, dist, learner.engine_model, tokenizer)
+    run.supervisor = Supervisor(job, dist, reporter.log)
+    run.checkpoints = Checkpointing(job, out, dist, learner.engine_model, tokenizer, run.supervisor)
     try:
         cursor = None
         if resume != "never":
@@ -119,9 +122,13 @@ def run_job(
         run.checkpoints.final(cursor, learner, run.reference)
     except StopRequested as stop:
         reporter.log(f"rlft: {stop}; exiting so the job can resume later")
-        return {"stopped_at_step": stop.step}
+        return {"stopped_at_step": stop.step, "exit_code": ExitCode.OK}
+    except RunEnded as ended:
+        reporter.log(f"rlft: {ended}")
+        return {"ended": str(ended), "exit_code": ended.code}
     finally:
         run.checkpoints.close()
+        run.supervisor.close()
 
     eval_final = run.eval_accuracy()
     if not dist.is_main:

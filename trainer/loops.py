@@ -19,11 +19,13 @@ import torch
 
 from rlft.trainer.algorithms.objectives import Supervised, build_objective
 from rlft.trainer.batch import SequenceBatch
+from rlft.trainer.checkpoint import NoCheckpointError
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.data import Problem, Task
 from rlft.trainer.distributed import Dist
 from rlft.trainer.encoding import Encoder
 from rlft.trainer.evaluate import greedy_accuracy
+from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.learner import Learner, StepResult
 from rlft.trainer.orchestrator import (
     preference_batch,
@@ -36,6 +38,7 @@ from rlft.trainer.resume import Checkpointing, Cursor
 from rlft.trainer.rewards import RewardModel
 from rlft.trainer.rollout import SamplingParams, TransformersEngine
 from rlft.trainer.rollout.session import RolloutSession
+from rlft.trainer.supervisor import RunEnded, Supervisor
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Run:
     reference: torch.nn.Module | None = None
     cursor: Cursor | None = None
     checkpoints: Checkpointing | None = None
+    supervisor: Supervisor | None = None
     out: Path | None = None
     """Output folder (local runs; rollout servers' weights and logs go below it)."""
     events: list[str] = field(default_factory=list)
@@ -88,12 +92,35 @@ class Run:
         for parameter in self.reference.parameters():
             parameter.requires_grad_(False)
 
-    def end_of_step(self, step: int, policy_version: int) -> None:
-        """Record the step in the cursor; checkpoint when due (may raise StopRequested)."""
-        assert self.cursor is not None
+    def end_of_step(self, step: int, policy_version: int, result: StepResult | None = None):
+        """Record the step in the cursor, act on the guard's decision (roll back, or end
+        the run), checkpoint when due (may raise StopRequested or RunEnded)."""
+        assert self.cursor is not None and self.checkpoints is not None
         self.cursor.step, self.cursor.policy_version = step, policy_version
-        if self.checkpoints is not None:
-            self.checkpoints.end_of_step(self.cursor, self.learner, self.reference)
+        if result is not None and result.action == "rollback":
+            self._roll_back(step)
+        ended = self.supervisor.ended(step) if result is not None else None
+        if ended is not None:
+            if ended.code == ExitCode.OK:  # pause: keep everything for a later resume
+                self.checkpoints.final(self.cursor, self.learner, self.reference)
+            self.supervisor.set_phase("paused" if ended.code == ExitCode.OK else "failed")
+            raise ended
+        self.checkpoints.end_of_step(self.cursor, self.learner, self.reference)
+
+    def _roll_back(self, step: int) -> None:
+        before = self.supervisor.last["restore_before_step"] or step
+        try:
+            restored = self.checkpoints.rollback(before, self.cursor, self.learner, self.reference)
+        except NoCheckpointError as error:
+            raise RunEnded(f"collapse at step {step} and {error}", ExitCode.COLLAPSED) from None
+        if self.engine is not None:
+            self.engine.set_policy_version(self.cursor.policy_version)
+        message = (
+            f"step {step}: rolled back to the healthy checkpoint of step {restored}; "
+            f"learning rate × {self.supervisor.lr_multiplier:g} from now on"
+        )
+        self.reporter.log(f"rlft: {message}")
+        self.supervisor.event("rollback", message, "warning", step)
 
     def ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
         assert self.reference is not None
@@ -105,6 +132,7 @@ class Run:
         )
 
     def write(self, record: dict) -> None:
+        self.supervisor.record(record)
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -201,17 +229,22 @@ def _rl_steps(run: Run, steps: int, objective, session) -> None:
     for step in range(run.cursor.step + 1, steps + 1):
         started = time.perf_counter()
         lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
+        lr *= run.supervisor.lr_multiplier
         run.learner.set_lr(lr)
-        batch, rollouts, flow = None, None, {}
+        batch, rollouts, flow, base = None, None, {}, {}
         if run.dist.is_main:
             rollouts, flow = session.pipeline.next(run.engine.policy_version)
             batch = _make_rl_batch(run, rollouts)
+            base = {"step": step, "policy_version": run.engine.policy_version, "lr": lr}
+            base |= rollout_metrics(rollouts)
         generated = time.perf_counter()
         batch = run.dist.broadcast(batch)
         if batch is None:
             result = StepResult(applied=False, reason="no informative groups were sampled")
         else:
-            result = run.learner.step(objective, batch, algorithm.policy_loss.epochs)
+            result = run.learner.step(
+                objective, batch, algorithm.policy_loss.epochs, judge=_judge(run, base)
+            )
         run.learner.publish()
         if result.applied and run.engine is not None:
             run.engine.set_policy_version(run.engine.policy_version + 1)
@@ -238,8 +271,14 @@ def _rl_steps(run: Run, steps: int, objective, session) -> None:
                 f"loss {record.get('loss', float('nan')):+.4f} "
                 f"gnorm {record.get('grad_norm', float('nan')):.3f}",
             )
-        run.end_of_step(step, run.dist.broadcast(run.engine.policy_version if run.engine else 0))
+        version = run.dist.broadcast(run.engine.policy_version if run.engine else 0)
+        run.end_of_step(step, version, result)
     run.reporter.stop()
+
+
+def _judge(run: Run, base: dict):
+    """The learner's hook: the guard sees everything known before the optimizer step."""
+    return lambda result: run.supervisor.judge(base | update_metrics(result))
 
 
 def rollout_metrics(rollouts) -> dict[str, float]:
@@ -262,7 +301,7 @@ def update_metrics(result: StepResult) -> dict[str, float]:
     stats = result.stats
     tokens = max(stats.get("norm_tokens", 0.0), 1.0)
     pairs = max(stats.get("norm_pairs", 0.0), 1.0)
-    out: dict[str, float] = {"update_applied": result.applied}
+    out: dict[str, float] = {"update_applied": result.applied, "guard_action": result.action}
     if not result.applied:
         out["skip_reason"] = result.reason
         if not stats:
@@ -321,12 +360,14 @@ def dpo_loop(run: Run, steps: int) -> dict[str, float]:
     run.reporter.start("DPO", steps)
     for step in range(run.cursor.step + 1, steps + 1):
         lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
+        lr *= run.supervisor.lr_multiplier
         run.learner.set_lr(lr)
         batch = None
         if run.dist.is_main:
             problems = [run.task.train_problem(rng) for _ in range(dpo.pairs_per_step)]
             batch = _pairs(run, problems, rng)
-        result = run.learner.step(objective, run.dist.broadcast(batch))
+        base = {"step": step, "lr": lr}
+        result = run.learner.step(objective, run.dist.broadcast(batch), judge=_judge(run, base))
         run.learner.publish()
         if run.dist.is_main:
             run.engine.set_policy_version(run.engine.policy_version + 1)
@@ -338,7 +379,7 @@ def dpo_loop(run: Run, steps: int) -> dict[str, float]:
                 f"loss {record['loss']:.4f} margin {record['margin_mean']:+.3f} "
                 f"pair acc {record['preference_accuracy']:.2f}",
             )
-        run.end_of_step(step, step)
+        run.end_of_step(step, step, result)
     run.reporter.stop()
     return {
         "eval_preference_accuracy_start": run.cursor.results["eval_preference_accuracy_start"],
@@ -383,17 +424,18 @@ def sft_loop(run: Run, steps: int) -> None:
     run.reporter.start("SFT", steps)
     for step in range(run.cursor.step + 1, steps + 1):
         lr = warmup_lr(step, trainer.warmup_steps, trainer.learning_rate)
+        lr *= run.supervisor.lr_multiplier
         run.learner.set_lr(lr)
         problems = [run.task.train_problem(rng) for _ in range(trainer.prompts_per_step)]
         batch = supervised_batch(
             problems, run.encoder.prompt, run.encoder.answer, run.encoder.pad_id
         )
-        result = run.learner.step(objective, batch)
+        result = run.learner.step(objective, batch, judge=_judge(run, {"step": step, "lr": lr}))
         run.learner.publish()
         if run.dist.is_main:
             run.engine.set_policy_version(run.engine.policy_version + 1)
             record = {"step": step, "policy_version": run.engine.policy_version, "lr": lr}
             run.write(record | update_metrics(result))
             run.reporter.advance(step, f"loss {result.stats.get('loss', float('nan')):.4f}")
-        run.end_of_step(step, step)
+        run.end_of_step(step, step, result)
     run.reporter.stop()

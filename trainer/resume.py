@@ -75,17 +75,25 @@ class Cursor:
 class Checkpointing:
     """The job's checkpointer, SIGTERM handling, and resume, on every rank."""
 
-    def __init__(self, job: RLFineTune, out: Path, dist: Dist, policy, tokenizer):
+    def __init__(self, job: RLFineTune, out: Path, dist: Dist, policy, tokenizer, supervisor):
         spec = job.spec.checkpoint
         self.dist = dist
+        self.supervisor = supervisor
         self.stop = GracefulStop(spec.grace_period_seconds).install()
         self.checkpointer = checkpointer_from_spec(
             spec,
             out / "checkpoints",
             job_config=dump_job(job),
             hf_files=hf_files_of(policy, tokenizer) if dist.is_main else {},
+            on_event=self._on_event,
         )
-        self.committed: list[int] = []
+
+    def _on_event(self, name: str, info: dict[str, Any]) -> None:
+        if name == "committed":
+            self.supervisor.checkpointed(info["step"], info["uri"], info["healthy"])
+        elif name in ("failed", "retry"):
+            level = "warning" if name == "retry" else "error"
+            self.supervisor.event(f"checkpoint_{name}", str(info), level, info.get("step"))
 
     @property
     def stats(self):
@@ -94,26 +102,50 @@ class Checkpointing:
     def resume(self, which: str | int, learner, reference) -> Cursor | None:
         """Restore the newest checkpoint `which` selects; None when there is none."""
         try:
-            resumed = load_checkpoint(
-                self.checkpointer.storage,
-                which,
-                learner.models.policy,
-                learner.optimizer,
-                modules=_modules(learner, reference, self.dist),
-            )
+            resumed = self._load(which, learner, reference, restore_rng=True)
         except NoCheckpointError:
             if which not in ("auto",):
                 raise
             return None
-        learner.publish()
+        self.supervisor.load_state_dict(resumed.extra.get("guard", {}))
         return Cursor.from_json(resumed.extra["cursor"])
 
-    def end_of_step(self, cursor: Cursor, learner, reference, healthy: bool = True) -> None:
+    def _load(self, which, learner, reference, restore_rng: bool):
+        resumed = load_checkpoint(
+            self.checkpointer.storage,
+            which,
+            learner.models.policy,
+            learner.optimizer,
+            modules=_modules(learner, reference, self.dist),
+            restore_rng=restore_rng,
+        )
+        learner.publish()
+        return resumed
+
+    def rollback(self, before_step: int, cursor: Cursor, learner, reference) -> int:
+        """Restore the newest healthy checkpoint older than `before_step` into the live
+        run; the data and sampling streams go on from where they are (past the bad
+        window). Returns the restored step; RunEnded-worthy NoCheckpointError if none."""
+        self.checkpointer.wait()
+        target = None
+        if self.dist.is_main:
+            committed = self.checkpointer.catalog.scan().committed
+            healthy = [step for step, ok in committed.items() if ok and step < before_step]
+            target = max(healthy, default=None)
+        target = self.dist.broadcast(target)
+        if target is None:
+            raise NoCheckpointError(f"no healthy checkpoint before step {before_step}")
+        resumed = self._load(target, learner, reference, restore_rng=False)
+        cursor.policy_version = Cursor.from_json(resumed.extra["cursor"]).policy_version
+        self.supervisor.load_state_dict(resumed.extra.get("guard", {}), rollback=True)
+        return target
+
+    def end_of_step(self, cursor: Cursor, learner, reference) -> None:
         """Save when due; on SIGTERM save synchronously and raise StopRequested."""
         decision = self.checkpointer.poll(cursor.step, self.stop.requested)
         if not decision.save:
             return
-        self._save(cursor, learner, reference, healthy, decision.stop)
+        self._save(cursor, learner, reference, decision.stop)
         if decision.stop:
             self.close()
             raise StopRequested(cursor.step)
@@ -122,16 +154,16 @@ class Checkpointing:
         """The last step's checkpoint, committed before the run reports success."""
         self.checkpointer.wait()
         if self.checkpointer.stats.last_step != cursor.step:
-            self._save(cursor, learner, reference, True, wait=True)
+            self._save(cursor, learner, reference, wait=True)
 
-    def _save(self, cursor, learner, reference, healthy: bool, wait: bool) -> None:
+    def _save(self, cursor, learner, reference, wait: bool) -> None:
         self.checkpointer.save(
             cursor.step,
             learner.models.policy,
             learner.optimizer,
-            extra={"cursor": cursor.to_json()},
+            extra={"cursor": cursor.to_json(), "guard": self.supervisor.state_dict()},
             policy_version=cursor.policy_version,
-            healthy=healthy,
+            healthy=self.supervisor.healthy(),
             modules=_modules(learner, reference, self.dist),
             wait=wait,
             emergency=wait and self.stop.requested,

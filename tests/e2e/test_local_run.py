@@ -146,6 +146,8 @@ def test_grpo_learns_a_user_reward(tmp_path: Path, monkeypatch) -> None:
         "algorithm": {"sft": {"steps": 0}, "groupSize": 8},
         "trainer": {"steps": 40, "promptsPerStep": 8, "learningRate": 0.01, "seed": 3},
         "rollout": {"sampling": {"maxNewTokens": 2}},
+        # Learning to always answer "7" *is* an entropy collapse; here it is the goal.
+        "stability": {"onCollapse": "alert"},
     }
     out = tmp_path / "out"
     assert main(["train", str(write_job(tmp_path / "job.yaml", spec)), "--out", str(out)]) == 0

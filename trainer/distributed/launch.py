@@ -61,8 +61,18 @@ def run_workers_captured(
             return output
         if not any(sign in output for sign in _LAUNCH_FAILURES):
             break
-    errors = [line for line in output.splitlines() if "Error" in line or "error:" in line]
-    raise WorkersFailed("; ".join(dict.fromkeys(errors[:6])) or output[-2000:])
+    raise WorkersFailed(_first_worker_error(output))
+
+
+def _first_worker_error(output: str) -> str:
+    """The end of the first rank's traceback (torchrun prefixes its lines `[rankN]:`),
+    else the tail of the output."""
+    lines = output.splitlines()
+    for rank_tag in sorted({line.split("]:")[0] for line in lines if line.startswith("[rank")}):
+        own = [line for line in lines if line.startswith(rank_tag + "]:")]
+        if own:
+            return "\n".join(own[-6:])
+    return "\n".join(lines[-20:])
 
 
 _LAUNCH_FAILURES = ("Address already in use", "EADDRINUSE", "RendezvousConnectionError")
