@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -223,3 +224,34 @@ def test_a_bad_values_file_is_rejected(chart, tmp_path):
         chart.render(values, name="rlft", namespace=NAMESPACE)
     report = helm.lint(CHART, values)
     assert any("/operator/peering" in e for e in report["errors"]), report
+
+
+def test_job_monitor_and_network_policy_match_the_pods_the_operator_creates(chart):
+    from example_jobs import parsed_examples
+
+    from rlft.operator import manifests as M
+    from rlft.operator import names as N
+
+    pods = []
+    for job, body in parsed_examples(multi_node_rollout=True):
+        pods += M.desired(job, body, M.Settings(), "auto").pods.values()
+    documents, _ = render(chart, {**ALL_TOGGLES, **NAMESPACED})
+    (monitor,) = [
+        m for m in of_kind(documents, "PodMonitor") if m["metadata"]["name"].endswith("-jobs")
+    ]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    scraped = [p for p in pods if selector.items() <= p["metadata"]["labels"].items()]
+    assert scraped == pods
+    ports = {port["name"] for p in pods for port in p["spec"]["containers"][0].get("ports", [])}
+    endpoints = monitor["spec"]["podMetricsEndpoints"]
+    assert {e["port"] for e in endpoints} == {"status", "http"} and {"status", "http"} <= ports
+    label = "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9]", "_", N.LABEL_JOB)
+    assert endpoints[0]["relabelings"][0]["sourceLabels"] == [label]
+    (policy,) = of_kind(documents, "NetworkPolicy")
+    trainers = policy["spec"]["egress"][2]
+    wanted = trainers["to"][0]["podSelector"]["matchLabels"]
+    selected = [p for p in pods if wanted.items() <= p["metadata"]["labels"].items()]
+    assert selected and all(
+        p["metadata"]["labels"][N.LABEL_ROLE] == N.ROLE_TRAINER for p in selected
+    )
+    assert trainers["ports"][0]["port"] == M.Settings().status_port
