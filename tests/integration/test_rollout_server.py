@@ -104,7 +104,7 @@ def test_sampled_requests_are_reproducible_by_seed(server, tmp_path: Path) -> No
     ],
 )
 def test_bad_requests_are_rejected_naming_the_field(server, tmp_path, body, field) -> None:
-    model, _ = tiny_model()
+    model = tiny_model()[0]
     http_json(
         f"{server.url}/weights", {"version": 0, "uri": publish(store_at(tmp_path), model, 0)}, 60
     )

@@ -61,6 +61,14 @@ def moe_fix_calls(_worker=None) -> int:
     return _MOE_FIX_CALLS[0]
 
 
+def _config_dtype(folder: Path) -> str:
+    import json
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
+    return str(dtype).removeprefix("torch.")
+
+
 class VllmEngine:
     name = "vllm"
 
@@ -70,7 +78,7 @@ class VllmEngine:
         version: int = 0,
         tensor_parallel: int = 1,
         expert_parallel: int = 1,
-        dtype: str = "auto",
+        dtype: str | None = None,
         kv_cache_gib: int = 1,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -82,6 +90,9 @@ class VllmEngine:
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         from vllm import LLM
 
+        # vLLM's "auto" serves float32 checkpoints in 16 bits: keep the trainer's dtype, so
+        # behaviour log-probs are those of the trained weights.
+        dtype = dtype or _config_dtype(folder)
         self.llm = LLM(
             model=str(folder),
             skip_tokenizer_init=True,

@@ -55,7 +55,11 @@ def serialize(model: torch.nn.Module) -> bytes:
 
 
 def config_json(model: torch.nn.Module) -> str:
-    return model.config.to_json_string()
+    """The model's config.json; `architectures` is set as `save_pretrained` would (vLLM
+    picks the model class, and generation vs pooling, from it)."""
+    config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]
+    return json.dumps(config, indent=2, sort_keys=True)
 
 
 class WeightStore:
