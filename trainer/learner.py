@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlft.trainer import faults
 from rlft.trainer.algorithms.objectives import Models
 from rlft.trainer.batch import SequenceBatch, rank_shard
 from rlft.trainer.config import TrainerSpec
@@ -47,6 +48,7 @@ class Learner:
         self.models = Models(shard_model(policy, trainer.parallelism, dist))
         self.optimizer = self._adamw(self.models.policy, trainer.learning_rate)
         self.critic_optimizer: torch.optim.Optimizer | None = None
+        self.planted = faults.planted_from_env()
 
     def _adamw(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -71,6 +73,7 @@ class Learner:
         batch: SequenceBatch,
         epochs: int = 1,
         judge: Callable[[StepResult], str] | None = None,
+        step: int | None = None,
     ) -> StepResult:
         """`epochs` optimizer steps over `batch` (which every rank holds whole).
 
@@ -91,6 +94,8 @@ class Learner:
             self._zero_grad()
             result.stats = backward(objective, self.models, plan, self.dist)
             result.stats |= {"norm_tokens": plan.norms.tokens, "norm_pairs": plan.norms.pairs}
+            if self.planted and step is not None:
+                faults.apply(self.planted, step, self.models.policy.parameters())
             result.grad_norm = clip_and_norm(
                 list(self.models.policy.parameters()), self.trainer.grad_clip
             )

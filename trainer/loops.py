@@ -119,7 +119,6 @@ class Run:
             f"step {step}: rolled back to the healthy checkpoint of step {restored}; "
             f"learning rate × {self.supervisor.lr_multiplier:g} from now on"
         )
-        self.reporter.log(f"rlft: {message}")
         self.supervisor.event("rollback", message, "warning", step)
 
     def ref_logp(self, batch: SequenceBatch) -> torch.Tensor:
@@ -243,7 +242,7 @@ def _rl_steps(run: Run, steps: int, objective, session) -> None:
             result = StepResult(applied=False, reason="no informative groups were sampled")
         else:
             result = run.learner.step(
-                objective, batch, algorithm.policy_loss.epochs, judge=_judge(run, base)
+                objective, batch, algorithm.policy_loss.epochs, judge=_judge(run, base), step=step
             )
         run.learner.publish()
         if result.applied and run.engine is not None:
@@ -367,7 +366,8 @@ def dpo_loop(run: Run, steps: int) -> dict[str, float]:
             problems = [run.task.train_problem(rng) for _ in range(dpo.pairs_per_step)]
             batch = _pairs(run, problems, rng)
         base = {"step": step, "lr": lr}
-        result = run.learner.step(objective, run.dist.broadcast(batch), judge=_judge(run, base))
+        batch = run.dist.broadcast(batch)
+        result = run.learner.step(objective, batch, judge=_judge(run, base), step=step)
         run.learner.publish()
         if run.dist.is_main:
             run.engine.set_policy_version(run.engine.policy_version + 1)
@@ -430,7 +430,8 @@ def sft_loop(run: Run, steps: int) -> None:
         batch = supervised_batch(
             problems, run.encoder.prompt, run.encoder.answer, run.encoder.pad_id
         )
-        result = run.learner.step(objective, batch, judge=_judge(run, {"step": step, "lr": lr}))
+        base = {"step": step, "lr": lr}
+        result = run.learner.step(objective, batch, judge=_judge(run, base), step=step)
         run.learner.publish()
         if run.dist.is_main:
             run.engine.set_policy_version(run.engine.policy_version + 1)

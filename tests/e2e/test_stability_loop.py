@@ -1,0 +1,142 @@
+"""The collapse guard inside real local runs: a planted gradient spike is skipped before
+the optimizer step while a real Prometheus, scraping the run's /metrics, fires the
+RLFTGradientSpike alert; a planted persistent blow-up is rolled back to the last healthy
+checkpoint and the run still finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from prometheus_fixtures import prometheus  # noqa: F401 (fixture)
+
+from rlft.trainer.telemetry.generate import RULES
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_job(folder: Path, steps: int, **spec: dict) -> Path:
+    # A smooth reward (mean byte value of the completion): steady statistics, real gradients.
+    (folder / "byte_reward.py").write_text(
+        "def mean_byte(completion, answer):\n"
+        "    data = completion.encode()\n"
+        "    return sum(data) / (255 * len(data)) if data else 0.0\n"
+    )
+    job = {
+        "apiVersion": "rlft.dev/v1alpha1",
+        "kind": "RLFineTune",
+        "metadata": {"name": "drill"},
+        "spec": {
+            "model": {
+                "init": {
+                    "family": "qwen3",
+                    "hiddenSize": 32,
+                    "numLayers": 2,
+                    "numHeads": 2,
+                    "numKvHeads": 2,
+                    "intermediateSize": 64,
+                    "maxPositionEmbeddings": 64,
+                },
+                "tokenizer": {"kind": "byte"},
+            },
+            "data": {"arithmetic": {"digits": 2, "evalSize": 40}},
+            "reward": {"functions": [{"name": "byte_reward:mean_byte"}]},
+            "algorithm": {"sft": {"steps": 3, "batchSize": 8, "warmupSteps": 1}, "groupSize": 4},
+            "trainer": {
+                "steps": steps,
+                "promptsPerStep": 8,
+                "microBatchSize": 32,
+                "learningRate": 0.0003,
+            },
+            "rollout": {"sampling": {"maxNewTokens": 4}},
+            "eval": {"maxProblems": 20},
+        }
+        | spec,
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def start(folder: Path, faults: list[dict]) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(folder),
+        OMP_NUM_THREADS="1",
+        RLFT_PLANT_FAULTS=json.dumps(faults),
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlft.trainer.cli", "train", "job.yaml", "--out", "out"],
+        cwd=folder,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def records(folder: Path) -> dict[int, dict]:
+    lines = (folder / "out" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def firing(alerts: list[dict], name: str) -> bool:
+    return any(a["labels"]["alertname"] == name and a["state"] == "firing" for a in alerts)
+
+
+def test_planted_spike_is_skipped_and_prometheus_fires(tmp_path, prometheus) -> None:  # noqa: F811
+    port = free_port()
+    write_job(tmp_path, 5000, telemetry={"port": port})
+    server = prometheus([f"127.0.0.1:{port}"], [REPO / RULES])
+    spike = 150  # late enough for Prometheus to have scraped the healthy counters
+    run = start(tmp_path, [{"kind": "grad_scale", "from": spike, "to": spike + 1, "factor": 100}])
+    try:
+        deadline = time.monotonic() + 180
+        while not firing(server.alerts(), "RLFTGradientSpike"):
+            assert run.poll() is None, "the run ended before the alert fired: " + run.stdout.read()
+            assert time.monotonic() < deadline, "RLFTGradientSpike never fired"
+            time.sleep(0.5)
+        skipped = server.query("rlft_skipped_updates_total")
+        assert [float(r["value"][1]) for r in skipped] == [1.0]
+    finally:
+        run.send_signal(signal.SIGTERM)  # enough: checkpoint and stop
+        output = run.communicate(timeout=120)[0]
+    assert run.returncode == 0, output
+    by_step = records(tmp_path)
+    assert by_step[spike]["guard_action"] == "skip"
+    assert by_step[spike]["update_applied"] is False
+    assert by_step[spike]["grad_norm"] > 20 * by_step[spike - 1]["grad_norm"]
+    assert [s for s, r in by_step.items() if r["guard_action"] != "apply"] == [spike]
+    # The skipped update was never applied: the policy version did not advance.
+    assert by_step[spike + 1]["policy_version"] == by_step[spike - 1]["policy_version"] + 1
+
+
+def test_persistent_blowup_is_rolled_back_and_the_run_finishes(tmp_path) -> None:
+    write_job(tmp_path, 70, checkpoint={"intervalSteps": 5})
+    run = start(tmp_path, [{"kind": "grad_scale", "from": 40, "to": 46, "factor": 100}])
+    output = run.communicate(timeout=600)[0]
+    assert run.returncode == 0, output
+    by_step = records(tmp_path)
+    actions = {s: r["guard_action"] for s, r in by_step.items() if r["guard_action"] != "apply"}
+    assert "rollback" in actions.values(), actions
+    assert set(actions) <= set(range(40, 46)), actions  # only the planted steps
+    assert "rolled back to the healthy checkpoint of step 35" in output
+    rollback = min(s for s, a in actions.items() if a == "rollback")
+    # The restored policy is the one of step 35: the version goes back, then on.
+    assert by_step[rollback + 1]["policy_version"] < by_step[rollback - 1]["policy_version"]
+    assert by_step[rollback + 1]["lr"] < by_step[rollback - 1]["lr"]  # scaled down
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 70
