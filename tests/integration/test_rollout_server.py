@@ -74,7 +74,7 @@ def test_protocol_round_trip_health_and_metrics(server, tmp_path: Path) -> None:
 
 
 def test_sampled_requests_are_reproducible_by_seed(server, tmp_path: Path) -> None:
-    model, tokenizer = tiny_model()
+    model = tiny_model()[0]
     uri = publish(store_at(tmp_path), model, 0)
     http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
     sampling = SamplingParams(temperature=0.8, max_new_tokens=8)
