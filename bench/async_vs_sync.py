@@ -158,12 +158,15 @@ def main() -> int:
         f"GRPO, {PROMPTS_PER_STEP}×4 completions/step, maxNewTokens 128 (heavy-tailed lengths), "
         f"{STEPS} steps (first {WARMUP} not timed); trainer on CPU 0, rollout server on CPU 1"
     )
-    print(
-        f"synchronous run: T_gen {sync['t_gen']:.3f} s, T_train {sync['t_train']:.3f} s → ideal bound {bound:.2f}×"
-    )
-    print(
-        f"{'mode':<16}{'steps/hour':>12}{'speedup':>9}{'of bound':>10}{'idle':>7}{'max lag':>9}{'dropped':>9}{'len':>7}"
-    )
+    t_gen, t_train = sync["t_gen"], sync["t_train"]
+    print(f"synchronous run: T_gen {t_gen:.3f} s, T_train {t_train:.3f} s → bound {bound:.2f}×")
+    header = ("mode", "steps/hour", "speedup", "of bound", "idle", "max lag", "dropped", "len")
+    widths = (16, 12, 9, 10, 7, 9, 9, 7)
+    cells = [
+        f"{h:<{w}}" if i == 0 else f"{h:>{w}}"
+        for i, (h, w) in enumerate(zip(header, widths, strict=True))
+    ]
+    print("".join(cells))
     for k, r in results.items():
         speed = r["steps_per_hour"] / sync["steps_per_hour"]
         name = "synchronous" if k == 0 else f"maxStaleness {k}"
