@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         aliases=["rollout-server"],
         help="serve one rollout instance (POST /generate, POST /weights, GET /healthz, /metrics)",
     )
-    from rlft.trainer.rollout.server import add_arguments as add_rollout_arguments
+    from rlft.trainer.rollout.arguments import add_arguments as add_rollout_arguments
 
     add_rollout_arguments(rollout)
     rollout.set_defaults(handler=cmd_rollout)

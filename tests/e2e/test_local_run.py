@@ -11,24 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from tiny_jobs import TINY_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlft.trainer.cli import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-TINY_MODEL = {
-    "init": {
-        "family": "qwen3",
-        "hiddenSize": 32,
-        "numLayers": 2,
-        "numHeads": 2,
-        "numKvHeads": 2,
-        "intermediateSize": 64,
-        "maxPositionEmbeddings": 64,
-    },
-    "tokenizer": {"kind": "byte"},
-}
 
 METRIC_KEYS = {
     "step",

@@ -18,44 +18,17 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
-TIMING = {"gen_time_s", "train_time_s", "step_time_s"}
+def _timing(key: str) -> bool:
+    """Wall-clock measurements, which no two runs share."""
+    return key.endswith(("_s", "_per_s", "idle_ratio"))
 STEPS = 8
 
 
 def write_job(folder: Path, algorithm: dict) -> Path:
-    (folder / "parity_reward.py").write_text(
-        "def parity(completion, answer):\n    return float(len(completion) % 2)\n"
-    )
-    job = {
-        "apiVersion": "rlft.dev/v1alpha1",
-        "kind": "RLFineTune",
-        "metadata": {"name": "resume"},
-        "spec": {
-            "model": {
-                "init": {
-                    "family": "qwen3",
-                    "hiddenSize": 32,
-                    "numLayers": 2,
-                    "numHeads": 2,
-                    "numKvHeads": 2,
-                    "intermediateSize": 64,
-                    "maxPositionEmbeddings": 64,
-                },
-                "tokenizer": {"kind": "byte"},
-            },
-            "data": {"arithmetic": {"digits": 2, "evalSize": 40}},
-            "reward": {"functions": [{"name": "parity_reward:parity"}]},
-            "algorithm": {"sft": {"steps": 3, "batchSize": 8, "warmupSteps": 1}} | algorithm,
-            "trainer": {"steps": STEPS, "promptsPerStep": 4, "microBatchSize": 5},
-            "rollout": {"sampling": {"maxNewTokens": 4}},
-            "checkpoint": {"intervalSteps": 2, "keepLast": 2},
-            "eval": {"maxProblems": 20},
-        },
-    }
-    path = folder / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    spec = arithmetic_rl_spec(algorithm, STEPS, checkpoint={"intervalSteps": 2, "keepLast": 2})
+    return write_parity_job(folder, spec, "resume")
 
 
 def start(folder: Path, out: str, *extra: str) -> subprocess.Popen:
@@ -72,7 +45,7 @@ def start(folder: Path, out: str, *extra: str) -> subprocess.Popen:
 
 def records(out: Path) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if not _timing(k)} for line in lines]
 
 
 def wait_for_step(out: Path, step: int, process: subprocess.Popen) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 from prometheus_fixtures import prometheus  # noqa: F401 (fixture)
+from tiny_jobs import TINY_MODEL, manifest
 
 from rlft.trainer.telemetry.generate import RULES
 
@@ -35,23 +36,9 @@ def write_job(folder: Path, steps: int, **spec: dict) -> Path:
         "    data = completion.encode()\n"
         "    return sum(data) / (255 * len(data)) if data else 0.0\n"
     )
-    job = {
-        "apiVersion": "rlft.dev/v1alpha1",
-        "kind": "RLFineTune",
-        "metadata": {"name": "drill"},
-        "spec": {
-            "model": {
-                "init": {
-                    "family": "qwen3",
-                    "hiddenSize": 32,
-                    "numLayers": 2,
-                    "numHeads": 2,
-                    "numKvHeads": 2,
-                    "intermediateSize": 64,
-                    "maxPositionEmbeddings": 64,
-                },
-                "tokenizer": {"kind": "byte"},
-            },
+    job = manifest(
+        {
+            "model": TINY_MODEL,
             "data": {"arithmetic": {"digits": 2, "evalSize": 40}},
             "reward": {"functions": [{"name": "byte_reward:mean_byte"}]},
             "algorithm": {"sft": {"steps": 3, "batchSize": 8, "warmupSteps": 1}, "groupSize": 4},
@@ -65,7 +52,8 @@ def write_job(folder: Path, steps: int, **spec: dict) -> Path:
             "eval": {"maxProblems": 20},
         }
         | spec,
-    }
+        "drill",
+    )
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path

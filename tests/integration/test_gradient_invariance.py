@@ -8,27 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tiny_jobs import MOE_INIT, TINY_INIT, manifest
 
 from rlft.trainer.config import parse_job
 from rlft.trainer.train_step import Faults
 from rlft.trainer.verify import compare, local_gradients, prepare, run_cases, write_case
 
 TOLERANCE = 1e-6
-TINY = {
-    "family": "qwen3",
-    "hiddenSize": 32,
-    "numLayers": 2,
-    "numHeads": 2,
-    "numKvHeads": 2,
-    "intermediateSize": 64,
-    "maxPositionEmbeddings": 64,
-}
-MOE = TINY | {
-    "family": "qwen3-moe",
-    "numExperts": 4,
-    "expertsPerToken": 2,
-    "moeIntermediateSize": 16,
-}
+TINY, MOE = TINY_INIT, MOE_INIT
 
 # name -> (algorithm section, model init, sequences)
 CASES: dict[str, tuple[dict, dict, int]] = {
@@ -140,17 +127,15 @@ CASES: dict[str, tuple[dict, dict, int]] = {
 
 def job_for(algorithm: dict, init: dict):
     return parse_job(
-        {
-            "apiVersion": "rlft.dev/v1alpha1",
-            "kind": "RLFineTune",
-            "metadata": {"name": "invariance"},
-            "spec": {
+        manifest(
+            {
                 "model": {"init": init, "tokenizer": {"kind": "byte"}},
                 "data": {"arithmetic": {"digits": 2, "evalSize": 10}},
                 "algorithm": algorithm | {"sft": {"steps": 0}},
                 "rollout": {"sampling": {"maxNewTokens": 5}},
             },
-        }
+            "invariance",
+        )
     )
 
 

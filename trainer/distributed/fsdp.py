@@ -24,13 +24,24 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+_MESHES: dict[tuple[str, int], object] = {}
+
+
+def _mesh(dist: Dist):
+    """One device mesh per process: each `init_device_mesh` makes new process groups."""
+    key = (dist.device.type, dist.world)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(dist.device.type, (dist.world,))
+    return _MESHES[key]
+
+
 def shard_model(model: torch.nn.Module, parallelism: Parallelism, dist: Dist) -> torch.nn.Module:
     """Apply activation checkpointing and FSDP2 in place; returns the same module."""
     if parallelism.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not dist.active:
         return model
-    mesh = init_device_mesh(dist.device.type, (dist.world,))
+    mesh = _mesh(dist)
     policy = MixedPrecisionPolicy()
     if parallelism.mixed_precision == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -68,6 +68,9 @@ def _first_worker_error(output: str) -> str:
     """The end of the first rank's traceback (torchrun prefixes its lines `[rankN]:`),
     else the tail of the output."""
     lines = output.splitlines()
+    native = [line for line in lines if "terminate called" in line or "what():" in line]
+    if native:  # a C++ abort (SIGABRT) prints no Python traceback
+        return "\n".join(native[:4])
     for rank_tag in sorted({line.split("]:")[0] for line in lines if line.startswith("[rank")}):
         own = [line for line in lines if line.startswith(rank_tag + "]:")]
         if own:

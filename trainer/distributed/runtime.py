@@ -65,5 +65,8 @@ def init_from_env(timeout_s: float = 600.0) -> Dist:
 
 
 def shutdown() -> None:
+    """Leave the process group once every rank is done with it (a rank destroying it
+    while another still talks aborts the other in gloo's threads)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from rlft.trainer.rollout.arguments import add_arguments
 from rlft.trainer.rollout.protocol import (
     GenerateRequest,
     ProtocolError,
@@ -271,19 +272,6 @@ def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | None:
     if job is not None and job.spec.model.path:
         return WeightsRequest(version=0, uri=Path(job.spec.model.path).resolve().as_uri())
     return None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", nargs="?", help="RLFineTune manifest (YAML); optional locally")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    parser.add_argument("--port", type=int, default=0, help="port (0: a free one)")
-    parser.add_argument("--instance", type=int, default=0, help="index of this instance")
-    parser.add_argument("--engine", choices=["transformers", "vllm"], help="overrides the job's")
-    parser.add_argument("--tensor-parallel", type=int, default=1)
-    parser.add_argument("--expert-parallel", type=int, default=1)
-    parser.add_argument("--ray-address", help="Ray head of a multi-node instance (vLLM)")
-    parser.add_argument("--weights-uri", help="publication location to catch up from")
-    parser.add_argument("--ready-file", help="write {port, pid} here once listening")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,43 +11,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_jobs import MOE_INIT, TINY_INIT, arithmetic_rl_spec, write_parity_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RLFT = [sys.executable, "-m", "rlft.trainer.cli"]
 
-TINY = {
-    "family": "qwen3",
-    "hiddenSize": 32,
-    "numLayers": 2,
-    "numHeads": 2,
-    "numKvHeads": 2,
-    "intermediateSize": 64,
-    "maxPositionEmbeddings": 64,
-}
 
-
-def write_job(folder: Path, algorithm: dict, init: dict = TINY, steps: int = 3) -> Path:
-    # A reward that varies even for an untrained model, so every step has signal.
-    (folder / "parity_reward.py").write_text(
-        "def parity(completion, answer):\n    return float(len(completion) % 2)\n"
-    )
-    job = {
-        "apiVersion": "rlft.dev/v1alpha1",
-        "kind": "RLFineTune",
-        "metadata": {"name": "algorithms"},
-        "spec": {
-            "model": {"init": init, "tokenizer": {"kind": "byte"}},
-            "data": {"arithmetic": {"digits": 2, "evalSize": 40}},
-            "reward": {"functions": [{"name": "parity_reward:parity"}]},
-            "algorithm": {"sft": {"steps": 3, "batchSize": 8, "warmupSteps": 1}} | algorithm,
-            "trainer": {"steps": steps, "promptsPerStep": 4, "microBatchSize": 5},
-            "rollout": {"sampling": {"maxNewTokens": 4}},
-            "eval": {"maxProblems": 20},
-        },
-    }
-    path = folder / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+def write_job(folder: Path, algorithm: dict, init: dict = TINY_INIT, steps: int = 3) -> Path:
+    return write_parity_job(folder, arithmetic_rl_spec(algorithm, steps, init), "algorithms")
 
 
 def rlft(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -119,12 +90,7 @@ def test_two_ranks_train_like_one(tmp_path) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
 def test_moe_gspo_trains_and_reports_expert_load(tmp_path, family) -> None:
-    moe = TINY | {
-        "family": family,
-        "numExperts": 4,
-        "expertsPerToken": 2,
-        "moeIntermediateSize": 16,
-    }
+    moe = MOE_INIT | {"family": family}
     algorithm = {
         "name": "grpo",
         "groupSize": 4,

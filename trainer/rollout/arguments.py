@@ -1,0 +1,18 @@
+"""Arguments of `rlft rollout` (no torch import: the CLI builds its parser cheaply)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", nargs="?", help="RLFineTune manifest (YAML); optional locally")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    parser.add_argument("--instance", type=int, default=0, help="index of this instance")
+    parser.add_argument("--engine", choices=["transformers", "vllm"], help="overrides the job's")
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument("--ray-address", help="Ray head of a multi-node instance (vLLM)")
+    parser.add_argument("--weights-uri", help="publication location to catch up from")
+    parser.add_argument("--ready-file", help="write {port, pid} here once listening")
