@@ -18,7 +18,7 @@ from rlft.trainer.batch import SequenceBatch, rank_shard
 from rlft.trainer.config import TrainerSpec
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.fsdp import shard_model
-from rlft.trainer.train_step import backward, clip_and_norm, plan_step
+from rlft.trainer.train_step import backward, clip_and_norm, group_grad_norms, plan_step
 
 
 @dataclass
@@ -27,6 +27,8 @@ class StepResult:
     grad_norm: float = 0.0
     applied: bool = True
     reason: str = ""
+    group_norms: dict[str, float] = field(default_factory=dict)
+    """Gradient norm per parameter group before clipping (first epoch)."""
     action: str = "apply"
     """What the stability guard decided for this update (apply, skip, rollback, …)."""
 
@@ -96,6 +98,8 @@ class Learner:
             result.stats |= {"norm_tokens": plan.norms.tokens, "norm_pairs": plan.norms.pairs}
             if self.planted and step is not None:
                 faults.apply(self.planted, step, self.models.policy.parameters())
+            if epoch == 0:
+                result.group_norms = group_grad_norms(self.models.policy, self.dist)
             result.grad_norm = clip_and_norm(
                 list(self.models.policy.parameters()), self.trainer.grad_clip
             )

@@ -307,6 +307,8 @@ def update_metrics(result: StepResult) -> dict[str, float]:
             return out
     out["loss"] = stats.get("loss", float("nan"))
     out["grad_norm"] = result.grad_norm
+    if result.group_norms:
+        out["grad_norm_groups"] = result.group_norms
     out["tokens"] = stats.get("norm_tokens", 0.0)
     for key in ("kl", "entropy", "is_weight"):
         if key in stats:

@@ -8,6 +8,7 @@ that it catches them, and is never set by a training run.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -125,3 +126,34 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
         out[name] = full_tensor(grad).detach().clone()
     return out
+
+
+def group_grad_norms(model: torch.nn.Module, dist: Dist) -> dict[str, float]:
+    """L2 gradient norm per parameter group (embeddings, each layer, final norm, head),
+    across shards and ranks; call before clipping."""
+    squares: dict[str, float] = {}
+    for name, parameter in model.named_parameters():
+        if parameter.grad is None:
+            continue
+        grad = parameter.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        group = parameter_group(name)
+        squares[group] = squares.get(group, 0.0) + float(local.double().square().sum())
+    names = sorted(squares)
+    totals = torch.tensor([squares[n] for n in names], dtype=torch.float64)
+    if dist.active:  # every rank holds a shard of every parameter (FSDP2)
+        totals = dist.all_reduce(totals)
+    return {n: float(v) ** 0.5 for n, v in zip(names, totals.tolist(), strict=True)}
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def parameter_group(name: str) -> str:
+    match = _LAYER.search(name)
+    if match:
+        return f"layer_{int(match.group(1)):03d}"
+    for key, label in (("embed", "embeddings"), ("lm_head", "lm_head"), ("norm", "final_norm")):
+        if key in name:
+            return label
+    return "other"

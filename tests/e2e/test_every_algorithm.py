@@ -86,6 +86,12 @@ def test_two_ranks_train_like_one(tmp_path) -> None:
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4, abs=1e-7)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
     assert any(r["grad_norm"] > 0 for r in metrics(tmp_path / "one"))
+    for run in ("one", "two"):  # per-group norms (before clipping) make up the whole norm
+        for record in metrics(tmp_path / run):
+            groups = record["grad_norm_groups"]
+            assert {"embeddings", "layer_000", "layer_001", "final_norm"} <= groups.keys()
+            total = sum(v * v for v in groups.values()) ** 0.5
+            assert total == pytest.approx(record["grad_norm"], rel=1e-4, abs=1e-7)
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
