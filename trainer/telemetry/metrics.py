@@ -228,6 +228,26 @@ SAMPLES = _m(
     "Completions received from rollout engines.",
     panel="Rollout",
 )
+TRAINER_IDLE = _m(
+    "rlft_trainer_idle_ratio",
+    "gauge",
+    "Share of the last step's wall time the trainer waited for rollouts.",
+    "ratio",
+    panel="Rollout",
+)
+GENERATION_THROUGHPUT = _m(
+    "rlft_generation_tokens_per_second",
+    "gauge",
+    "Completion tokens the rollout engines generated per second for the last batch.",
+    "tokens_per_second",
+    panel="Rollout",
+)
+REISSUED = _m(
+    "rlft_rollout_requests_reissued_total",
+    "counter",
+    "Generation requests re-sent to another instance after one died or timed out.",
+    panel="Rollout",
+)
 STALE_DROPPED = _m(
     "rlft_stale_samples_dropped_total",
     "counter",
@@ -399,6 +419,10 @@ BINDINGS: dict[str, Binding] = {
     "staleness_max": Binding(STALENESS, {"stat": "max"}),
     "samples": Binding(SAMPLES),
     "stale_dropped": Binding(STALE_DROPPED),
+    "trainer_idle_ratio": Binding(TRAINER_IDLE),
+    "gen_tokens_per_s": Binding(GENERATION_THROUGHPUT),
+    "reissued_requests": Binding(REISSUED),
+    "weight_publish_s": Binding(STEP_PHASE, {"phase": "publish_weights"}),
     "rollout_engines_healthy": Binding(ENGINES_HEALTHY),
     "rollout_engines_expected": Binding(ENGINES_EXPECTED),
     "tokens": Binding(TOKENS_TRAINED),
