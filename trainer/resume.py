@@ -91,9 +91,11 @@ class Checkpointing:
     def _on_event(self, name: str, info: dict[str, Any]) -> None:
         if name == "committed":
             self.supervisor.checkpointed(info["step"], info["uri"], info["healthy"])
-        elif name in ("failed", "retry"):
-            level = "warning" if name == "retry" else "error"
-            self.supervisor.event(f"checkpoint_{name}", str(info), level, info.get("step"))
+        elif name == "retry":
+            message = f"checkpoint of step {info.get('step')}: {info.get('what')} retried"
+            self.supervisor.checkpoint_retry(f"{message} ({info.get('error')})", info.get("step"))
+        elif name == "failed":
+            self.supervisor.event("checkpoint_failed", str(info), "error", info.get("step"))
 
     @property
     def stats(self):

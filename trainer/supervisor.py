@@ -81,6 +81,11 @@ class Supervisor:
         if self.telemetry is not None:
             self.telemetry.checkpoint(step, uri, healthy)
 
+    def checkpoint_retry(self, message: str, step: int | None) -> None:
+        if self.telemetry is not None:
+            self.telemetry.exporter.checkpoint_retry()
+            self.telemetry.event("checkpoint_retry", message, "warning", step)
+
     def event(self, kind: str, message: str, level: str = "info", step: int | None = None):
         if self.telemetry is not None:
             self.telemetry.event(kind, message, level, step)

@@ -141,6 +141,11 @@ class MetricsExporter:
                 self._gauge(M.CHECKPOINT_TIME).set(when if when is not None else time.time())
                 self._gauge(M.CHECKPOINT_STEP).set(step)
 
+    def checkpoint_retry(self) -> None:
+        """One retried storage operation of a checkpoint upload."""
+        with self._lock:
+            self._counter(M.CHECKPOINT_RETRIES).inc()
+
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
         return generate_latest(self.registry)

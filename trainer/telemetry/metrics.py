@@ -320,6 +320,12 @@ CHECKPOINT_OK = _m(
     "1 if the last checkpoint attempt committed, 0 if it failed.",
     panel="Checkpoints",
 )
+CHECKPOINT_RETRIES = _m(
+    "rlft_checkpoint_upload_retries_total",
+    "counter",
+    "Checkpoint storage operations retried after a throttling or connection error.",
+    panel="Checkpoints",
+)
 CHECKPOINTS = _m(
     "rlft_checkpoints_total",
     "counter",

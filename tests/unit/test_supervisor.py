@@ -1,0 +1,42 @@
+"""The supervisor's bookkeeping around the guard: decisions shared as plain data, and
+checkpoint retries counted as a metric and reported as a /status event and log line."""
+
+from __future__ import annotations
+
+import math
+
+from tiny_jobs import TINY_MODEL, manifest
+
+from rlft.trainer.config import parse_job
+from rlft.trainer.distributed import Dist
+from rlft.trainer.supervisor import Supervisor
+
+
+def supervisor(logged: list[str]) -> Supervisor:
+    job = parse_job(manifest({"model": TINY_MODEL, "telemetry": {"enabled": False}}))
+    return Supervisor(job, Dist(), logged.append)
+
+
+def test_checkpoint_retries_are_a_metric_an_event_and_a_log_line() -> None:
+    logged: list[str] = []
+    sup = supervisor(logged)
+    sup.checkpoint_retry("checkpoint of step 20: upload retried (connection refused)", 20)
+    sup.checkpoint_retry("checkpoint of step 20: upload retried (connection refused)", 20)
+    text = sup.telemetry.exporter.exposition().decode()
+    assert "rlft_checkpoint_upload_retries_total 2.0" in text
+    events = [
+        e for e in sup.telemetry.board.snapshot()["events"] if e["kind"] == "checkpoint_retry"
+    ]
+    assert len(events) == 2 and events[0]["step"] == 20
+    assert any("upload retried" in line for line in logged)
+
+
+def test_a_spike_is_judged_skip_and_ends_nothing() -> None:
+    sup = supervisor([])
+    for step in range(1, 30):
+        record = {"step": step, "grad_norm": 1.0 + 0.01 * (step % 3), "loss": 0.1}
+        assert sup.judge(record) == "apply"
+    assert sup.judge({"step": 30, "grad_norm": 500.0, "loss": 0.1}) == "skip"
+    assert sup.ended(30) is None
+    assert sup.judge({"step": 31, "grad_norm": math.nan, "loss": 0.1}) == "skip"
+    assert sup.state_dict()["skipped"] == 2
