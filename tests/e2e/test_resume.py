@@ -20,9 +20,12 @@ import yaml
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
+
 def _timing(key: str) -> bool:
     """Wall-clock measurements, which no two runs share."""
     return key.endswith(("_s", "_per_s", "idle_ratio"))
+
+
 STEPS = 8
 
 
