@@ -18,7 +18,13 @@ from rlft.trainer.batch import SequenceBatch, rank_shard
 from rlft.trainer.config import TrainerSpec
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.fsdp import shard_model
-from rlft.trainer.train_step import backward, clip_and_norm, group_grad_norms, plan_step
+from rlft.trainer.train_step import (
+    backward,
+    clip_and_norm,
+    clip_to_norm,
+    group_grad_norms,
+    plan_step,
+)
 
 
 @dataclass
@@ -98,10 +104,12 @@ class Learner:
             result.stats |= {"norm_tokens": plan.norms.tokens, "norm_pairs": plan.norms.pairs}
             if self.planted and step is not None:
                 faults.apply(self.planted, step, self.models.policy.parameters())
+            groups = group_grad_norms(self.models.policy, self.dist)
             if epoch == 0:
-                result.group_norms = group_grad_norms(self.models.policy, self.dist)
-            result.grad_norm = clip_and_norm(
-                list(self.models.policy.parameters()), self.trainer.grad_clip
+                result.group_norms = groups
+            result.grad_norm = math.sqrt(sum(norm * norm for norm in groups.values()))
+            clip_to_norm(
+                list(self.models.policy.parameters()), self.trainer.grad_clip, result.grad_norm
             )
             if epoch == 0 and judge is not None:
                 result.action = judge(result)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 
 import yaml
@@ -116,7 +116,7 @@ def run_job(
                 _truncate_metrics(out / "metrics.jsonl", cursor.step)
         run.cursor = cursor
         steps = min(spec.trainer.steps, max_steps) if max_steps is not None else spec.trainer.steps
-        with (out / "metrics.jsonl").open("a") if dist.is_main else _nothing() as metrics:
+        with (out / "metrics.jsonl").open("a") if dist.is_main else nullcontext() as metrics:
             run.metrics = metrics
             extra = _train(run, steps)
         run.checkpoints.final(cursor, learner, run.reference)
@@ -219,11 +219,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
     path.write_text("".join(line + "\n" for line in keep))
-
-
-@contextmanager
-def _nothing():
-    yield None
 
 
 def _critic_from(config, state):

@@ -11,7 +11,7 @@ import copy
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -61,7 +61,6 @@ class Run:
     supervisor: Supervisor | None = None
     out: Path | None = None
     """Output folder (local runs; rollout servers' weights and logs go below it)."""
-    events: list[str] = field(default_factory=list)
 
     @property
     def spec(self):

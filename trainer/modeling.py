@@ -122,9 +122,15 @@ def build_critic(policy: PreTrainedModel) -> PreTrainedModel:
     return critic
 
 
+def expert_count(config) -> int:
+    """Experts per MoE layer (Qwen3-MoE's `num_experts`, Mixtral's `num_local_experts`);
+    0 for dense models."""
+    return getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0
+
+
 def to_float64(model: PreTrainedModel) -> PreTrainedModel:
     """The model in float64 (for exact gradient checks). Fused expert kernels have no
     float64 version, so MoE models switch to the per-expert loop."""
-    if getattr(model.config, "num_experts", 0) or getattr(model.config, "num_local_experts", 0):
+    if expert_count(model.config):
         model.set_experts_implementation("eager")
     return model.to(torch.float64)

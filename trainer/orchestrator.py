@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -120,12 +120,10 @@ def keep_informative(rollouts: Rollouts, group_size: int) -> Rollouts:
     keep = informative_groups(rollouts.rewards, group_size).tolist()
     prompts = [i for i, k in enumerate(keep) if k]
     index = {old: new for new, old in enumerate(prompts)}
-    completions = [c for c in rollouts.completions if keep[c.prompt_index]]
     completions = [
-        Completion(
-            index[c.prompt_index], c.token_ids, c.logprobs, c.finish_reason, c.policy_version
-        )
-        for c in completions
+        replace(c, prompt_index=index[c.prompt_index])
+        for c in rollouts.completions
+        if keep[c.prompt_index]
     ]
     rewards = rollouts.rewards.reshape(-1, group_size)[torch.tensor(keep, dtype=torch.bool)]
     return Rollouts(
@@ -145,12 +143,7 @@ def concat(parts: list[Rollouts], limit: int, group_size: int) -> Rollouts:
         offset = len(prompt_ids)
         prompt_ids += part.prompt_ids
         problems += part.problems
-        completions += [
-            Completion(
-                c.prompt_index + offset, c.token_ids, c.logprobs, c.finish_reason, c.policy_version
-            )
-            for c in part.completions
-        ]
+        completions += [replace(c, prompt_index=c.prompt_index + offset) for c in part.completions]
         rewards.append(part.rewards)
     out = Rollouts(prompt_ids, problems, completions, torch.cat(rewards))
     out.prompt_ids, out.problems = out.prompt_ids[:limit], out.problems[:limit]

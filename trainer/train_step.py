@@ -9,7 +9,7 @@ that it catches them, and is never set by a training run.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,6 @@ class StepPlan:
     micros: list[SequenceBatch]
     prepared: list[Prepared]
     norms: Normalisers
-    sums: dict[str, float] = field(default_factory=dict)
 
 
 def _local_norms(batch: SequenceBatch, unit: int) -> Normalisers:
@@ -117,6 +116,13 @@ def clip_and_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> floa
         return 0.0
     norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
     return float(full_tensor(norm).item())
+
+
+def clip_to_norm(parameters: list[torch.nn.Parameter], max_norm: float, norm: float) -> None:
+    """Clip gradients whose global norm is already known (e.g. from `group_grad_norms`)."""
+    grads = [p for p in parameters if p.grad is not None]
+    if grads:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, torch.tensor(norm))
 
 
 def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -24,6 +24,18 @@ def token_logprobs(
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and (without gradient) `token_entropy` from one log-softmax over
+    the vocabulary, the costliest tensor of the loss."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of each position's sampling distribution."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)

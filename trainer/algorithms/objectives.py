@@ -20,11 +20,12 @@ from rlft.trainer.algorithms.losses import (
     kl_estimate,
     mismatch_weights,
     preference_losses,
-    token_entropy,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
 from rlft.trainer.batch import SequenceBatch
 from rlft.trainer.config_algorithm import AlgorithmSpec
+from rlft.trainer.modeling import expert_count
 
 Prepared = dict[str, torch.Tensor]
 Sums = dict[str, float]
@@ -47,8 +48,7 @@ class Forward:
 
 
 def is_moe(model: torch.nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+    return bool(expert_count(getattr(model, "config", None)))
 
 
 def forward(model: torch.nn.Module, micro: SequenceBatch) -> Forward:
@@ -60,7 +60,7 @@ def forward(model: torch.nn.Module, micro: SequenceBatch) -> Forward:
         input_ids=micro.input_ids, attention_mask=micro.attention_mask, output_router_logits=True
     )
     config = model.config
-    experts = getattr(config, "num_experts", 0) or config.num_local_experts
+    experts = expert_count(config)
     top_k = config.num_experts_per_tok
     attended = micro.attention_mask.reshape(-1) > 0
     counts = []
@@ -111,7 +111,9 @@ class PolicyGradient:
     ) -> tuple[torch.Tensor, Sums]:
         spec, mask = self.spec, micro.mask
         fwd = forward(models.policy, micro)
-        logp = token_logprobs(fwd.logits, micro.targets, self.temperature)
+        logp, entropy_per_token = token_logprobs_and_entropy(
+            fwd.logits, micro.targets, self.temperature
+        )
         weight = None
         rejected = torch.zeros_like(logp)
         anchor = micro.behaviour_logp
@@ -141,8 +143,7 @@ class PolicyGradient:
         loss = aggregate(per_token, mask, pl.aggregation, norms, self.constant)
         loss = loss + _router_term(fwd, micro, norms, spec.moe.router_aux_coef)
         ratio = terms.ratio[mask > 0]
-        with torch.no_grad():
-            entropy = (token_entropy(fwd.logits, self.temperature) * mask).sum().item()
+        entropy = (entropy_per_token * mask).sum().item()
         sums = {
             "loss": loss.item(),
             "kl": (kl.detach() * mask).sum().item(),
