@@ -158,6 +158,15 @@ class Detector:
         level = _level(z, spec.warning_z, spec.critical_z)
         if level == WARNING and factor >= spec.critical_factor:
             level = CRITICAL  # large and unusual, even if the run is noisy
+        elif (
+            level == CRITICAL
+            and factor < spec.critical_factor
+            and z / (1 + 3 / len(self.log_grad)) < spec.critical_z
+        ):
+            # Critical on the z-score alone: a MAD from few steps (just after the warm-up)
+            # often underestimates the spread, so the z must clear the bar with a
+            # (1 + 3/n) wider scale; a 3× wobble of a noisy run is then a warning.
+            level = WARNING
         levels["grad_norm_spike"] = level
         if level:
             median = value / factor
