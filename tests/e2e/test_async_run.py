@@ -67,7 +67,10 @@ def test_async_run_with_two_instances_and_broadcast_stays_within_max_staleness(
         assert 0.0 <= r["trainer_idle_ratio"] <= 1.0
         assert r["gen_tokens_per_s"] > 0
     assert max(r["staleness_max"] for r in records) >= 1  # it did run ahead
-    assert all(r["weight_publish_s"] > 0 for r in records[2:])
+    # Publication runs in the background: the first one is certain to have finished once
+    # a batch needed its weights, i.e. from step maxStaleness + 2 = 4 on (step 3's record
+    # may still race the first broadcast).
+    assert all(r["weight_publish_s"] > 0 for r in records[3:])
     versions = sorted((tmp_path / "async" / "weights").glob("v-*"))
     assert versions, "the first version is always written to the store (engines start from it)"
 
