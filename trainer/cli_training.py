@@ -165,4 +165,6 @@ def worker_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:]))
+    from rlft.trainer.distributed.runtime import exit_worker
+
+    exit_worker(worker_main(sys.argv[1:]))

@@ -231,3 +231,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="verification worker (started by rlft verify)")
     parser.add_argument("cases", nargs="+")
     worker_main(parser.parse_args().cases)
+    from rlft.trainer.distributed.runtime import exit_worker
+
+    exit_worker(0)

@@ -8,7 +8,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from rlft.trainer.stability.detector import (
@@ -95,6 +95,7 @@ def test_spikes_are_not_judged_during_warm_up():
 
 
 @given(seed=st.integers(0, 2**32 - 1), sigma=st.floats(0.05, 0.4))
+@example(seed=70107, sigma=0.25)  # a 2.1× step at z 7.2 on a short, steady history
 def test_stationary_noise_raises_no_critical_alarm(seed: int, sigma: float):
     """Healthy tiny runs have a log grad-norm scale of 0.25-0.45. With Gaussian noise of
     σ ≤ 0.4, an 8× step (criticalFactor) is a ≥5.2σ event: ~1e-7 per step. (At σ = 0.5
@@ -251,3 +252,17 @@ def test_zero_gradients_stay_out_of_the_spike_statistics():
     detector, verdicts = run(records)
     assert not any(v.skip_update for v in verdicts)
     assert all(math.isfinite(x) and x > -10 for x in detector.log_grad)
+
+
+def test_a_small_step_is_never_critical_however_steady_the_run():
+    rng = random.Random(3)
+    records = [healthy(s, rng, grad_norm=math.exp(rng.gauss(0, 0.02))) for s in range(1, 61)]
+    records[40]["grad_norm"] *= 2.5
+    records[50]["grad_norm"] *= 4.0
+    _, verdicts = run(records)
+    assert verdicts[40].zscore > DetectorSpec().grad_norm.critical_z
+    assert verdicts[40].levels["grad_norm_spike"] == WARNING
+    assert not verdicts[40].skip_update
+    assert verdicts[50].levels["grad_norm_spike"] == CRITICAL
+    _, verdicts = run(records, DetectorSpec.model_validate({"gradNorm": {"minCriticalFactor": 2}}))
+    assert verdicts[40].levels["grad_norm_spike"] == CRITICAL

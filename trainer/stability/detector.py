@@ -167,6 +167,8 @@ class Detector:
             # often underestimates the spread, so the z must clear the bar with a
             # (1 + 3/n) wider scale; a 3× wobble of a noisy run is then a warning.
             level = WARNING
+        if level == CRITICAL and factor < spec.min_critical_factor:
+            level = WARNING
         levels["grad_norm_spike"] = level
         if level:
             median = value / factor
