@@ -140,7 +140,8 @@ def summary(records: list[dict]) -> dict:
         "staleness_max": max(r["staleness_max"] for r in records),
         "dropped": sum(r["stale_dropped"] for r in records),
         "reward": [r["reward_mean"] for r in records],
-        "len_mean": statistics.mean(r["response_len_mean"] for r in records),
+        "len_mean": statistics.mean(r["response_len_mean"] for r in timed),
+        "tokens": statistics.mean(r["tokens"] for r in timed),
     }
 
 
@@ -161,7 +162,8 @@ def main() -> int:
     t_gen, t_train = sync["t_gen"], sync["t_train"]
     print(f"synchronous run: T_gen {t_gen:.3f} s, T_train {t_train:.3f} s → bound {bound:.2f}×")
     header = ("mode", "steps/hour", "speedup", "of bound", "idle", "max lag", "dropped", "len")
-    widths = (16, 12, 9, 10, 7, 9, 9, 7)
+    header += ("gen s/batch", "tokens/step")
+    widths = (16, 12, 9, 10, 7, 9, 9, 7, 13, 13)
     cells = [
         f"{h:<{w}}" if i == 0 else f"{h:>{w}}"
         for i, (h, w) in enumerate(zip(header, widths, strict=True))
@@ -173,6 +175,7 @@ def main() -> int:
         print(
             f"{name:<16}{r['steps_per_hour']:>12.0f}{speed:>8.2f}×{speed / bound:>10.2f}"
             f"{r['idle']:>7.2f}{r['staleness_max']:>9.0f}{r['dropped']:>9.0f}{r['len_mean']:>7.1f}"
+            f"{r['batch_gen']:>13.3f}{r['tokens']:>13.0f}"
         )
     print("reward per step (mean of completions):")
     for k, r in results.items():

@@ -273,8 +273,10 @@ class Sampling(Section):
 class RolloutSpec(Section):
     """Generation of completions; on Kubernetes, the rollout instances."""
 
-    engine: Literal["transformers", "vllm"] = "transformers"
-    """Generation engine: `transformers` runs anywhere; `vllm` where vLLM is installed."""
+    engine: Literal["auto", "transformers", "vllm"] = "transformers"
+    """Generation engine: `transformers` runs anywhere; `vllm` where vLLM is installed;
+    `auto` is vLLM where it is installed (locally: `.venv-vllm` or `RLFT_VLLM_PYTHON`;
+    in a rollout pod: vLLM importable), else transformers."""
     sampling: Sampling = Sampling()
     """Sampling parameters of RL rollouts."""
     max_staleness: int = Field(0, ge=0, le=64)
@@ -316,10 +318,10 @@ class RolloutSpec(Section):
         parallel = self.tensor_parallel * self.expert_parallel
         if self.gpus_per_instance and self.gpus_per_instance % parallel:
             raise ValueError("gpusPerInstance must be divisible by tensorParallel × expertParallel")
-        if self.local == "in-process" and (self.max_staleness or self.engine != "transformers"):
+        if self.local == "in-process" and (self.max_staleness or self.engine == "vllm"):
             raise ValueError(
                 "local: in-process shares the trainer's model, so it needs engine: transformers "
-                "and maxStaleness: 0; use local: servers (or auto)"
+                "(or auto) and maxStaleness: 0; use local: servers (or auto)"
             )
         return self
 

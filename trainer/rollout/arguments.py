@@ -10,7 +10,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=0, help="port (0: a free one)")
     parser.add_argument("--instance", type=int, default=0, help="index of this instance")
-    parser.add_argument("--engine", choices=["transformers", "vllm"], help="overrides the job's")
+    parser.add_argument(
+        "--engine", choices=["auto", "transformers", "vllm"], help="overrides the job's"
+    )
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--expert-parallel", type=int, default=1)
     parser.add_argument("--ray-address", help="Ray head of a multi-node instance (vLLM)")

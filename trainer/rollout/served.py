@@ -90,9 +90,19 @@ class TransformersServed:
         pass
 
 
+def resolve_engine(kind: str) -> str:
+    """`auto` is vLLM where this interpreter can import it, else transformers."""
+    if kind != "auto":
+        return kind
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
 def build_engine(
     kind: str, folder: Path, version: int, tensor_parallel: int = 1, expert_parallel: int = 1
 ) -> ServedEngine:
+    kind = resolve_engine(kind)
     if kind == "transformers":
         return TransformersServed(folder, version)
     if kind == "vllm":

@@ -248,8 +248,9 @@ def start_server(
     expert_parallel: int = 1,
 ) -> RolloutHTTPServer:
     """A server on (host, port), not yet serving (call serve_forever)."""
-    from rlft.trainer.rollout.served import build_engine
+    from rlft.trainer.rollout.served import build_engine, resolve_engine
 
+    kind = resolve_engine(kind)
     metrics = ServerMetrics()
     engine_host = EngineHost(
         lambda folder, version: build_engine(

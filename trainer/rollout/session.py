@@ -20,10 +20,22 @@ CPUS_ENV = "RLFT_ROLLOUT_CPUS"
 """Local runs: pin rollout servers to CPUs, e.g. `1` or `1;2` (one set per instance)."""
 
 
+def local_engine(rollout) -> str:
+    """The engine a local run uses: `auto` is vLLM where this machine has it."""
+    if rollout.engine != "auto":
+        return rollout.engine
+    if rollout.local == "in-process":
+        return "transformers"
+    from rlft.trainer.rollout.local import vllm_python
+
+    return "vllm" if vllm_python() is not None else "transformers"
+
+
 def uses_servers(rollout) -> bool:
     if rollout.local != "auto":
         return rollout.local == "servers"
-    return rollout.instances > 1 or rollout.max_staleness > 0 or rollout.engine != "transformers"
+    engine = local_engine(rollout)
+    return rollout.instances > 1 or rollout.max_staleness > 0 or engine != "transformers"
 
 
 def _cpus_from_env() -> list[set[int]] | None:
@@ -82,7 +94,12 @@ class RolloutSession:
         model, version = run.learner.engine_model, run.engine.policy_version
         store.write(version, serialize(model), config_json(model))  # servers start from it
         servers = LocalServers(
-            rollout.instances, rollout.engine, uri, _cpus_from_env(), base, warn=run.reporter.log
+            rollout.instances,
+            local_engine(rollout),
+            uri,
+            _cpus_from_env(),
+            base,
+            warn=run.reporter.log,
         )
         session = cls(None, servers=servers)  # type: ignore[arg-type]
         try:
