@@ -11,6 +11,10 @@
 - Reward: the fraction of digits in the completion (a real, learnable signal; the
   per-step reward curves of the modes are printed side by side).
 
+Per mode it also prints the compute of a step (longest completion, generation seconds
+per batch, training seconds) and the work (mean length, tokens per step), so a speedup
+that came from doing less per step would show.
+
 Prints steps per hour, trainer idle ratio and the ideal overlap bound
 `(T_gen + T_train) / max(T_gen, T_train)` measured in the synchronous run. Last line:
 JSON with `speedup` (maxStaleness 2 over synchronous) and `fraction_of_bound`.
@@ -142,6 +146,8 @@ def summary(records: list[dict]) -> dict:
         "reward": [r["reward_mean"] for r in records],
         "len_mean": statistics.mean(r["response_len_mean"] for r in timed),
         "tokens": statistics.mean(r["tokens"] for r in timed),
+        "len_max": statistics.mean(r["response_len_max"] for r in timed),
+        "train": statistics.mean(r["train_time_s"] for r in timed),
     }
 
 
@@ -162,8 +168,8 @@ def main() -> int:
     t_gen, t_train = sync["t_gen"], sync["t_train"]
     print(f"synchronous run: T_gen {t_gen:.3f} s, T_train {t_train:.3f} s → bound {bound:.2f}×")
     header = ("mode", "steps/hour", "speedup", "of bound", "idle", "max lag", "dropped", "len")
-    header += ("gen s/batch", "tokens/step")
-    widths = (16, 12, 9, 10, 7, 9, 9, 7, 13, 13)
+    header += ("max len", "gen s/batch", "train s", "tokens/step")
+    widths = (16, 12, 9, 10, 7, 9, 9, 7, 9, 13, 9, 13)
     cells = [
         f"{h:<{w}}" if i == 0 else f"{h:>{w}}"
         for i, (h, w) in enumerate(zip(header, widths, strict=True))
@@ -175,7 +181,7 @@ def main() -> int:
         print(
             f"{name:<16}{r['steps_per_hour']:>12.0f}{speed:>8.2f}×{speed / bound:>10.2f}"
             f"{r['idle']:>7.2f}{r['staleness_max']:>9.0f}{r['dropped']:>9.0f}{r['len_mean']:>7.1f}"
-            f"{r['batch_gen']:>13.3f}{r['tokens']:>13.0f}"
+            f"{r['len_max']:>9.1f}{r['batch_gen']:>13.3f}{r['train']:>9.3f}{r['tokens']:>13.0f}"
         )
     print("reward per step (mean of completions):")
     for k, r in results.items():

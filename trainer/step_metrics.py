@@ -17,6 +17,7 @@ def rollout_metrics(rollouts) -> dict[str, float]:
         "reward_std": rewards.std(unbiased=False).item() if rewards.numel() else float("nan"),
         "train_accuracy": rollouts.accuracy,
         "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": float(max(lengths)),
         "truncated_fraction": sum(c.finish_reason == "length" for c in completions)
         / max(1, len(completions)),
     }
