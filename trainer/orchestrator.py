@@ -115,25 +115,29 @@ def rl_batch(
     )
 
 
-def keep_informative(rollouts: Rollouts, group_size: int) -> Rollouts:
-    """Only the groups whose rewards differ (DAPO's dynamic sampling)."""
-    keep = informative_groups(rollouts.rewards, group_size).tolist()
-    prompts = [i for i, k in enumerate(keep) if k]
-    index = {old: new for new, old in enumerate(prompts)}
+def select_groups(rollouts: Rollouts, keep: list[int], group_size: int) -> Rollouts:
+    """Only the groups (prompts) listed in `keep`, in that order, re-indexed."""
+    index = {old: new for new, old in enumerate(keep)}
     completions = [
         replace(c, prompt_index=index[c.prompt_index])
         for c in rollouts.completions
-        if keep[c.prompt_index]
+        if c.prompt_index in index
     ]
-    rewards = rollouts.rewards.reshape(-1, group_size)[torch.tensor(keep, dtype=torch.bool)]
+    rewards = rollouts.rewards.reshape(-1, group_size)[torch.tensor(keep, dtype=torch.long)]
     return Rollouts(
-        [rollouts.prompt_ids[i] for i in prompts],
-        [rollouts.problems[i] for i in prompts],
+        [rollouts.prompt_ids[i] for i in keep],
+        [rollouts.problems[i] for i in keep],
         completions,
         rewards.reshape(-1),
         rollouts.accuracy,
         dict(rollouts.stats),
     )
+
+
+def keep_informative(rollouts: Rollouts, group_size: int) -> Rollouts:
+    """Only the groups whose rewards differ (DAPO's dynamic sampling)."""
+    keep = informative_groups(rollouts.rewards, group_size).tolist()
+    return select_groups(rollouts, [i for i, k in enumerate(keep) if k], group_size)
 
 
 def concat(parts: list[Rollouts], limit: int, group_size: int) -> Rollouts:

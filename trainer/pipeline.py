@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from rlft.trainer.orchestrator import Rollouts, collect, sample_and_score
-from rlft.trainer.rollout.engine import Completion, SamplingParams
+from rlft.trainer.orchestrator import Rollouts, collect, sample_and_score, select_groups
+from rlft.trainer.rollout.engine import SamplingParams
 from rlft.trainer.rollout.staleness import gate, may_start, required_step
 
 Produce = Callable[[random.Random, torch.Generator], Rollouts]
@@ -60,27 +60,6 @@ def rollout_producer(
         )
 
     return produce
-
-
-def select_groups(rollouts: Rollouts, keep: list[int], group_size: int) -> Rollouts:
-    """Only the groups (prompts) listed in `keep`, re-indexed."""
-    index = {old: new for new, old in enumerate(keep)}
-    completions = [
-        Completion(
-            index[c.prompt_index], c.token_ids, c.logprobs, c.finish_reason, c.policy_version
-        )
-        for c in rollouts.completions
-        if c.prompt_index in index
-    ]
-    rewards = rollouts.rewards.reshape(-1, group_size)[torch.tensor(keep, dtype=torch.long)]
-    return Rollouts(
-        [rollouts.prompt_ids[i] for i in keep],
-        [rollouts.problems[i] for i in keep],
-        completions,
-        rewards.reshape(-1),
-        rollouts.accuracy,
-        dict(rollouts.stats),
-    )
 
 
 def group_versions(rollouts: Rollouts) -> list[int]:
