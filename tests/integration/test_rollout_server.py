@@ -234,3 +234,40 @@ def test_new_instance_catches_up_from_the_store(tmp_path: Path) -> None:
         assert answer.policy_version == 2
         assert [c.token_ids for c in answer.completions] == greedy_reference(model, tokenizer)
         client.close()
+
+
+def test_weights_published_to_s3_reach_new_and_running_instances(
+    tmp_path: Path, monkeypatch, bucket: str, s3_env
+) -> None:
+    """`publication: store` on a real S3 server (SeaweedFS): an instance started later
+    catches up from the newest version there, and a POST /weights naming an s3:// URI
+    loads that version; a version never published is refused and the old one kept."""
+    from rlft.trainer.weights.store import WeightStore
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)  # the server subprocess reads it
+    store = WeightStore.at(f"s3://{bucket}/weights")
+    for version in range(2):
+        model, tokenizer = tiny_model(seed=version)
+        publish(store, model, version)
+    assert store.versions() == [0, 1]
+    stops = [tokenizer.eos_token_id]
+    with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
+        client = RolloutClient(servers.start(), timeout_s=60)
+        client.wait_ready(120)
+        answer = client.generate(GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=stops))
+        assert answer.policy_version == 1
+        assert [c.token_ids for c in answer.completions] == greedy_reference(model, tokenizer)
+
+        redraw(model, 7)
+        uri = publish(store, model, 2)
+        assert uri.startswith(f"s3://{bucket}/weights/")
+        assert client.load_weights(client.instances[0], WeightsRequest(version=2, uri=uri), 60)
+        answer = client.generate(GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=stops))
+        assert answer.policy_version == 2
+        assert [c.token_ids for c in answer.completions] == greedy_reference(model, tokenizer)
+
+        missing = WeightsRequest(version=3, uri=f"s3://{bucket}/weights/v-00000003")
+        assert not client.load_weights(client.instances[0], missing, 60)
+        health = http_json(f"{client.instances[0].url}/healthz", None, 10)
+        assert health["policy_version"] == 2
+        client.close()
