@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from checkpoint_fixtures import s3_options
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
+
+from rlft.trainer.checkpoint.manifest import LATEST
+from rlft.trainer.checkpoint.storage import Storage, open_storage
 
 
 def _timing(key: str) -> bool:
@@ -51,11 +55,17 @@ def records(out: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if not _timing(k)} for line in lines]
 
 
-def wait_for_step(out: Path, step: int, process: subprocess.Popen) -> None:
+def wait_for_step(
+    out: Path, step: int, process: subprocess.Popen, checkpoints: Storage | None = None
+) -> None:
+    """Until `step` is in metrics.jsonl and, with `checkpoints`, a checkpoint is committed
+    there (checkpoints upload in the background: on a loaded machine the step-2 one can
+    still be in flight at step 5, and a run killed then has nothing to resume from)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         metrics = out / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
+        reached = metrics.exists() and len(metrics.read_text().splitlines()) >= step
+        if reached and (checkpoints is None or checkpoints.exists(LATEST)):
             return
         assert process.poll() is None, process.stdout.read()
         time.sleep(0.05)
@@ -81,7 +91,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, algorithm) -> None:
 
     kill_at = random.Random().randint(3, STEPS - 1)  # after the checkpoint of step 2
     victim = start(tmp_path, "killed")
-    wait_for_step(tmp_path / "killed", kill_at, victim)
+    checkpoints = open_storage(str(tmp_path / "killed" / "checkpoints"))
+    wait_for_step(tmp_path / "killed", kill_at, victim, checkpoints)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     resumed = start(tmp_path, "killed")
@@ -162,7 +173,8 @@ def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
     spec["spec"]["checkpoint"]["uri"] = f"s3://{bucket}/runs/killed"
     job.write_text(yaml.safe_dump(spec))
     victim = start(tmp_path, "killed")
-    wait_for_step(tmp_path / "killed", 5, victim)
+    storage = open_storage(f"s3://{bucket}/runs/killed", s3_options(s3_env))
+    wait_for_step(tmp_path / "killed", 5, victim, storage)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     resumed = start(tmp_path, "killed")
