@@ -98,12 +98,14 @@ def job(model: Path, staleness: int) -> dict:
     }
 
 
-def run_mode(work: Path, model: Path, staleness: int) -> list[dict]:
+def train_pinned(document: dict, work: Path, name: str) -> Path:
+    """`rlft train` on the job with the trainer pinned to CPU 0 and its rollout servers to
+    CPU 1 (RLFT_ROLLOUT_CPUS), one thread each; returns the run folder."""
     import yaml
 
-    path = work / f"job-{staleness}.yaml"
-    path.write_text(yaml.safe_dump(job(model, staleness)))
-    out = work / f"run-{staleness}"
+    path = work / f"job-{name}.yaml"
+    path.write_text(yaml.safe_dump(document))
+    out = work / f"run-{name}"
     env = os.environ | {
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
@@ -129,6 +131,11 @@ def run_mode(work: Path, model: Path, staleness: int) -> list[dict]:
         stdout=subprocess.DEVNULL,
         preexec_fn=lambda: os.sched_setaffinity(0, {0}),
     )
+    return out
+
+
+def run_mode(work: Path, model: Path, staleness: int) -> list[dict]:
+    out = train_pinned(job(model, staleness), work, str(staleness))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
