@@ -1,15 +1,24 @@
 """Async vs synchronous RL, side by side in one run: the same GRPO job, run with
-`maxStaleness` 0 (synchronous), 1 and 2, through `rlft train` with one rollout server.
+`maxStaleness` 0 (synchronous), 1 and 2, through `rlft train` with one rollout server,
+each on three seeds.
 
 - Heavy-tailed response lengths from real generation: the policy is a small random
-  Qwen3 whose end-of-text embedding is redrawn so that most completions stop within a few
-  tokens and a few run to maxNewTokens (median ≈ 3, p90 ≈ 70 of 128 tokens), as long
-  chains of thought do; the slowest one holds up a synchronous step.
+  Qwen3 whose end-of-text embedding is redrawn 20× larger than the others, so whether a
+  completion stops depends strongly on its context: at the start half stop within 19
+  tokens, a quarter within 3, and 18% run to maxNewTokens (128), as long chains of
+  thought do; the slowest one holds up a synchronous step. (Redrawn 50× larger, the stop
+  probability was so sensitive that one optimizer step at this learning rate made every
+  completion stop at once, and a step of lag changed how the lengths evolved.)
 - In every mode the trainer is pinned to CPU 0 and the rollout server to CPU 1
   (os.sched_setaffinity / RLFT_ROLLOUT_CPUS), as separate GPUs would be: the overlap is
-  real, not two jobs fighting for the same cores.
-- Reward: the fraction of digits in the completion (a real, learnable signal; the
-  per-step reward curves of the modes are printed side by side).
+  real, not two jobs fighting for the same cores. The trainer recomputes activations in
+  the backward (activation checkpointing), as memory-bound trainers do, which sizes
+  training and generation about equally (bound ≈ 2).
+- Reward: the fraction of digits in the completion (a real, learnable signal). Reward
+  curves per step are printed per mode (averaged over seeds), and the mean reward of the
+  last 8 steps per seed, with its standard error across seeds: maxStaleness 2 counts as
+  no worse than synchronous when it is not lower by more than two standard errors of
+  the difference.
 
 Per mode it also prints the compute of a step (longest completion, generation seconds
 per batch, training seconds) and the work (mean length, tokens per step), so a speedup
@@ -17,7 +26,8 @@ that came from doing less per step would show.
 
 Prints steps per hour, trainer idle ratio and the ideal overlap bound
 `(T_gen + T_train) / max(T_gen, T_train)` measured in the synchronous run. Last line:
-JSON with `speedup` (maxStaleness 2 over synchronous) and `fraction_of_bound`.
+JSON with `speedup` (maxStaleness 2 over synchronous), `fraction_of_bound` and the
+reward comparison.
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = int(os.environ.get("BENCH_STEPS", "24"))
 WARMUP = 3  # first steps (server start, first weight loads) left out of the timings
 PROMPTS_PER_STEP = int(os.environ.get("BENCH_PROMPTS", "16"))
+SEEDS = [int(x) for x in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
+EOS_SCALE = 0.4  # the end-of-text embedding's entries: N(0, 0.4²) against the others' 0.02
+TAIL = 8  # steps whose mean reward is compared between modes
 
 
 def digit_reward(completion: str, answer: str) -> float:
@@ -62,30 +75,36 @@ def build_model(folder: Path) -> None:
     model, tokenizer = build_policy(spec, [], 0)
     with torch.no_grad():  # heavy-tailed stopping: a redrawn end-of-text embedding
         embedding = model.get_input_embeddings().weight
-        embedding[tokenizer.eos_token_id] = torch.randn(
+        embedding[tokenizer.eos_token_id] = EOS_SCALE * torch.randn(
             embedding.shape[1], generator=torch.Generator().manual_seed(0)
         )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
-def job(model: Path, staleness: int) -> dict:
+def job(model: Path, staleness: int, seed: int) -> dict:
     return {
         "apiVersion": "rlft.dev/v1alpha1",
         "kind": "RLFineTune",
-        "metadata": {"name": f"bench-async-{staleness}"},
+        "metadata": {"name": f"bench-async-{staleness}-{seed}"},
         "spec": {
             "model": {"path": str(model)},
             "data": {"source": "arithmetic", "arithmetic": {"digits": 2, "evalSize": 8}},
             "reward": {"functions": [{"name": "async_vs_sync:digit_reward"}]},
-            "algorithm": {"name": "grpo", "groupSize": 4, "sft": {"steps": 0}},
+            "algorithm": {
+                "name": "grpo",
+                "groupSize": 4,
+                "sft": {"steps": 0},
+            },
             "trainer": {
                 "steps": STEPS,
                 "promptsPerStep": PROMPTS_PER_STEP,
                 "microBatchSize": 64,
-                "learningRate": 0.00002,
-                "warmupSteps": 1,
-                "seed": 0,
+                "learningRate": 0.0002,
+                "warmupSteps": 4,
+                "seed": seed,
+                # as a memory-bound trainer runs: the backward recomputes the forward
+                "parallelism": {"activationCheckpointing": True},
             },
             "rollout": {
                 "local": "servers",
@@ -134,27 +153,39 @@ def train_pinned(document: dict, work: Path, name: str) -> Path:
     return out
 
 
-def run_mode(work: Path, model: Path, staleness: int) -> list[dict]:
-    out = train_pinned(job(model, staleness), work, str(staleness))
+def run_mode(work: Path, staleness: int, seed: int) -> list[dict]:
+    out = train_pinned(job(work / "model", staleness, seed), work, f"{staleness}-{seed}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def summary(records: list[dict]) -> dict:
-    timed = records[WARMUP:]
-    step = statistics.mean(r["step_time_s"] for r in timed)
+def summary(runs: list[list[dict]]) -> dict:
+    """One mode over its seeds: timings over every timed step of every seed; the reward
+    curve averaged over seeds; the last TAIL steps' mean reward per seed, with its
+    standard error across seeds (the run-to-run noise a comparison must clear)."""
+    timed = [r for records in runs for r in records[WARMUP:]]
+    tails = [statistics.mean(r["reward_mean"] for r in records[-TAIL:]) for records in runs]
+
+    def mean(key: str) -> float:
+        return statistics.mean(r[key] for r in timed)
+
     return {
-        "steps_per_hour": 3600 / step,
-        "idle": statistics.mean(r["trainer_idle_ratio"] for r in timed),
-        "t_gen": statistics.mean(r["gen_time_s"] for r in timed),
-        "t_train": statistics.mean(r["train_time_s"] for r in timed),
-        "batch_gen": statistics.mean(r["batch_gen_s"] for r in timed),
-        "staleness_max": max(r["staleness_max"] for r in records),
-        "dropped": sum(r["stale_dropped"] for r in records),
-        "reward": [r["reward_mean"] for r in records],
-        "len_mean": statistics.mean(r["response_len_mean"] for r in timed),
-        "tokens": statistics.mean(r["tokens"] for r in timed),
-        "len_max": statistics.mean(r["response_len_max"] for r in timed),
-        "train": statistics.mean(r["train_time_s"] for r in timed),
+        "steps_per_hour": 3600 / mean("step_time_s"),
+        "idle": mean("trainer_idle_ratio"),
+        "t_gen": mean("gen_time_s"),
+        "t_train": mean("train_time_s"),
+        "batch_gen": mean("batch_gen_s"),
+        "staleness_max": max(r["staleness_max"] for records in runs for r in records),
+        "dropped": sum(r["stale_dropped"] for records in runs for r in records),
+        "reward": [
+            statistics.mean(r["reward_mean"] for r in step) for step in zip(*runs, strict=True)
+        ],
+        "tails": tails,
+        "tail": statistics.mean(tails),
+        "tail_se": statistics.stdev(tails) / len(tails) ** 0.5 if len(tails) > 1 else float("nan"),
+        "len_mean": mean("response_len_mean"),
+        "tokens": mean("tokens"),
+        "len_max": mean("response_len_max"),
+        "train": mean("train_time_s"),
     }
 
 
@@ -165,12 +196,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlft-bench-async-") as tmp:
         work = Path(tmp)
         build_model(work / "model")
-        results = {k: summary(run_mode(work, work / "model", k)) for k in (0, 1, 2)}
+        results = {k: summary([run_mode(work, k, seed) for seed in SEEDS]) for k in (0, 1, 2)}
     sync = results[0]
     bound = (sync["t_gen"] + sync["t_train"]) / max(sync["t_gen"], sync["t_train"])
     print(
         f"GRPO, {PROMPTS_PER_STEP}×4 completions/step, maxNewTokens 128 (heavy-tailed lengths), "
-        f"{STEPS} steps (first {WARMUP} not timed); trainer on CPU 0, rollout server on CPU 1"
+        f"{STEPS} steps (first {WARMUP} not timed), seeds {SEEDS}; trainer on CPU 0, "
+        "rollout server on CPU 1"
     )
     t_gen, t_train = sync["t_gen"], sync["t_train"]
     print(f"synchronous run: T_gen {t_gen:.3f} s, T_train {t_train:.3f} s → bound {bound:.2f}×")
@@ -190,12 +222,18 @@ def main() -> int:
             f"{r['idle']:>7.2f}{r['staleness_max']:>9.0f}{r['dropped']:>9.0f}{r['len_mean']:>7.1f}"
             f"{r['len_max']:>9.1f}{r['batch_gen']:>13.3f}{r['train']:>9.3f}{r['tokens']:>13.0f}"
         )
-    print("reward per step (mean of completions):")
+    print(f"reward per step (mean of completions, averaged over {len(SEEDS)} seeds):")
     for k, r in results.items():
-        print(f"  maxStaleness {k}: " + " ".join(f"{x:.2f}" for x in r["reward"]))
+        print(f"  maxStaleness {k}: " + " ".join(f"{x:.3f}" for x in r["reward"]))
+    print(f"mean reward of the last {TAIL} steps, per seed and mean ± standard error:")
     for k, r in results.items():
-        tail = r["reward"][-8:]
-        print(f"  maxStaleness {k}: mean of the last 8 steps {statistics.mean(tail):.3f}")
+        seeds = " ".join(f"{x:.4f}" for x in r["tails"])
+        print(f"  maxStaleness {k}: {seeds}   {r['tail']:.4f} ± {r['tail_se']:.4f}")
+    # No worse within noise: the async mean is not below the synchronous one by more than
+    # two standard errors of the difference.
+    noise = 2 * (sync["tail_se"] ** 2 + results[2]["tail_se"] ** 2) ** 0.5
+    gap = results[2]["tail"] - sync["tail"]
+    print(f"maxStaleness 2 minus synchronous: {gap:+.4f} (two standard errors: {noise:.4f})")
     speedup = results[2]["steps_per_hour"] / sync["steps_per_hour"]
     print(
         json.dumps(
@@ -208,8 +246,10 @@ def main() -> int:
                 ),
                 "idle_sync": round(sync["idle"], 3),
                 "idle_staleness_2": round(results[2]["idle"], 3),
-                "reward_last8_sync": round(statistics.mean(sync["reward"][-8:]), 4),
-                "reward_last8_staleness_2": round(statistics.mean(results[2]["reward"][-8:]), 4),
+                "reward_tail_sync": round(sync["tail"], 4),
+                "reward_tail_staleness_2": round(results[2]["tail"], 4),
+                "reward_tail_two_se": round(noise, 4),
+                "reward_no_worse_within_noise": gap >= -noise,
             }
         )
     )

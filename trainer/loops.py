@@ -231,12 +231,15 @@ def _rl_steps(run: Run, steps: int, objective, session) -> None:
         lr *= run.supervisor.lr_multiplier
         run.learner.set_lr(lr)
         batch, rollouts, flow, base = None, None, {}, {}
+        generated = started
         if run.dist.is_main:
             rollouts, flow = session.pipeline.next(run.engine.policy_version)
+            # Making the batch (reference log-probs, advantages) is trainer work: it
+            # counts as training time, and overlaps generation of the next batch.
+            generated = time.perf_counter()
             batch = _make_rl_batch(run, rollouts)
             base = {"step": step, "policy_version": run.engine.policy_version, "lr": lr}
             base |= rollout_metrics(rollouts)
-        generated = time.perf_counter()
         batch = run.dist.broadcast(batch)
         if batch is None:
             result = StepResult(applied=False, reason="no informative groups were sampled")

@@ -38,7 +38,14 @@ def _mesh(dist: Dist):
 def shard_model(model: torch.nn.Module, parallelism: Parallelism, dist: Dist) -> torch.nn.Module:
     """Apply activation checkpointing and FSDP2 in place; returns the same module."""
     if parallelism.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers ≥ 5.2x renamed gradient_checkpointing_enable (now deprecated)
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     if not dist.active:
         return model
     mesh = _mesh(dist)
