@@ -1,7 +1,7 @@
 """Whole jobs through `rlft train` with rollout servers as subprocesses: the async
 pipeline (maxStaleness 2, two instances, weights by gloo broadcast) never trains on a
-sample older than the limit, and maxStaleness 0 through servers is on-policy and
-reproducible."""
+sample older than the limit, and maxStaleness 0 through a server is on-policy,
+reproducible, and the synchronous in-process run step for step."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
-def train(tmp_path: Path, name: str, **rollout) -> list[dict]:
-    spec = json.loads(json.dumps(SPEC))
+def train(tmp_path: Path, name: str, spec_changes: dict | None = None, **rollout) -> list[dict]:
+    spec = json.loads(json.dumps(SPEC)) | (spec_changes or {})
     spec["rollout"] |= rollout
     job = tmp_path / f"{name}.yaml"
     document = {"apiVersion": "rlft.dev/v1alpha1", "kind": "RLFineTune", "metadata": {"name": name}}
@@ -83,3 +83,16 @@ def test_max_staleness_zero_through_servers_is_on_policy_and_reproducible(tmp_pa
     assert [[r[k] for k in keys] for r in first] == [[r[k] for k in keys] for r in second]
     # on-policy: the engine's behaviour log-probs are the trainer's own (ratio 1 at epoch 1)
     assert all(abs(r["ratio_mean"] - 1.0) < 1e-4 for r in first if "ratio_mean" in r)
+
+
+def test_max_staleness_zero_through_a_server_is_the_in_process_synchronous_run(
+    tmp_path: Path,
+) -> None:
+    # A format reward a barely-trained model sometimes earns, so the policy really changes
+    # and the server has to follow every update to stay identical.
+    changes = {"reward": {"functions": [{"name": "format"}]}}
+    in_process = train(tmp_path, "in-process", changes, local="in-process", maxStaleness=0)
+    served = train(tmp_path, "served", changes, instances=1, maxStaleness=0)
+    assert any(r["update_applied"] and r["grad_norm"] > 0 for r in in_process)
+    keys = ("reward_mean", "response_len_mean", "loss", "grad_norm", "policy_version")
+    assert [[r[k] for k in keys] for r in served] == [[r[k] for k in keys] for r in in_process]

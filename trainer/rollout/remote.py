@@ -14,6 +14,30 @@ from rlft.trainer.rollout.engine import Completion, SamplingParams
 from rlft.trainer.rollout.protocol import GenerateRequest
 
 
+def request_seed(generator: torch.Generator | None) -> int:
+    """The seed of one generate request, drawn from the orchestrator's generator."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+
+
+class SeededLikeAServer:
+    """The in-process engine sampling from the seed one rollout server would be sent for
+    the same call (a server seeds a fresh generator with it), so a synchronous run gives
+    the same completions with or without a rollout server."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Completion]:
+        seeded = torch.Generator().manual_seed(request_seed(generator))
+        return self.engine.generate(prompts, n, sampling, seeded)
+
+
 class RemoteEngine:
     def __init__(self, client: RolloutClient, stop_ids: list[int], request_prompts: int = 0):
         self.client = client
@@ -40,7 +64,7 @@ class RemoteEngine:
         instances; each request is seeded from `generator` (reproducible given its state)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        base = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+        base = request_seed(generator)
         chunks = self._chunks(len(prompts))
         futures = [
             self.client.submit(

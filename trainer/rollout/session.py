@@ -77,8 +77,11 @@ class RolloutSession:
             )
 
         if not uses_servers(rollout):  # the synchronous loop, exactly
+            from rlft.trainer.rollout.remote import SeededLikeAServer
+
+            engine = SeededLikeAServer(run.engine)
             pipeline = RolloutPipeline(
-                producer(run.engine), rng, generator, 0, algorithm.group_size, threaded=False
+                producer(engine), rng, generator, 0, algorithm.group_size, threaded=False
             )
             return cls(pipeline)
 
