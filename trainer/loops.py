@@ -275,6 +275,8 @@ def _rl_steps(run: Run, steps: int, objective, session) -> None:
             )
         version = run.dist.broadcast(run.engine.policy_version if run.engine else 0)
         run.end_of_step(step, version, result)
+        if session is not None and result.action == "rollback":
+            session.rolled_back(run.learner.engine_model, run.engine.policy_version, run.cursor)
     run.reporter.stop()
 
 

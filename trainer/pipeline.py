@@ -135,6 +135,9 @@ class RolloutPipeline:
         self._thread: threading.Thread | None = None
         self._base = 0
         self._in_progress: dict[str, Any] | None = None
+        self._floor_version: int | None = None
+        """Version every batch waits for when no step's release applies (after a
+        rollback: the restored weights)."""
 
     # ------------------------------------------------------------------ state
     def _snapshot(self) -> dict[str, Any]:
@@ -200,7 +203,7 @@ class RolloutPipeline:
                     if self._stopped:
                         return
                     need = required_step(index - self._base, self.max_staleness)
-                    version = self._released[need] if need is not None else None
+                    version = self._released[need] if need is not None else self._floor_version
                 if version is not None:
                     self.wait_published(version)
                 produced = self._produce(index)
@@ -245,6 +248,29 @@ class RolloutPipeline:
         with self._cond:
             self._released.append(version)
             self._cond.notify_all()
+
+    def restarted(
+        self, rng: random.Random, generator: torch.Generator, version: int
+    ) -> RolloutPipeline:
+        """A pipeline that goes on from this one's batch count with its own copies of the
+        given RNG states, generating nothing before `version` is published: after a
+        rollback, what this one generated or has in flight came from abandoned weights."""
+        own_rng, own_generator = random.Random(), torch.Generator()
+        own_rng.setstate(rng.getstate())
+        own_generator.set_state(generator.get_state())
+        fresh = RolloutPipeline(
+            self.produce,
+            own_rng,
+            own_generator,
+            self.max_staleness,
+            self.group_size,
+            self.threaded,
+            self.wait_published,
+            self.tokens,
+        )
+        fresh.consumed = self.consumed
+        fresh._floor_version = version
+        return fresh
 
     def close(self) -> None:
         with self._cond:

@@ -138,7 +138,10 @@ class Checkpointing:
         if target is None:
             raise NoCheckpointError(f"no healthy checkpoint before step {before_step}")
         resumed = self._load(target, learner, reference, restore_rng=False)
-        cursor.policy_version = Cursor.from_json(resumed.extra["cursor"]).policy_version
+        # The restored weights are a new version, not the checkpoint's again: versions
+        # only grow, so rollout servers, the weight store and the staleness gate never
+        # see a number reused for other weights.
+        cursor.policy_version += 1
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}), rollback=True)
         return target
 

@@ -1,7 +1,8 @@
 """The collapse guard inside real local runs: a planted gradient spike is skipped before
 the optimizer step while a real Prometheus, scraping the run's /metrics, fires the
 RLFTGradientSpike alert; a planted persistent blow-up is rolled back to the last healthy
-checkpoint and the run still finishes."""
+checkpoint and the run still finishes, also with rollout servers running ahead (which
+then regenerate from the restored weights)."""
 
 from __future__ import annotations
 
@@ -123,8 +124,29 @@ def test_persistent_blowup_is_rolled_back_and_the_run_finishes(tmp_path) -> None
     assert set(actions) <= set(range(40, 46)), actions  # only the planted steps
     assert "rolled back to the healthy checkpoint of step 35" in output
     rollback = min(s for s, a in actions.items() if a == "rollback")
-    # The restored policy is the one of step 35: the version goes back, then on.
-    assert by_step[rollback + 1]["policy_version"] < by_step[rollback - 1]["policy_version"]
+    # The restored policy (step 35's) is published as a new version: versions only grow.
+    versions = [by_step[s]["policy_version"] for s in sorted(by_step)]
+    assert versions == sorted(versions)
     assert by_step[rollback + 1]["lr"] < by_step[rollback - 1]["lr"]  # scaled down
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 70
+
+
+def test_rollback_with_rollout_servers_regenerates_from_the_restored_weights(tmp_path) -> None:
+    rollout = {"sampling": {"maxNewTokens": 4}, "local": "servers", "maxStaleness": 1}
+    write_job(tmp_path, 60, checkpoint={"intervalSteps": 5}, rollout=rollout)
+    run = start(tmp_path, [{"kind": "grad_scale", "from": 40, "to": 46, "factor": 100}])
+    output = run.communicate(timeout=600)[0]
+    assert run.returncode == 0, output
+    by_step = records(tmp_path)
+    assert sorted(by_step) == list(range(1, 61))
+    rollback = min(s for s, r in by_step.items() if r["guard_action"] == "rollback")
+    versions = [by_step[s]["policy_version"] for s in sorted(by_step)]
+    assert versions == sorted(versions)
+    assert max(r["staleness_max"] for r in by_step.values()) == 1  # the servers ran ahead
+    assert all(r["staleness_max"] <= 1 for r in by_step.values())
+    # What the servers had generated, or had in flight, with the abandoned weights is
+    # dropped: the next batch comes from the restored weights alone (staleness 0; a
+    # sample of the abandoned policy would be 1 version old).
+    assert by_step[rollback + 1]["staleness_max"] == 0
+    assert by_step[rollback + 1]["stale_dropped"] == 0

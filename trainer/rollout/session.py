@@ -153,6 +153,16 @@ class RolloutSession:
             cursor.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
             cursor.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
 
+    def rolled_back(self, model: torch.nn.Module, version: int, cursor) -> None:
+        """After a rollback: publish the restored weights as `version` and regenerate from
+        the cursor (the oldest batch not trained on) with them, dropping what was
+        generated or in flight. In process the engine already is the restored model."""
+        if self.publisher is None or not self.pipeline.threaded:
+            return
+        self.pipeline.close()
+        self.publisher.publish(model, version)
+        self.pipeline = self.pipeline.restarted(cursor.rng, cursor.generator, version)
+
     def step_metrics(self, flow: dict[str, float], step_seconds: float) -> dict[str, float]:
         """The step's rollout figures for metrics.jsonl."""
         out = {k: v for k, v in flow.items() if k != "rollout_wait_s"}
