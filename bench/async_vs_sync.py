@@ -185,7 +185,6 @@ def summary(runs: list[list[dict]]) -> dict:
         "len_mean": mean("response_len_mean"),
         "tokens": mean("tokens"),
         "len_max": mean("response_len_max"),
-        "train": mean("train_time_s"),
     }
 
 
@@ -220,7 +219,7 @@ def main() -> int:
         print(
             f"{name:<16}{r['steps_per_hour']:>12.0f}{speed:>8.2f}×{speed / bound:>10.2f}"
             f"{r['idle']:>7.2f}{r['staleness_max']:>9.0f}{r['dropped']:>9.0f}{r['len_mean']:>7.1f}"
-            f"{r['len_max']:>9.1f}{r['batch_gen']:>13.3f}{r['train']:>9.3f}{r['tokens']:>13.0f}"
+            f"{r['len_max']:>9.1f}{r['batch_gen']:>13.3f}{r['t_train']:>9.3f}{r['tokens']:>13.0f}"
         )
     print(f"reward per step (mean of completions, averaged over {len(SEEDS)} seeds):")
     for k, r in results.items():

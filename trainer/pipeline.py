@@ -120,6 +120,11 @@ class RolloutPipeline:
     ):
         if max_staleness and not threaded:
             raise ValueError("maxStaleness > 0 needs rollout servers (the threaded pipeline)")
+        if threaded:  # it draws ahead of the trainer: its own copies of the streams
+            own_rng, own_generator = random.Random(), torch.Generator()
+            own_rng.setstate(rng.getstate())
+            own_generator.set_state(generator.get_state())
+            rng, generator = own_rng, own_generator
         self.produce, self.rng, self.generator = produce, rng, generator
         self.max_staleness, self.group_size, self.threaded = max_staleness, group_size, threaded
         self.wait_published = wait_published or (lambda version: None)
@@ -252,16 +257,13 @@ class RolloutPipeline:
     def restarted(
         self, rng: random.Random, generator: torch.Generator, version: int
     ) -> RolloutPipeline:
-        """A pipeline that goes on from this one's batch count with its own copies of the
-        given RNG states, generating nothing before `version` is published: after a
-        rollback, what this one generated or has in flight came from abandoned weights."""
-        own_rng, own_generator = random.Random(), torch.Generator()
-        own_rng.setstate(rng.getstate())
-        own_generator.set_state(generator.get_state())
+        """A pipeline that goes on from this one's batch count from the given RNG states,
+        generating nothing before `version` is published: after a rollback, what this one
+        generated or has in flight came from abandoned weights."""
         fresh = RolloutPipeline(
             self.produce,
-            own_rng,
-            own_generator,
+            rng,
+            generator,
             self.max_staleness,
             self.group_size,
             self.threaded,

@@ -116,15 +116,13 @@ class RolloutSession:
             session.publisher = publisher
             remote = RemoteEngine(client, run.engine.stop_ids.tolist(), rollout.request_prompts)
             session.remote = remote
-            # Own RNG copies: the producer draws ahead of the trainer; step_done points
-            # the cursor's (checkpointed) RNGs at the oldest batch not yet trained on.
-            own_rng, own_generator = random.Random(), torch.Generator()
-            own_rng.setstate(rng.getstate())
-            own_generator.set_state(generator.get_state())
+            # The threaded pipeline draws ahead of the trainer from its own copies of the
+            # streams; step_done points the cursor's (checkpointed) RNGs at the oldest
+            # batch not yet trained on.
             session.pipeline = RolloutPipeline(
                 producer(remote),
-                own_rng,
-                own_generator,
+                rng,
+                generator,
                 rollout.max_staleness,
                 algorithm.group_size,
                 threaded=True,
@@ -157,7 +155,7 @@ class RolloutSession:
         """After a rollback: publish the restored weights as `version` and regenerate from
         the cursor (the oldest batch not trained on) with them, dropping what was
         generated or in flight. In process the engine already is the restored model."""
-        if self.publisher is None or not self.pipeline.threaded:
+        if self.publisher is None:
             return
         self.pipeline.close()
         self.publisher.publish(model, version)
