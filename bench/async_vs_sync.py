@@ -58,7 +58,7 @@ def build_model(folder: Path) -> None:
     import torch
 
     from rlft.trainer.config import ModelInit, ModelSpec, TokenizerSpec
-    from rlft.trainer.modeling import build_policy
+    from rlft.trainer.model.build import build_policy
 
     spec = ModelSpec(
         init=ModelInit(
@@ -136,7 +136,7 @@ def train_pinned(document: dict, work: Path, name: str) -> Path:
     command = [
         sys.executable,
         "-m",
-        "rlft.trainer.cli",
+        "rlft.trainer.cli.main",
         "train",
         str(path),
         "--out",

@@ -28,7 +28,7 @@ from seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedServer  # noqa: E402
 
 from rlft.trainer.checkpoint import open_storage  # noqa: E402
 from rlft.trainer.checkpoint.saver import Checkpointer  # noqa: E402
-from rlft.trainer.checkpoint.storage import S3Options  # noqa: E402
+from rlft.trainer.storage.backends import S3Options  # noqa: E402
 
 WIDTH, DEPTH, ROUNDS = 2048, 4, 3  # 16.8 M parameters: 67 MB + 134 MB of AdamW state
 

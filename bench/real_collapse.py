@@ -37,7 +37,7 @@ def launch(mode: str, lr: float, steps: int, workdir: Path) -> tuple[subprocess.
     path.write_text(yaml.safe_dump(job))
     out = workdir / mode
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "rlft.trainer.cli", "train", str(path), "--out", str(out)]
+    command = [sys.executable, "-m", "rlft.trainer.cli.main", "train", str(path), "--out", str(out)]
     return subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     ), out

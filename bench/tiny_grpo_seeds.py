@@ -29,7 +29,15 @@ def launch(seed: int, workdir: Path, threads: int) -> tuple[subprocess.Popen, Pa
     job_path.write_text(yaml.safe_dump(job))
     out = workdir / f"seed{seed}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-m", "rlft.trainer.cli", "train", str(job_path), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "rlft.trainer.cli.main",
+        "train",
+        str(job_path),
+        "--out",
+        str(out),
+    ]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return process, out
 

@@ -211,7 +211,7 @@ def test_the_rlft_commands_of_the_pods_parse_with_the_real_cli():
     assert {argv[0] for argv in argvs} == {"train", "rollout"}
     code = (
         "import json, sys\n"
-        "from rlft.trainer.cli import build_parser\n"
+        "from rlft.trainer.cli.main import build_parser\n"
         "for argv in json.loads(sys.argv[1]):\n"
         "    build_parser().parse_args(argv)\n"
         "print(len(json.loads(sys.argv[1])))\n"

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from rlft.trainer.cli import main
+from rlft.trainer.cli.main import main
 
 SPEC = {
     "model": {

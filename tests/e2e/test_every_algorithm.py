@@ -14,7 +14,7 @@ import yaml
 from tiny_jobs import MOE_INIT, TINY_INIT, arithmetic_rl_spec, write_parity_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RLFT = [sys.executable, "-m", "rlft.trainer.cli"]
+RLFT = [sys.executable, "-m", "rlft.trainer.cli.main"]
 
 
 def write_job(folder: Path, algorithm: dict, init: dict = TINY_INIT, steps: int = 3) -> Path:

@@ -14,7 +14,7 @@ import yaml
 from tiny_jobs import TINY_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlft.trainer.cli import main
+from rlft.trainer.cli.main import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
 from rlft.trainer.checkpoint.manifest import LATEST
-from rlft.trainer.checkpoint.storage import Storage, open_storage
+from rlft.trainer.storage.backends import Storage, open_storage
 
 
 def _timing(key: str) -> bool:
@@ -41,7 +41,7 @@ def write_job(folder: Path, algorithm: dict) -> Path:
 def start(folder: Path, out: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "rlft.trainer.cli", "train", "job.yaml", "--out", out, *extra],
+        [sys.executable, "-m", "rlft.trainer.cli.main", "train", "job.yaml", "--out", out, *extra],
         cwd=folder,
         env=env,
         stdout=subprocess.PIPE,
@@ -143,7 +143,7 @@ def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "rlft.trainer.cli",
+            "rlft.trainer.cli.main",
             "checkpoints",
             "list",
             str(tmp_path / "out" / "checkpoints"),

@@ -68,7 +68,7 @@ def start(folder: Path, faults: list[dict]) -> subprocess.Popen:
         RLFT_PLANT_FAULTS=json.dumps(faults),
     )
     return subprocess.Popen(
-        [sys.executable, "-m", "rlft.trainer.cli", "train", "job.yaml", "--out", "out"],
+        [sys.executable, "-m", "rlft.trainer.cli.main", "train", "job.yaml", "--out", "out"],
         cwd=folder,
         env=env,
         stdout=subprocess.PIPE,

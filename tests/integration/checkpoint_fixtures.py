@@ -110,7 +110,7 @@ def bucket(s3_env) -> str:
 
 
 def s3_options(server: SeaweedServer, **overrides):
-    from rlft.trainer.checkpoint.storage import S3Options
+    from rlft.trainer.storage.backends import S3Options
 
     settings = dict(endpoint_url=server.endpoint, addressing_style="path", part_size_mb=5)
     settings.update(overrides)
@@ -146,7 +146,7 @@ def distributed_save_and_resume(
     from rlft.trainer.checkpoint import load, open_storage
     from rlft.trainer.checkpoint.export import hf_files_of
     from rlft.trainer.checkpoint.saver import Checkpointer
-    from rlft.trainer.checkpoint.storage import S3Options
+    from rlft.trainer.storage.backends import S3Options
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -214,7 +214,7 @@ def _worker(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
     torch.set_num_threads(1)
 
-    from rlft.trainer.checkpoint.storage import S3Options
+    from rlft.trainer.storage.backends import S3Options
 
     endpoint = os.environ.get("RLFT_TEST_ENDPOINT")
     options = S3Options(endpoint_url=endpoint, addressing_style="path") if endpoint else None

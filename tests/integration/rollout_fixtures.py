@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from rlft.trainer.config import ModelInit, ModelSpec, TokenizerSpec
-from rlft.trainer.modeling import build_policy
+from rlft.trainer.model.build import build_policy
 from rlft.trainer.rollout.server import start_server
 from rlft.trainer.weights.store import WeightStore, config_json, serialize
 

@@ -15,7 +15,7 @@ from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import CheckpointError, NoCheckpointError
 from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.checkpoint.saver import Checkpointer
-from rlft.trainer.cli import main as rlft
+from rlft.trainer.cli.main import main as rlft
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

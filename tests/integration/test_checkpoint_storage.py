@@ -18,7 +18,7 @@ from rlft.trainer.checkpoint.errors import (
     StorageError,
     StorageFullError,
 )
-from rlft.trainer.checkpoint.storage import FileStorage, open_storage, sha256_file
+from rlft.trainer.storage.backends import FileStorage, open_storage, sha256_file
 
 
 @pytest.fixture(params=["s3", "file"])
@@ -94,7 +94,7 @@ def test_an_unreachable_endpoint_is_transient(monkeypatch) -> None:
     from seaweedfs import free_ports
 
     (port,) = free_ports(1)
-    from rlft.trainer.checkpoint.storage import S3Options
+    from rlft.trainer.storage.backends import S3Options
 
     store = open_storage(
         "s3://bucket/x",

@@ -11,8 +11,8 @@ import pytest
 from tiny_jobs import MOE_INIT, TINY_INIT, manifest
 
 from rlft.trainer.config import parse_job
-from rlft.trainer.train_step import Faults
-from rlft.trainer.verify import compare, local_gradients, prepare, run_cases, write_case
+from rlft.trainer.learner.gradients import Faults
+from rlft.trainer.verify.check import compare, local_gradients, prepare, run_cases, write_case
 
 TOLERANCE = 1e-6
 TINY, MOE = TINY_INIT, MOE_INIT

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from prometheus_fixtures import prometheus  # noqa: F401 (fixture)
 
+from rlft.trainer.config.telemetry import TelemetrySpec
 from rlft.trainer.stability.actions import StepGuard
 from rlft.trainer.telemetry.generate import RULES
 from rlft.trainer.telemetry.hub import Telemetry
-from rlft.trainer.telemetry.spec import TelemetrySpec
 
 REPO = Path(__file__).resolve().parents[2]
 

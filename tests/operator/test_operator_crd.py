@@ -43,7 +43,7 @@ def test_rendering_is_deterministic():
 
 def test_cli_writes_the_same_file(tmp_path):
     out = tmp_path / "crd.yaml"
-    cli = [sys.executable, "-m", "rlft.trainer.cli", "crd", "--out", str(out)]
+    cli = [sys.executable, "-m", "rlft.trainer.cli.main", "crd", "--out", str(out)]
     subprocess.run(cli, check=True, capture_output=True)
     assert out.read_text() == crd.render_crd()
 

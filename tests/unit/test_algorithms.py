@@ -18,6 +18,7 @@ from rlft.trainer.algorithms.advantages import (
     reinforce_pp_advantages,
 )
 from rlft.trainer.algorithms.aggregation import Normalisers, aggregate
+from rlft.trainer.algorithms.batch import empty_like, micro_batches, pack, rank_shard, shard_bounds
 from rlft.trainer.algorithms.losses import (
     clipped_surrogate,
     clipped_value_loss,
@@ -25,7 +26,6 @@ from rlft.trainer.algorithms.losses import (
     mismatch_weights,
     preference_losses,
 )
-from rlft.trainer.batch import empty_like, micro_batches, pack, rank_shard, shard_bounds
 
 F64 = torch.float64
 LOSSES = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]], dtype=F64)

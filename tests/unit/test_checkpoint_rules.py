@@ -24,10 +24,10 @@ from rlft.trainer.checkpoint.manifest import (
     retention_plan,
     step_dir,
 )
-from rlft.trainer.checkpoint.policy import SavePolicy
-from rlft.trainer.checkpoint.retry import backoff_delays, with_retries
-from rlft.trainer.checkpoint.s3 import parse_s3_uri, read_credentials_dir
-from rlft.trainer.checkpoint.storage import FileStorage, open_storage, parse_file_uri
+from rlft.trainer.checkpoint.schedule import SavePolicy
+from rlft.trainer.storage.backends import FileStorage, open_storage, parse_file_uri
+from rlft.trainer.storage.retry import backoff_delays, with_retries
+from rlft.trainer.storage.s3 import parse_s3_uri, read_credentials_dir
 
 # ------------------------------------------------------------------------ manifest
 

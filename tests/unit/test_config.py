@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rlft.trainer import cli
+from rlft.trainer.cli import main as cli
 from rlft.trainer.config import (
     API_VERSION,
     KIND,
@@ -476,7 +476,7 @@ def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_config_and_cli_do_not_import_torch(repo_root: Path) -> None:
     result = run_python(
         "import sys\n"
-        "import rlft.trainer.config, rlft.trainer.cli\n"
+        "import rlft.trainer.config, rlft.trainer.cli.main\n"
         "heavy = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "print('clean')\n",

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from rlft.trainer.config.stability import DetectorSpec
 from rlft.trainer.stability.detector import (
     CHECKS,
     CRITICAL,
@@ -20,7 +21,6 @@ from rlft.trainer.stability.detector import (
     non_finite_keys,
     robust_z,
 )
-from rlft.trainer.stability.spec import DetectorSpec
 
 
 def healthy(step: int, rng: random.Random, **overrides) -> dict:

@@ -15,9 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rlft.trainer.config import ModelInit, ModelSpec, TokenizerSpec
-from rlft.trainer.modeling import ModelLoadError, build_policy, count_parameters
+from rlft.trainer.model.build import ModelLoadError, build_policy, count_parameters
+from rlft.trainer.model.tokenizer import stop_token_ids
 from rlft.trainer.rollout import Completion, SamplingParams, TransformersEngine
-from rlft.trainer.tokenizer import stop_token_ids
 
 FAMILIES = ["qwen3", "qwen3-moe", "llama"]
 MAX_NEW = 10

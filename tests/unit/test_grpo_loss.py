@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlft.trainer.algorithms.batch import pack
 from rlft.trainer.algorithms.losses import (
     grpo_token_losses,
     kl_k3,
@@ -18,7 +19,6 @@ from rlft.trainer.algorithms.losses import (
     token_logprobs,
     token_mean,
 )
-from rlft.trainer.batch import pack
 
 F64 = torch.float64
 

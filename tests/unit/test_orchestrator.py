@@ -8,16 +8,16 @@ import random
 import pytest
 import torch
 
-from rlft.trainer.config_algorithm import AlgorithmSpec
+from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.data import Problem
-from rlft.trainer.orchestrator import (
+from rlft.trainer.rollout import Completion
+from rlft.trainer.rollout.batches import (
     Rollouts,
     collect,
     preference_batch,
     rl_batch,
     wrong_answer,
 )
-from rlft.trainer.rollout import Completion
 
 
 def rollouts(rewards: list[float], lengths: list[int], finish: list[str]) -> Rollouts:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlft.trainer.config import RLFineTuneSpec, Section
-from rlft.trainer.reference import render
+from rlft.trainer.config.docs import render
 
 
 def test_committed_reference_is_current(repo_root: Path) -> None:
     committed = (repo_root / "docs" / "configuration.md").read_text()
     assert committed == render(), (
         "docs/configuration.md is stale: run "
-        "`.venv/bin/python -m rlft.trainer.reference > docs/configuration.md`"
+        "`.venv/bin/python -m rlft.trainer.config.docs > docs/configuration.md`"
     )
 
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlft.trainer.config import RewardFunction, RewardSpec
-from rlft.trainer.rewards import (
+from rlft.trainer.data.rewards import (
     BUILTIN,
     RewardError,
     RewardModel,

@@ -11,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from rlft.trainer.config import JobFileError, parse_job
-from rlft.trainer.stability.actions import Counters, Decision, StepGuard, decide
+from rlft.trainer.config.stability import StabilitySpec
+from rlft.trainer.stability.actions import Counters, GuardDecision, StepGuard, decide
 from rlft.trainer.stability.detector import CHECKS, CRITICAL, OK, WARNING, Verdict
-from rlft.trainer.stability.spec import StabilitySpec
 
 
 def verdict(**levels: int) -> Verdict:
@@ -76,9 +76,9 @@ def records(n: int, seed: int = 0) -> list[dict]:
 
 class Recorder:
     def __init__(self):
-        self.calls: list[tuple[Decision, Counters]] = []
+        self.calls: list[tuple[GuardDecision, Counters]] = []
 
-    def on_decision(self, decision: Decision, counters: Counters) -> None:
+    def on_decision(self, decision: GuardDecision, counters: Counters) -> None:
         self.calls.append((decision, counters))
 
 
@@ -107,7 +107,7 @@ def test_guard_rolls_back_with_window_and_lr_then_fails_after_max_rollbacks():
     saved = json.loads(json.dumps(guard.detector.state_dict()))
     assert guard.healthy_for_checkpoint()
 
-    def blow_up(first_step: int) -> Decision:
+    def blow_up(first_step: int) -> GuardDecision:
         decision = None
         for i in range(3):
             decision = guard.check(

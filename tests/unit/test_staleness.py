@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlft.trainer.orchestrator import Rollouts, collect
-from rlft.trainer.pipeline import RolloutPipeline, apply_gate, select_groups
+from rlft.trainer.rollout.batches import Rollouts, collect
 from rlft.trainer.rollout.engine import Completion
+from rlft.trainer.rollout.pipeline import RolloutPipeline, apply_gate, select_groups
 from rlft.trainer.rollout.staleness import gate, may_start, required_step
 
 
@@ -130,7 +130,7 @@ class CountingEngine:
 
 def _produce(engine):
     from rlft.trainer.data.task import Problem
-    from rlft.trainer.orchestrator import sample_and_score
+    from rlft.trainer.rollout.batches import sample_and_score
 
     class Rewards:
         def score(self, texts, answers):

@@ -9,7 +9,7 @@ from tiny_jobs import TINY_MODEL, manifest
 
 from rlft.trainer.config import parse_job
 from rlft.trainer.distributed import Dist
-from rlft.trainer.supervisor import Supervisor
+from rlft.trainer.run.supervisor import Supervisor
 
 
 def supervisor(logged: list[str]) -> Supervisor:
@@ -35,8 +35,9 @@ def test_a_spike_is_judged_skip_and_ends_nothing() -> None:
     sup = supervisor([])
     for step in range(1, 30):
         record = {"step": step, "grad_norm": 1.0 + 0.01 * (step % 3), "loss": 0.1}
-        assert sup.judge(record) == "apply"
-    assert sup.judge({"step": 30, "grad_norm": 500.0, "loss": 0.1}) == "skip"
-    assert sup.ended(30) is None
-    assert sup.judge({"step": 31, "grad_norm": math.nan, "loss": 0.1}) == "skip"
+        assert sup.judge(record).action == "apply"
+    decision = sup.judge({"step": 30, "grad_norm": 500.0, "loss": 0.1})
+    assert decision.action == "skip"
+    assert sup.ended(decision, 30) is None
+    assert sup.judge({"step": 31, "grad_norm": math.nan, "loss": 0.1}).action == "skip"
     assert sup.state_dict()["skipped"] == 2

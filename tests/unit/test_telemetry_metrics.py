@@ -132,7 +132,7 @@ def test_operator_side_modules_import_neither_torch_nor_exporters():
     code = (
         "import sys\n"
         "import rlft.trainer.telemetry.metrics, rlft.trainer.telemetry.alerts\n"
-        "import rlft.trainer.telemetry.dashboard, rlft.trainer.telemetry.spec\n"
+        "import rlft.trainer.telemetry.dashboard, rlft.trainer.config.telemetry\n"
         "import rlft.trainer.stability.actions, rlft.trainer.stability.detector\n"
         "heavy = {'torch', 'prometheus_client', 'opentelemetry'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"

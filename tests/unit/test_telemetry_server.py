@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlft.trainer.config.telemetry import TelemetrySpec
 from rlft.trainer.stability.actions import StepGuard
 from rlft.trainer.telemetry.hub import Telemetry
-from rlft.trainer.telemetry.spec import TelemetrySpec
 from rlft.trainer.telemetry.status import StatusBoard
 
 STATUS_KEYS = {

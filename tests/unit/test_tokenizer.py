@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlft.trainer.config import ArithmeticTask, TokenizerSpec
 from rlft.trainer.data.arithmetic import ArithmeticProblems
-from rlft.trainer.tokenizer import (
+from rlft.trainer.model.tokenizer import (
     BYTE_ALPHABET_SIZE,
     EOS,
     IM_END,

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rlft.trainer.config_algorithm import Aggregation
+from rlft.trainer.config.algorithm import Aggregation
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,9 @@
-"""Each algorithm as an objective over one micro-batch: forward, per-token losses, and the
+"""What every objective shares: the models it trains, the forward pass (with MoE router
+loss and expert load), and the clipped policy-gradient surrogate that grpo, rloo,
+reinforce++ and ppo use. Each algorithm's own module (`grpo`, `ppo`, `dpo`, `sft`)
+registers its objective in `registry`.
+
+An objective computes, over one micro-batch: forward, per-token losses, and the
 micro-batch's share of the batch loss (normalised by whole-batch counts).
 
 An objective may run a no-grad `prepare` pass over a micro-batch before any update (old
@@ -12,20 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from rlft.trainer.algorithms.advantages import gae
 from rlft.trainer.algorithms.aggregation import Normalisers, aggregate
+from rlft.trainer.algorithms.batch import SequenceBatch
 from rlft.trainer.algorithms.losses import (
     clipped_surrogate,
-    clipped_value_loss,
     kl_estimate,
     mismatch_weights,
-    preference_losses,
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from rlft.trainer.batch import SequenceBatch
-from rlft.trainer.config_algorithm import AlgorithmSpec
-from rlft.trainer.modeling import expert_count
+from rlft.trainer.config.algorithm import AlgorithmSpec
 
 Prepared = dict[str, torch.Tensor]
 Sums = dict[str, float]
@@ -45,6 +46,12 @@ class Forward:
     aux_loss: torch.Tensor | None
     expert_tokens: torch.Tensor | None
     """Tokens routed to each expert, [layers, experts] (MoE models only)."""
+
+
+def expert_count(config) -> int:
+    """Experts per MoE layer (Qwen3-MoE's `num_experts`, Mixtral's `num_local_experts`);
+    0 for dense models."""
+    return getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0
 
 
 def is_moe(model: torch.nn.Module) -> bool:
@@ -70,7 +77,7 @@ def forward(model: torch.nn.Module, micro: SequenceBatch) -> Forward:
     return Forward(out.logits, out.aux_loss, torch.stack(counts).to(torch.float64))
 
 
-def _router_term(fwd: Forward, micro: SequenceBatch, norms: Normalisers, coef: float):
+def router_term(fwd: Forward, micro: SequenceBatch, norms: Normalisers, coef: float):
     """The router loss weighted by this micro-batch's share of the batch's tokens, so its
     total weight is `coef` however the batch is split."""
     if fwd.aux_loss is None or coef == 0:
@@ -79,7 +86,7 @@ def _router_term(fwd: Forward, micro: SequenceBatch, norms: Normalisers, coef: f
     return coef * fwd.aux_loss * share
 
 
-def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask > 0, values, torch.zeros_like(values))
 
 
@@ -126,7 +133,7 @@ class PolicyGradient:
         pl = spec.policy_loss
         terms = clipped_surrogate(
             logp,
-            _masked(anchor, mask),
+            masked(anchor, mask),
             self.advantages(micro, prepared),
             mask,
             pl.clip_low,
@@ -137,11 +144,11 @@ class PolicyGradient:
         per_token = terms.loss
         kl = torch.zeros_like(logp)
         if spec.kl.coef > 0:
-            kl = kl_estimate(_masked(logp, mask), _masked(micro.ref_logp, mask), spec.kl.estimator)
+            kl = kl_estimate(masked(logp, mask), masked(micro.ref_logp, mask), spec.kl.estimator)
             if spec.kl.placement == "loss":
                 per_token = per_token + spec.kl.coef * kl
         loss = aggregate(per_token, mask, pl.aggregation, norms, self.constant)
-        loss = loss + _router_term(fwd, micro, norms, spec.moe.router_aux_coef)
+        loss = loss + router_term(fwd, micro, norms, spec.moe.router_aux_coef)
         ratio = terms.ratio[mask > 0]
         entropy = (entropy_per_token * mask).sum().item()
         sums = {
@@ -155,111 +162,16 @@ class PolicyGradient:
             "is_weight": (terms.is_weight * mask).sum().item(),
             "is_rejected": (rejected * mask).sum().item(),
         }
-        return loss, sums | _expert_sums(fwd)
+        return loss, sums | expert_sums(fwd)
 
 
-class PPO(PolicyGradient):
-    """PPO: the clipped surrogate with GAE advantages from a critic, and the clipped value
-    loss for the critic (its own parameters, so one backward serves both)."""
-
-    def prepare(self, models: Models, micro: SequenceBatch) -> Prepared:
-        prepared = super().prepare(models, micro)
-        values = _values(models.critic, micro)
-        adv, returns = gae(
-            micro.token_rewards.to(values.dtype),
-            values,
-            micro.mask.to(values.dtype),
-            self.spec.ppo.gamma,
-            self.spec.ppo.lam,
-        )
-        return prepared | {"old_values": values, "returns": returns, "advantages": adv}
-
-    def advantages(self, micro: SequenceBatch, prepared: Prepared) -> torch.Tensor:
-        return prepared["advantages"]
-
-    def loss(self, models, micro, prepared, norms):
-        policy_loss, sums = super().loss(models, micro, prepared, norms)
-        values = _values(models.critic, micro)
-        per_token = clipped_value_loss(
-            values, prepared["old_values"], prepared["returns"], self.spec.ppo.value_clip
-        )
-        value_loss = aggregate(per_token, micro.mask, "token-mean", norms)
-        sums["value_loss"] = value_loss.item()
-        return policy_loss + value_loss, sums
-
-
-def _values(critic: torch.nn.Module | None, micro: SequenceBatch) -> torch.Tensor:
-    if critic is None:
-        raise ValueError("PPO needs a critic model")
-    return critic(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[..., 0]
-
-
-class Preference:
-    """DPO / IPO on rows ordered (chosen, rejected) per pair."""
-
-    unit = 2
-
-    def __init__(self, spec: AlgorithmSpec):
-        self.spec = spec
-
-    def prepare(self, models: Models, micro: SequenceBatch) -> Prepared:
-        return {}
-
-    def loss(self, models, micro, prepared, norms):
-        dpo = self.spec.dpo
-        fwd = forward(models.policy, micro)
-        logp = _masked(token_logprobs(fwd.logits, micro.targets), micro.mask)
-        ref = _masked(micro.ref_logp, micro.mask)
-        summed, ref_summed = logp.sum(-1), ref.sum(-1)
-        if dpo.loss == "ipo":  # IPO compares length-normalised log-probs
-            lengths = micro.mask.sum(-1).clamp(min=1)
-            summed, ref_summed = summed / lengths, ref_summed / lengths
-        pair_loss, margin = preference_losses(
-            summed[0::2],
-            summed[1::2],
-            ref_summed[0::2],
-            ref_summed[1::2],
-            dpo.beta,
-            dpo.loss,
-            dpo.label_smoothing,
-        )
-        real = (micro.mask.sum(-1)[0::2] > 0).to(pair_loss.dtype)
-        loss = (pair_loss * real).sum() / _count(norms.pairs, "preference pairs")
-        loss = loss + _router_term(fwd, micro, norms, self.spec.moe.router_aux_coef)
-        sums = {
-            "loss": loss.item(),
-            "margin": (margin * real).sum().item(),
-            "preference_accuracy": ((margin > 0).to(real.dtype) * real).sum().item(),
-        }
-        return loss, sums | _expert_sums(fwd)
-
-
-class Supervised:
-    """SFT: token-mean negative log-likelihood of the masked (answer) tokens."""
-
-    unit = 1
-
-    def __init__(self, spec: AlgorithmSpec):
-        self.spec = spec
-
-    def prepare(self, models: Models, micro: SequenceBatch) -> Prepared:
-        return {}
-
-    def loss(self, models, micro, prepared, norms):
-        fwd = forward(models.policy, micro)
-        nll = -token_logprobs(fwd.logits, micro.targets)
-        loss = aggregate(nll, micro.mask, "token-mean", norms)
-        loss = loss + _router_term(fwd, micro, norms, self.spec.moe.router_aux_coef)
-        return loss, {"loss": loss.item()} | _expert_sums(fwd)
-
-
-def _count(value: float, what: str) -> float:
+def count(value: float, what: str) -> float:
     if value <= 0:
         raise ValueError(f"the batch has no {what}")
     return value
 
 
-def _expert_sums(fwd: Forward) -> Sums:
+def expert_sums(fwd: Forward) -> Sums:
     if fwd.expert_tokens is None:
         return {}
     return {
@@ -267,17 +179,3 @@ def _expert_sums(fwd: Forward) -> Sums:
         for layer, row in enumerate(fwd.expert_tokens.tolist())
         for expert, n in enumerate(row)
     }
-
-
-def build_objective(spec: AlgorithmSpec, temperature: float, max_new_tokens: int):
-    """The objective of `spec.name` (the rollout's maxNewTokens is the default constant
-    normaliser of Dr. GRPO's `constant` aggregation)."""
-    if spec.name in ("grpo", "rloo", "reinforce++"):
-        return PolicyGradient(spec, temperature, max_new_tokens)
-    if spec.name == "ppo":
-        return PPO(spec, temperature, max_new_tokens)
-    if spec.name == "dpo":
-        return Preference(spec)
-    if spec.name == "sft":
-        return Supervised(spec)
-    raise ValueError(f"unknown algorithm {spec.name!r}")

@@ -59,7 +59,7 @@ from rlft.trainer.checkpoint.errors import (
     StorageError,
 )
 from rlft.trainer.checkpoint.factory import checkpointer_from_spec, storage_from_spec
-from rlft.trainer.checkpoint.storage import open_storage
+from rlft.trainer.storage.backends import open_storage
 
 __all__ = [
     "BadUriError",

@@ -28,7 +28,7 @@ from rlft.trainer.checkpoint.manifest import (
     retention_plan,
     step_dir,
 )
-from rlft.trainer.checkpoint.storage import CHUNK, Storage
+from rlft.trainer.storage.backends import CHUNK, Storage
 
 log = logging.getLogger("rlft.checkpoint")
 

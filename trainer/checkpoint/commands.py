@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 from rlft.trainer.checkpoint.catalog import Catalog
-from rlft.trainer.checkpoint.errors import CheckpointError
+from rlft.trainer.checkpoint.errors import BadUriError, CheckpointError, StorageError
 from rlft.trainer.checkpoint.manifest import step_dir
-from rlft.trainer.checkpoint.storage import S3Options, open_storage
 from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.storage.backends import S3Options, open_storage
+
+FAILURES = (CheckpointError, StorageError, BadUriError)
 
 
 def add_storage_options(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +40,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     try:
         catalog = Catalog(open_storage(args.uri, _options(args)))
         scan = catalog.scan()
-    except CheckpointError as error:
+    except FAILURES as error:
         print(f"rlft: {error}", file=sys.stderr)
         return ExitCode.FAILURE
     if not (scan.manifests or scan.uncommitted or scan.unreadable):
@@ -85,7 +87,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for step, reason in sorted(scan.unreadable.items()):
             print(f"{step_dir(step)}: DAMAGED: {reason}")
             damaged += 1
-    except CheckpointError as error:
+    except FAILURES as error:
         print(f"rlft: {error}", file=sys.stderr)
         return ExitCode.FAILURE
     if not steps and not scan.unreadable:
@@ -98,7 +100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         manifest = export_hf(args.checkpoint, Path(args.out_dir), s3=_options(args))
-    except CheckpointError as error:
+    except FAILURES as error:
         print(f"rlft: {error}", file=sys.stderr)
         return ExitCode.FAILURE
     print(f"exported {step_dir(manifest.step)} to {args.out_dir}")

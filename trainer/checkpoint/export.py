@@ -18,7 +18,7 @@ from rlft.trainer.checkpoint.errors import CheckpointError
 from rlft.trainer.checkpoint.loader import LocalCopy
 from rlft.trainer.checkpoint.manifest import HF_DIR, Manifest, Which, parse_step_dir
 from rlft.trainer.checkpoint.state import apply_tensor_state, tensor_state
-from rlft.trainer.checkpoint.storage import S3Options, Storage, open_storage
+from rlft.trainer.storage.backends import S3Options, Storage, open_storage
 
 
 def hf_files_of(model: torch.nn.Module, tokenizer=None) -> dict[str, bytes]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlft.trainer.checkpoint.storage import S3Options, Storage, open_storage
 from rlft.trainer.config import CheckpointSpec
+from rlft.trainer.storage.backends import S3Options, Storage, open_storage
 
 
 def s3_options(spec: CheckpointSpec) -> S3Options:

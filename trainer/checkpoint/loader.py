@@ -28,7 +28,7 @@ from rlft.trainer.checkpoint.errors import StorageError
 from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, problems_with
 from rlft.trainer.checkpoint.saver import RANKS
 from rlft.trainer.checkpoint.state import Modules, apply_tensor_state, tensor_state
-from rlft.trainer.checkpoint.storage import FileStorage, Storage, sha256_file
+from rlft.trainer.storage.backends import FileStorage, Storage, sha256_file
 
 log = logging.getLogger("rlft.checkpoint")
 

@@ -45,10 +45,10 @@ from rlft.trainer.checkpoint.manifest import (
     config_hash,
     step_dir,
 )
-from rlft.trainer.checkpoint.policy import SavePolicy
-from rlft.trainer.checkpoint.retry import with_retries
+from rlft.trainer.checkpoint.schedule import SavePolicy
 from rlft.trainer.checkpoint.state import Modules, tensor_state
-from rlft.trainer.checkpoint.storage import TEMP_MARK, FileStorage, Storage, sha256_file
+from rlft.trainer.storage.backends import TEMP_MARK, FileStorage, Storage, sha256_file
+from rlft.trainer.storage.retry import with_retries
 
 log = logging.getLogger("rlft.checkpoint")
 RANKS = "ranks.json"
@@ -80,7 +80,7 @@ class CheckpointStats:
 
 
 @dataclass(frozen=True)
-class Decision:
+class SaveDecision:
     """What the loop does after a step: save now, and/or stop (SIGTERM on some rank)."""
 
     save: bool
@@ -160,7 +160,7 @@ class Checkpointer:
         """A checkpoint of this rank is still in flight."""
         return self._thread is not None and self._thread.is_alive()
 
-    def poll(self, step: int, stop_requested: bool = False) -> Decision:
+    def poll(self, step: int, stop_requested: bool = False) -> SaveDecision:
         """Call after every optimizer step, on every rank: whether to save now, and
         whether to stop. One tiny all-reduce, so every rank decides the same."""
         flags = torch.tensor([self.policy.due(step), self.busy, stop_requested], dtype=torch.int32)
@@ -168,11 +168,11 @@ class Checkpointer:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
         due, busy, stop = (bool(x) for x in flags.tolist())
         if stop:
-            return Decision(save=True, stop=True)
+            return SaveDecision(save=True, stop=True)
         if due and busy:
             self.stats.deferred += 1
-            return Decision(save=False, stop=False)
-        return Decision(save=due, stop=False)
+            return SaveDecision(save=False, stop=False)
+        return SaveDecision(save=due, stop=False)
 
     def save(
         self,

@@ -1,4 +1,4 @@
-"""What trainer rank 0 needs to get rollouts in `rl_loop`: the engine(s), the pipeline,
+"""What trainer rank 0 needs to get rollouts for the loop: the engine(s), the pipeline,
 the weight publisher, and the local rollout servers it started (stopped by `close`).
 
 `spec.rollout.local` decides (auto: in-process for one transformers instance with
@@ -8,13 +8,12 @@ maxStaleness 0, as the synchronous loop always did; servers otherwise).
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
 import torch
 
-from rlft.trainer.pipeline import RolloutPipeline, rollout_producer
 from rlft.trainer.rollout.engine import SamplingParams
+from rlft.trainer.rollout.pipeline import RolloutPipeline, rollout_producer
 
 CPUS_ENV = "RLFT_ROLLOUT_CPUS"
 """Local runs: pin rollout servers to CPUs, e.g. `1` or `1;2` (one set per instance)."""
@@ -56,21 +55,29 @@ class RolloutSession:
     @classmethod
     def start(
         cls,
-        run,
-        rng: random.Random,
-        generator: torch.Generator,
+        job,
+        task,
+        encoder,
+        rewards,
+        engine,
+        model: torch.nn.Module,
+        cursor,
         sampling: SamplingParams,
         out: Path | None,
+        log,
     ) -> RolloutSession:
-        spec = run.spec
+        """Rank 0's rollouts for `job`: the in-process `engine` (sharing `model`) or
+        rollout servers started here, drawing prompts and seeds from `cursor`'s streams."""
+        spec = job.spec
         rollout, algorithm = spec.rollout, spec.algorithm
+        rng, generator = cursor.rng, cursor.generator
 
         def producer(engine):
             return rollout_producer(
                 engine,
-                run.task,
-                run.encoder,
-                run.rewards,
+                task,
+                encoder,
+                rewards,
                 algorithm,
                 spec.trainer.prompts_per_step,
                 sampling,
@@ -79,22 +86,26 @@ class RolloutSession:
         if not uses_servers(rollout):  # the synchronous loop, exactly
             from rlft.trainer.rollout.remote import SeededLikeAServer
 
-            engine = SeededLikeAServer(run.engine)
             pipeline = RolloutPipeline(
-                producer(engine), rng, generator, 0, algorithm.group_size, threaded=False
+                producer(SeededLikeAServer(engine)),
+                rng,
+                generator,
+                0,
+                algorithm.group_size,
+                threaded=False,
             )
             return cls(pipeline)
 
         from rlft.trainer.rollout.client import RolloutClient
         from rlft.trainer.rollout.local import LocalServers
+        from rlft.trainer.rollout.publisher import WeightPublisher
         from rlft.trainer.rollout.remote import RemoteEngine
-        from rlft.trainer.weights.publisher import WeightPublisher
         from rlft.trainer.weights.store import WeightStore, config_json, serialize
 
-        base = out if out is not None else Path.cwd() / "runs" / run.job.metadata.name
+        base = out if out is not None else Path.cwd() / "runs" / job.metadata.name
         uri = rollout.weights_uri or (base.resolve() / "weights").as_uri()
         store = WeightStore.at(uri)
-        model, version = run.learner.engine_model, run.engine.policy_version
+        version = cursor.policy_version
         store.write(version, serialize(model), config_json(model))  # servers start from it
         servers = LocalServers(
             rollout.instances,
@@ -102,7 +113,7 @@ class RolloutSession:
             uri,
             _cpus_from_env(),
             base,
-            warn=run.reporter.log,
+            warn=log,
         )
         session = cls(None, servers=servers)  # type: ignore[arg-type]
         try:
@@ -114,7 +125,7 @@ class RolloutSession:
             )
             publisher.mark_acked(version)
             session.publisher = publisher
-            remote = RemoteEngine(client, run.engine.stop_ids.tolist(), rollout.request_prompts)
+            remote = RemoteEngine(client, engine.stop_ids.tolist(), rollout.request_prompts)
             session.remote = remote
             # The threaded pipeline draws ahead of the trainer from its own copies of the
             # streams; step_done points the cursor's (checkpointed) RNGs at the oldest
@@ -132,31 +143,32 @@ class RolloutSession:
         except BaseException:
             session.close()
             raise
-        run.reporter.log(
+        log(
             f"rlft: {rollout.instances} rollout server(s) ({servers.engine}) at "
             f"{', '.join(servers.urls)}; maxStaleness {rollout.max_staleness}, "
             f"weights by {rollout.publication} via {uri}"
         )
         return session
 
-    def step_done(self, model: torch.nn.Module, version: int, cursor=None) -> None:
-        """After an optimizer step: ship the weights (servers), release the next batch, and
-        point the checkpoint cursor's RNGs at the oldest batch not yet trained on (the
-        threaded pipeline draws ahead; a resume regenerates what was in flight)."""
+    def step_done(self, model: torch.nn.Module, cursor) -> None:
+        """After an optimizer step: ship the weights of the cursor's version (servers),
+        release the next batch, and point the cursor's streams at the oldest batch not
+        yet trained on (the threaded pipeline draws ahead; a resume regenerates what was
+        in flight)."""
         if self.publisher is not None:
-            self.publisher.publish(model, version)
-        self.pipeline.step_done(version)
-        if cursor is not None and self.pipeline.threaded:
-            state = self.pipeline.state_dict()
-            cursor.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
-            cursor.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+            self.publisher.publish(model, cursor.policy_version)
+        self.pipeline.step_done(cursor.policy_version)
+        if self.pipeline.threaded:
+            cursor.set_streams(self.pipeline.state_dict())
 
-    def rolled_back(self, model: torch.nn.Module, version: int, cursor) -> None:
-        """After a rollback: publish the restored weights as `version` and regenerate from
-        the cursor (the oldest batch not trained on) with them, dropping what was
-        generated or in flight. In process the engine already is the restored model."""
+    def rolled_back(self, model: torch.nn.Module, cursor) -> None:
+        """After a rollback: publish the restored weights as the cursor's (new) version and
+        regenerate from the cursor (the oldest batch not trained on) with them, dropping
+        what was generated or in flight. In process the engine already is the restored
+        model."""
         if self.publisher is None:
             return
+        version = cursor.policy_version
         self.pipeline.close()
         self.publisher.publish(model, version)
         self.pipeline = self.pipeline.restarted(cursor.rng, cursor.generator, version)

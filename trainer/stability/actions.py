@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from rlft.trainer.config.stability import StabilitySpec
 from rlft.trainer.stability.detector import OK, WARNING, Detector, Verdict
-from rlft.trainer.stability.spec import StabilitySpec
 
 Action = Literal["apply", "skip", "rollback", "pause", "fail"]
 ACTIONS: tuple[str, ...] = Action.__args__  # type: ignore[attr-defined]
@@ -54,7 +54,7 @@ class Counters:
 
 
 @dataclass
-class Decision:
+class GuardDecision:
     """The guard's answer for one step."""
 
     step: int
@@ -93,7 +93,7 @@ def decide(verdict: Verdict, spec: StabilitySpec, counters: Counters) -> tuple[A
 
 
 class DecisionListener(Protocol):
-    def on_decision(self, decision: Decision, counters: Counters) -> None: ...
+    def on_decision(self, decision: GuardDecision, counters: Counters) -> None: ...
 
 
 class StepGuard:
@@ -113,7 +113,7 @@ class StepGuard:
         """Product of the LR scales of all rollbacks so far."""
         return self.spec.rollback_lr_scale**self.counters.rollbacks
 
-    def check(self, record: dict[str, Any]) -> Decision:
+    def check(self, record: dict[str, Any]) -> GuardDecision:
         """Judge one step (call before optimizer.step()) and decide what to do."""
         verdict = self.detector.observe(record)
         if verdict.level >= WARNING:
@@ -126,7 +126,7 @@ class StepGuard:
                 self.trouble_since = None
         action, note = decide(verdict, self.spec, self.counters)
         reasons = list(verdict.reasons) + ([note] if note else [])
-        decision = Decision(
+        decision = GuardDecision(
             step=verdict.step,
             action=action,
             health=verdict.health,
@@ -175,4 +175,4 @@ class StepGuard:
         self._clean_steps = int(state.get("clean_steps", 0))
 
 
-__all__ = ["ACTIONS", "OK", "Counters", "Decision", "StepGuard", "decide"]
+__all__ = ["ACTIONS", "OK", "Counters", "GuardDecision", "StepGuard", "decide"]

@@ -5,7 +5,7 @@ metrics.jsonl: floats, plus optional dicts of floats such as per-group grad norm
 returns a `Verdict`. Its whole state is plain JSON-able data (`state_dict()`), saved in
 every checkpoint so a resumed or rolled-back run judges exactly as before.
 
-Checks (thresholds in `spec.stability.detector`, see `rlft.trainer.stability.spec`):
+Checks (thresholds in `spec.stability.detector`, see `rlft.trainer.config.stability`):
 
 | check | signal | kind | critical means |
 |---|---|---|---|
@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlft.trainer.stability.spec import DetectorSpec, TrendCheck
+from rlft.trainer.config.stability import DetectorSpec, TrendCheck
 
 OK, WARNING, CRITICAL = 0, 1, 2
 STEP_CHECKS = ("non_finite", "grad_norm_spike", "importance_ratio_blowup")

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlft.trainer.stability.actions import Counters, Decision
+from rlft.trainer.config.telemetry import TelemetrySpec
+from rlft.trainer.stability.actions import Counters, GuardDecision
 from rlft.trainer.telemetry.exporter import MetricsExporter
 from rlft.trainer.telemetry.server import TelemetryServer
-from rlft.trainer.telemetry.spec import TelemetrySpec
 from rlft.trainer.telemetry.status import StatusBoard
 from rlft.trainer.telemetry.tracing import StepTracer
 
@@ -115,7 +115,7 @@ class Telemetry:
 
     # --------------------------------------------------------- guard → here
 
-    def on_decision(self, decision: Decision, counters: Counters) -> None:
+    def on_decision(self, decision: GuardDecision, counters: Counters) -> None:
         """StepGuard's listener: metrics, health and counters in /status, events."""
         verdict = decision.verdict
         levels = verdict.levels if verdict else {}

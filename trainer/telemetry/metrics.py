@@ -428,7 +428,6 @@ BINDINGS: dict[str, Binding] = {
     "trainer_idle_ratio": Binding(TRAINER_IDLE),
     "gen_tokens_per_s": Binding(GENERATION_THROUGHPUT),
     "reissued_requests": Binding(REISSUED),
-    "weight_publish_s": Binding(STEP_PHASE, {"phase": "publish_weights"}),
     "rollout_engines_healthy": Binding(ENGINES_HEALTHY),
     "rollout_engines_expected": Binding(ENGINES_EXPECTED),
     "tokens": Binding(TOKENS_TRAINED),

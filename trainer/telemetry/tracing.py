@@ -1,8 +1,8 @@
 """OpenTelemetry spans for each step and its phases, or nothing at all.
 
     tracer = StepTracer.from_config(spec.telemetry.otlp_endpoint)
-    with tracer.step(step):
-        with tracer.phase("generate"): ...
+    with tracer.step(step, policy_version):
+        tracer.record("generate", start_ns, end_ns)   # a phase that ran elsewhere
         with tracer.phase("train"): ...
 
 Spans are exported over OTLP/HTTP only when an endpoint is configured (the job's
@@ -109,6 +109,17 @@ class StepTracer:
         if self._tracer is None:
             return _NOTHING
         return self._span(name, {f"rlft.{k}": v for k, v in attributes.items()})
+
+    def record(self, name: str, start_ns: int, end_ns: int, **attributes: Any) -> None:
+        """A finished phase of the current step, with its own start and end (`time.time_ns`):
+        generation and scoring that ran on the rollout pipeline's thread."""
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}: use one of {PHASES}")
+        if self._tracer is None:
+            return
+        clean = {f"rlft.{k}": v for k, v in attributes.items() if v is not None}
+        span = self._tracer.start_span(name, attributes=clean, start_time=start_ns)
+        span.end(end_time=end_ns)
 
     @contextlib.contextmanager
     def _span(self, name: str, attributes: dict[str, Any]) -> Iterator[None]:

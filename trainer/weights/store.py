@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from rlft.trainer.checkpoint.errors import ObjectMissingError
-from rlft.trainer.checkpoint.storage import FileStorage, Storage, open_storage
+from rlft.trainer.storage.backends import FileStorage, Storage, open_storage
+from rlft.trainer.storage.errors import ObjectMissingError
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

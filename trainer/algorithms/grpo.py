@@ -1,0 +1,60 @@
+"""grpo, rloo and reinforce++: critic-free policy gradients whose advantage is one number
+per sequence, from the rewards of its group (the clipped surrogate of `objectives`)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlft.trainer.algorithms.advantages import (
+    group_relative_advantages,
+    leave_one_out_advantages,
+    reinforce_pp_advantages,
+)
+from rlft.trainer.algorithms.batch import SequenceBatch
+from rlft.trainer.algorithms.objectives import PolicyGradient
+from rlft.trainer.algorithms.registry import Algorithm, register
+from rlft.trainer.config.algorithm import AlgorithmSpec
+
+
+def _outcome_shape(advantages):
+    def shape(
+        spec: AlgorithmSpec, batch: SequenceBatch, rewards: torch.Tensor, token_kl: torch.Tensor
+    ) -> SequenceBatch:
+        if spec.kl.coef > 0 and spec.kl.placement == "reward":
+            rewards = rewards - spec.kl.coef * token_kl.sum(-1)
+        values = advantages(spec, rewards)
+        return batch.with_fields(
+            advantages=(values.reshape(-1, 1) * batch.mask).to(batch.mask.dtype)
+        )
+
+    return shape
+
+
+def _policy_gradient(spec: AlgorithmSpec, temperature: float, max_new_tokens: int):
+    return PolicyGradient(spec, temperature, max_new_tokens)
+
+
+GRPO = register(
+    Algorithm(
+        "grpo",
+        _policy_gradient,
+        "rollouts",
+        _outcome_shape(lambda s, r: group_relative_advantages(r, s.group_size, s.scale_rewards)),
+    )
+)
+RLOO = register(
+    Algorithm(
+        "rloo",
+        _policy_gradient,
+        "rollouts",
+        _outcome_shape(lambda s, r: leave_one_out_advantages(r, s.group_size)),
+    )
+)
+REINFORCE_PP = register(
+    Algorithm(
+        "reinforce++",
+        _policy_gradient,
+        "rollouts",
+        _outcome_shape(lambda s, r: reinforce_pp_advantages(r, s.group_size)),
+    )
+)

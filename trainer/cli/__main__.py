@@ -1,0 +1,5 @@
+import sys
+
+from rlft.trainer.cli.main import main
+
+sys.exit(main())

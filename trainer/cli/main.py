@@ -1,0 +1,129 @@
+"""The `rlft` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlft.trainer.cli.training import add_training_commands
+from rlft.trainer.config import JobFileError, RLFineTune, load_job
+from rlft.trainer.exit_codes import ExitCode
+
+
+def _load_or_report(path: str) -> RLFineTune | None:
+    """The job, or None after printing one `file: field: problem` line per problem."""
+    try:
+        return load_job(path)
+    except JobFileError as error:
+        for problem in error.problems:
+            print(f"{error.source}: {problem}", file=sys.stderr)
+        return None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    job = _load_or_report(args.job)
+    if job is None:
+        return ExitCode.INVALID_CONFIG
+    print(f"{args.job}: valid RLFineTune {job.metadata.name!r}")
+    return ExitCode.OK
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    # Imported here: the operator's modules are not needed by the other commands.
+    from rlft.operator.crd import render_crd
+
+    text = render_crd()
+    if args.out in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"rlft: wrote {args.out}")
+    return ExitCode.OK
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from rlft.operator.__main__ import run
+
+    return run(args)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from rlft.trainer.rollout.server import run
+
+    return run(args)
+
+
+def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
+    """`rlft checkpoints list|verify URI` and `rlft export` (torch loads only for export)."""
+    from rlft.trainer.checkpoint import commands as ck
+
+    group = commands.add_parser("checkpoints", help="inspect a checkpoint location")
+    actions = group.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="committed, uncommitted and damaged checkpoints")
+    listing.add_argument("uri", help="s3://bucket/prefix, file:///path or a folder")
+    ck.add_storage_options(listing)
+    listing.set_defaults(handler=ck.cmd_list)
+    verify = actions.add_parser("verify", help="check sizes and SHA-256; exit 1 if damaged")
+    verify.add_argument("uri", help="s3://bucket/prefix, file:///path or a folder")
+    verify.add_argument("--step", type=int, help="only this step")
+    ck.add_storage_options(verify)
+    verify.set_defaults(handler=ck.cmd_verify)
+
+    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    export.add_argument(
+        "checkpoint", help="a checkpoint folder (.../step-000120) or a location (its latest)"
+    )
+    export.add_argument("out_dir", help="new folder for config, safetensors and tokenizer")
+    ck.add_storage_options(export)
+    export.set_defaults(handler=ck.cmd_export)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlft", description="RL fine-tuning of language models, locally or on Kubernetes."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    validate = commands.add_parser(
+        "validate", help="check a job file; exit 2 naming each bad field"
+    )
+    validate.add_argument("job", help="RLFineTune manifest (YAML)")
+    validate.set_defaults(handler=cmd_validate)
+
+    add_training_commands(commands)
+
+    crd = commands.add_parser("crd", help="print (or write) the RLFineTune CRD YAML")
+    crd.add_argument("--out", help="write it to this file (e.g. crds/rlfinetune.yaml)")
+    crd.set_defaults(handler=cmd_crd)
+
+    operator = commands.add_parser("operator", help="run the Kubernetes operator")
+    from rlft.operator.__main__ import add_arguments
+
+    add_arguments(operator)
+    operator.set_defaults(handler=cmd_operator)
+    _add_checkpoint_commands(commands)
+
+    rollout = commands.add_parser(
+        "rollout",
+        aliases=["rollout-server"],
+        help="serve one rollout instance (POST /generate, POST /weights, GET /healthz, /metrics)",
+    )
+    from rlft.trainer.rollout.arguments import add_arguments as add_rollout_arguments
+
+    add_rollout_arguments(rollout)
+    rollout.set_defaults(handler=cmd_rollout)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
+        print("rlft: --max-steps must be ≥ 1", file=sys.stderr)
+        return ExitCode.INVALID_CONFIG
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""`spec.telemetry`: where the trainer serves /metrics and /status, and where traces go.
+
+No torch import: the operator reads this section to know which port to scrape and poll.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlft.trainer.config.base import Section
+
+
+class TelemetrySpec(Section):
+    """Metrics, status and tracing of the trainer (rank 0)."""
+
+    enabled: bool = True
+    """Serve /metrics, /status and /healthz over HTTP."""
+    host: str = Field("127.0.0.1", min_length=1, max_length=253)
+    """Address to bind. Locally loopback; the operator renders `0.0.0.0` into pods so
+    Prometheus and the operator can reach it."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port to serve on; 0 picks a free one (printed at start). The operator sets a fixed
+    port in pods."""
+    max_events: int = Field(50, ge=1, le=10_000)
+    """Recent events kept in /status."""
+    otlp_endpoint: str | None = Field(None, min_length=1, max_length=2048)
+    """OTLP/HTTP collector for step traces, e.g. `http://otel-collector:4318`. Unset: the
+    standard OTEL_EXPORTER_OTLP_ENDPOINT variable is used if set, else no tracing."""
+    service_name: str = Field("rlft-trainer", min_length=1, max_length=253)
+    """`service.name` of the exported spans."""

@@ -1,0 +1,177 @@
+"""The trainer side of a step, on every rank: take this rank's shard of the batch,
+accumulate the whole batch's gradient, clip, apply; then publish the new weights to the
+rollout engine (rank 0's unsharded copy when the policy is sharded).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rlft.trainer.algorithms.batch import SequenceBatch, rank_shard
+from rlft.trainer.algorithms.objectives import Models
+from rlft.trainer.config import TrainerSpec
+from rlft.trainer.distributed import Dist
+from rlft.trainer.distributed.fsdp import shard_model
+from rlft.trainer.learner import faults
+from rlft.trainer.learner.gradients import (
+    backward,
+    clip_and_norm,
+    clip_to_norm,
+    group_grad_norms,
+    plan_step,
+)
+from rlft.trainer.stability.actions import GuardDecision
+
+
+@dataclass
+class StepResult:
+    stats: dict[str, float] = field(default_factory=dict)
+    grad_norm: float = 0.0
+    applied: bool = True
+    reason: str = ""
+    group_norms: dict[str, float] = field(default_factory=dict)
+    """Gradient norm per parameter group before clipping (first epoch)."""
+    decision: GuardDecision = field(default_factory=lambda: GuardDecision(0, "apply", "ok", 0))
+    """What the stability guard decided for this update (apply, skip, rollback, …)."""
+
+    @property
+    def action(self) -> str:
+        return self.decision.action
+
+
+class Learner:
+    """Owns the models of the run (the trained policy and critic with their optimizers,
+    the frozen reference) and rank 0's unsharded copy of the policy for sampling."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        trainer: TrainerSpec,
+        dist: Dist,
+    ):
+        self.dist = dist
+        self.trainer = trainer
+        # Rank 0 samples with an unsharded copy when the policy is sharded; in a single
+        # process the engine shares the policy itself, so its weights are always current.
+        self.engine_model = copy.deepcopy(policy) if dist.active and dist.is_main else policy
+        self.models = Models(shard_model(policy, trainer.parallelism, dist))
+        self.optimizer = self._adamw(self.models.policy, trainer.learning_rate)
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        self.reference: torch.nn.Module | None = None
+        """A frozen copy of the policy (KL terms, DPO), on every rank so that
+        checkpoints are alike; rank 0 scores batches with it."""
+        self.planted = faults.planted_from_env()
+
+    def _adamw(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=lr, weight_decay=self.trainer.weight_decay)
+
+    def attach_critic(self, critic: torch.nn.Module, lr: float) -> None:
+        """PPO's critic, built once the policy it starts from is final (after SFT)."""
+        self.models.critic = shard_model(critic, self.trainer.parallelism, self.dist)
+        self.critic_optimizer = self._adamw(self.models.critic, lr)
+
+    def reset_optimizer(self, lr: float) -> None:
+        """A fresh optimizer (new phase, e.g. RL after the warm start)."""
+        self.optimizer = self._adamw(self.models.policy, lr)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(
+        self,
+        objective,
+        batch: SequenceBatch,
+        epochs: int = 1,
+        judge: Callable[[StepResult], GuardDecision] | None = None,
+        step: int | None = None,
+    ) -> StepResult:
+        """`epochs` optimizer steps over `batch` (which every rank holds whole).
+
+        `judge` sees the first epoch's gradient statistics after clipping and before the
+        optimizer step, and returns the guard's verdict: `apply`, or another action
+        (skip, rollback, pause, fail), in which case no update is applied at all; every
+        rank must get the same verdict. The result carries it for the loop to act on.
+        """
+        self.models.policy.train()
+        shard = rank_shard(batch, self.dist.rank, self.dist.world, objective.unit)
+        plan = plan_step(
+            objective, self.models, shard, batch, self.trainer.micro_batch_size, self.dist
+        )
+        if plan.norms.tokens <= 0:
+            return StepResult(applied=False, reason="no trainable tokens in the batch")
+        result = StepResult()
+        for epoch in range(epochs):
+            self._zero_grad()
+            result.stats = backward(objective, self.models, plan, self.dist)
+            result.stats |= {"norm_tokens": plan.norms.tokens, "norm_pairs": plan.norms.pairs}
+            if self.planted and step is not None:
+                faults.apply(self.planted, step, self.models.policy.parameters())
+            groups = group_grad_norms(self.models.policy, self.dist)
+            if epoch == 0:
+                result.group_norms = groups
+            result.grad_norm = math.sqrt(sum(norm * norm for norm in groups.values()))
+            clip_to_norm(
+                list(self.models.policy.parameters()), self.trainer.grad_clip, result.grad_norm
+            )
+            if epoch == 0 and judge is not None:
+                result.decision = judge(result)
+            elif not math.isfinite(result.grad_norm):
+                reasons = [f"non-finite gradient in epoch {epoch + 1}"]
+                result.decision = GuardDecision(step or 0, "skip", "warning", 1, reasons)
+            if result.action != "apply":
+                self._zero_grad()
+                result.applied, result.reason = False, result.action
+                break
+            self.optimizer.step()
+            if self.critic_optimizer is not None:
+                clip_and_norm(list(self.models.critic.parameters()), self.trainer.grad_clip)
+                self.critic_optimizer.step()
+        return result
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+
+    def freeze_reference(self) -> None:
+        """The frozen reference: a copy of the current policy (collective when sharded)."""
+        state = self.full_policy_state()
+        self.reference = copy.deepcopy(self.engine_model).eval()
+        self.reference.load_state_dict(state)
+        for parameter in self.reference.parameters():
+            parameter.requires_grad_(False)
+
+    def sync_engine_model(self) -> None:
+        """Copy the new weights into rank 0's unsharded engine model (collective when
+        sharded; a single process samples from the policy itself)."""
+        if not self.dist.active:
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.models.policy, options=options)
+        if self.dist.is_main:
+            self.engine_model.load_state_dict(state)
+
+    def full_policy_state(self) -> dict[str, torch.Tensor]:
+        """The whole policy state on every rank (collective when sharded)."""
+        if not self.dist.active:
+            return self.models.policy.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(
+            self.models.policy, options=StateDictOptions(full_state_dict=True)
+        )

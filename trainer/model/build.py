@@ -1,0 +1,131 @@
+"""Policy models: a local Hugging Face folder, or a small one built from the job's config."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+from rlft.trainer.algorithms.objectives import expert_count
+from rlft.trainer.config import ModelInit, ModelSpec
+from rlft.trainer.model.tokenizer import build_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(Exception):
+    """The model or tokenizer named by the job cannot be loaded."""
+
+
+def model_config(init: ModelInit, vocab_size: int, pad_id: int, eos_id: int) -> PretrainedConfig:
+    """A transformers config for a randomly initialised model of the given family."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=init.hidden_size,
+        num_hidden_layers=init.num_layers,
+        num_attention_heads=init.num_heads,
+        num_key_value_heads=init.num_kv_heads,
+        max_position_embeddings=init.max_position_embeddings,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    if init.family == "llama":
+        return LlamaConfig(intermediate_size=init.intermediate_size, **common)
+    if init.family == "mixtral":
+        return MixtralConfig(
+            intermediate_size=init.moe_intermediate_size,
+            num_local_experts=init.num_experts,
+            num_experts_per_tok=init.experts_per_token,
+            **common,
+        )
+    head_dim = init.hidden_size // init.num_heads
+    if init.family == "qwen3":
+        return Qwen3Config(intermediate_size=init.intermediate_size, head_dim=head_dim, **common)
+    return Qwen3MoeConfig(
+        intermediate_size=init.intermediate_size,
+        head_dim=head_dim,
+        num_experts=init.num_experts,
+        num_experts_per_tok=init.experts_per_token,
+        moe_intermediate_size=init.moe_intermediate_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        **common,
+    )
+
+
+def build_policy(
+    spec: ModelSpec, corpus: Iterable[str], seed: int
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The job's policy model and tokenizer, in training mode, with a fixed init seed."""
+    if spec.path is not None:
+        return _load_local(Path(spec.path), spec.dtype)
+    assert spec.init is not None
+    tokenizer = build_tokenizer(spec.tokenizer, corpus)
+    config = model_config(spec.init, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[spec.dtype])
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def _load_local(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"spec.model.path: {path} is not a Hugging Face model folder (no config.json)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], local_files_only=True
+        )
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"spec.model.path: cannot load {path}: {error}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_critic(policy: PreTrainedModel) -> PreTrainedModel:
+    """PPO's value model: the policy's architecture and backbone weights with a scalar
+    head (zero-initialised, so every value starts at 0)."""
+    from transformers import AutoModelForTokenClassification
+
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    critic = AutoModelForTokenClassification.from_config(config, dtype=policy.dtype)
+    backbone = getattr(critic, critic.base_model_prefix)
+    backbone.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
+    head = critic.score if hasattr(critic, "score") else critic.classifier
+    torch.nn.init.zeros_(head.weight)
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
+    return critic
+
+
+def to_float64(model: PreTrainedModel) -> PreTrainedModel:
+    """The model in float64 (for exact gradient checks). Fused expert kernels have no
+    float64 version, so MoE models switch to the per-expert loop."""
+    if expert_count(model.config):
+        model.set_experts_implementation("eager")
+    return model.to(torch.float64)

@@ -1,0 +1,146 @@
+"""Checkpoints of a running job and resuming from them, around the step loops.
+
+What a checkpoint of the main phase holds: the policy and its optimizer (sharded), PPO's
+critic and its optimizer, the frozen reference (KL, DPO), and the loop's cursor (step,
+policy version, the data and sampling random streams, results of the warm start). A run
+killed at any point resumes from the newest committed checkpoint and continues exactly
+as the uninterrupted run would have (bit for bit on the CPU at the same world size).
+The warm start is not checkpointed: a run killed during it starts again (deterministic).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlft.trainer.checkpoint import GracefulStop, NoCheckpointError, checkpointer_from_spec
+from rlft.trainer.checkpoint import load as load_checkpoint
+from rlft.trainer.checkpoint.export import hf_files_of
+from rlft.trainer.config import RLFineTune, dump_job
+from rlft.trainer.distributed import Dist
+from rlft.trainer.run.state import Cursor
+
+
+class StopRequested(Exception):
+    """SIGTERM arrived; the emergency checkpoint of `step` is committed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after the emergency checkpoint of step {step}")
+        self.step = step
+
+
+class Checkpointing:
+    """The job's checkpointer, SIGTERM handling, and resume, on every rank."""
+
+    def __init__(self, job: RLFineTune, out: Path, dist: Dist, policy, tokenizer, supervisor):
+        spec = job.spec.checkpoint
+        self.dist = dist
+        self.supervisor = supervisor
+        self.stop = GracefulStop(spec.grace_period_seconds).install()
+        self.checkpointer = checkpointer_from_spec(
+            spec,
+            out / "checkpoints",
+            job_config=dump_job(job),
+            hf_files=hf_files_of(policy, tokenizer) if dist.is_main else {},
+            on_event=self._on_event,
+        )
+
+    def _on_event(self, name: str, info: dict[str, Any]) -> None:
+        if name == "committed":
+            self.supervisor.checkpointed(info["step"], info["uri"], info["healthy"])
+        elif name == "retry":
+            message = f"checkpoint of step {info.get('step')}: {info.get('what')} retried"
+            self.supervisor.checkpoint_retry(f"{message} ({info.get('error')})", info.get("step"))
+        elif name == "failed":
+            self.supervisor.event("checkpoint_failed", str(info), "error", info.get("step"))
+
+    @property
+    def stats(self):
+        return self.checkpointer.stats
+
+    def resume(self, which: str | int, learner) -> Cursor | None:
+        """Restore the newest checkpoint `which` selects; None when there is none."""
+        try:
+            resumed = self._load(which, learner, restore_rng=True)
+        except NoCheckpointError:
+            if which not in ("auto",):
+                raise
+            return None
+        self.supervisor.load_state_dict(resumed.extra.get("guard", {}))
+        return Cursor.from_json(resumed.extra["cursor"])
+
+    def _load(self, which, learner, restore_rng: bool):
+        resumed = load_checkpoint(
+            self.checkpointer.storage,
+            which,
+            learner.models.policy,
+            learner.optimizer,
+            modules=_modules(learner),
+            restore_rng=restore_rng,
+        )
+        learner.sync_engine_model()
+        return resumed
+
+    def rollback(self, before_step: int, cursor: Cursor, learner) -> int:
+        """Restore the newest healthy checkpoint older than `before_step` into the live
+        run; the data and sampling streams go on from where they are (past the bad
+        window). Returns the restored step; RunEnded-worthy NoCheckpointError if none."""
+        self.checkpointer.wait()
+        target = None
+        if self.dist.is_main:
+            committed = self.checkpointer.catalog.scan().committed
+            healthy = [step for step, ok in committed.items() if ok and step < before_step]
+            target = max(healthy, default=None)
+        target = self.dist.broadcast(target)
+        if target is None:
+            raise NoCheckpointError(f"no healthy checkpoint before step {before_step}")
+        resumed = self._load(target, learner, restore_rng=False)
+        # The restored weights are a new version, not the checkpoint's again: versions
+        # only grow, so rollout servers, the weight store and the staleness gate never
+        # see a number reused for other weights.
+        cursor.policy_version += 1
+        self.supervisor.load_state_dict(resumed.extra.get("guard", {}), rollback=True)
+        return target
+
+    def end_of_step(self, cursor: Cursor, learner) -> None:
+        """Save when due; on SIGTERM save synchronously and raise StopRequested."""
+        decision = self.checkpointer.poll(cursor.step, self.stop.requested)
+        if not decision.save:
+            return
+        self._save(cursor, learner, decision.stop)
+        if decision.stop:
+            self.close()
+            raise StopRequested(cursor.step)
+
+    def final(self, cursor: Cursor, learner) -> None:
+        """The last step's checkpoint, committed before the run reports success."""
+        self.checkpointer.wait()
+        if self.checkpointer.stats.last_step != cursor.step:
+            self._save(cursor, learner, wait=True)
+
+    def _save(self, cursor: Cursor, learner, wait: bool) -> None:
+        self.checkpointer.save(
+            cursor.step,
+            learner.models.policy,
+            learner.optimizer,
+            extra={"cursor": cursor.to_json(), "guard": self.supervisor.state_dict()},
+            policy_version=cursor.policy_version,
+            healthy=self.supervisor.healthy(),
+            modules=_modules(learner),
+            wait=wait,
+            emergency=wait and self.stop.requested,
+            retry_seconds=self.stop.remaining() if self.stop.requested else None,
+        )
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.stop.uninstall()
+
+
+def _modules(learner) -> dict:
+    modules = {}
+    if learner.models.critic is not None:
+        modules["critic"] = (learner.models.critic, learner.critic_optimizer)
+    if learner.reference is not None:
+        modules["reference"] = (learner.reference, None)
+    return modules

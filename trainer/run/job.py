@@ -1,0 +1,216 @@
+"""`rlft train`: a whole job, in one process or on torchrun ranks: optional SFT warm
+start, the job's algorithm, held-out evaluation, export.
+
+Rank 0 owns the rollout engine, the rewards and every file written; all ranks train
+(FSDP2 when there are several) and hold the frozen reference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import yaml
+
+from rlft.trainer.config import RLFineTune, dump_job
+from rlft.trainer.distributed import Dist
+from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.learner.learner import Learner
+from rlft.trainer.model.build import count_parameters
+from rlft.trainer.rollout import TransformersEngine
+from rlft.trainer.run.checkpointing import Checkpointing, StopRequested
+from rlft.trainer.run.loop import MainRank, Run, train
+from rlft.trainer.run.parts import build_parts
+from rlft.trainer.run.phases import (
+    main_phase,
+    prepare_main_phase,
+    wants_warm_start,
+    warm_start_phase,
+)
+from rlft.trainer.run.progress import Reporter
+from rlft.trainer.run.state import Cursor
+from rlft.trainer.run.supervisor import RunEnded, Supervisor
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml")
+
+
+class OutputExistsError(Exception):
+    """The output folder already holds a run that would be overwritten."""
+
+
+def existing_run_files(out: Path) -> list[str]:
+    return [name for name in (*RUN_FILES, "checkpoints") if (out / name).exists()]
+
+
+def prepare_output(out: Path, overwrite: bool) -> None:
+    """Refuse to clobber a run (unless `overwrite`, which removes it, local checkpoints
+    included); create the folder."""
+    existing = existing_run_files(out)
+    if existing and not overwrite:
+        raise OutputExistsError(
+            f"{out} already holds a run ({', '.join(existing)}) and no checkpoint to resume "
+            "from; choose another --out or pass --overwrite to replace it"
+        )
+    for name in existing:
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def run_job(
+    job: RLFineTune,
+    out: Path,
+    max_steps: int | None = None,
+    overwrite: bool = False,
+    reporter: Reporter | None = None,
+    dist: Dist | None = None,
+    resume: str | int | None = None,
+) -> dict:
+    """Run the whole job; rank 0 writes metrics.jsonl, summary.json and model/ to `out`.
+
+    `resume` (default `spec.checkpoint.resume`): `auto` continues from the newest
+    checkpoint when there is one, `latest-healthy` from the newest healthy one, a step
+    number from that step, `never` starts afresh. `overwrite` starts afresh too, after
+    removing the previous run's files and local checkpoints.
+    """
+    dist = dist or Dist()
+    reporter = reporter or (Reporter() if dist.is_main else Reporter(interactive=False))
+    if not dist.is_main:
+        reporter.log = lambda message: None  # type: ignore[method-assign]
+        reporter.advance = lambda done, info: None  # type: ignore[method-assign]
+    spec = job.spec
+    started = time.perf_counter()
+    # Everything that can reject the job (data, rewards, model, output folder) runs
+    # before anything is written, so a bad job leaves no half-made output behind.
+    parts = build_parts(job)
+    resume = "never" if overwrite else (resume or spec.checkpoint.resume)
+    existing = dist.broadcast(existing_run_files(out) if dist.is_main else None)
+    if dist.is_main and (overwrite or not existing):
+        prepare_output(out, overwrite)
+    dist.barrier()
+    learner = Learner(parts.policy, spec.trainer, dist)
+    main = None
+    if dist.is_main:
+        engine = TransformersEngine(learner.engine_model, parts.encoder.pad_id, parts.stop_ids)
+        main = MainRank(engine, parts.rewards)
+    supervisor = Supervisor(job, dist, reporter.log)
+    checkpoints = Checkpointing(job, out, dist, learner.engine_model, parts.tokenizer, supervisor)
+    run = Run(
+        job,
+        parts.task,
+        parts.encoder,
+        learner,
+        dist,
+        reporter,
+        supervisor,
+        checkpoints,
+        Cursor(spec.trainer.seed),
+        out,
+        main,
+    )
+    config = parts.policy.config
+    try:
+        resumed = None
+        if resume != "never":
+            prepare_main_phase(run, config)  # the shapes a checkpoint restores into
+            resumed = checkpoints.resume(resume, learner)
+        if resumed is None and existing and not overwrite:
+            prepare_output(out, overwrite=False)  # raises: a run is there, nothing to resume
+        _announce(run, parts.tokenizer, resumed)
+        if resumed is None:
+            _start_main_phase(run, config)
+        else:
+            run.cursor = resumed
+            run.set_policy_version(resumed.policy_version)
+            if dist.is_main:
+                _truncate_metrics(out / "metrics.jsonl", resumed.step)
+        steps = min(spec.trainer.steps, max_steps) if max_steps is not None else spec.trainer.steps
+        phase = main_phase(run, steps)
+        with (out / "metrics.jsonl").open("a") if dist.is_main else nullcontext() as metrics:
+            if main is not None:
+                main.metrics = metrics
+            train(run, phase)
+        checkpoints.final(run.cursor, learner)
+        extra = phase.source.summary(run)
+    except StopRequested as stop:
+        reporter.log(f"rlft: {stop}; exiting so the job can resume later")
+        return {"stopped_at_step": stop.step, "exit_code": ExitCode.OK}
+    except RunEnded as ended:
+        reporter.log(f"rlft: {ended}")
+        return {"ended": str(ended), "exit_code": ended.code}
+    finally:
+        checkpoints.close()
+        supervisor.close()
+
+    eval_final = run.eval_accuracy()
+    if not dist.is_main:
+        return {}
+    learner.engine_model.save_pretrained(out / "model", safe_serialization=True)
+    parts.tokenizer.save_pretrained(out / "model")
+    cursor = run.cursor
+    eval_start = cursor.results["eval_accuracy_start"]
+    summary = {
+        "job": job.metadata.name,
+        "algorithm": spec.algorithm.name,
+        "world_size": dist.world,
+        "steps": steps,
+        "sft_steps": cursor.sft_steps,
+        "policy_version": cursor.policy_version,
+        "eval_problems": len(parts.task.eval_problems()[: spec.eval.max_problems]),
+        "eval_accuracy_sft": eval_start,
+        "eval_accuracy_final": eval_final,
+        "eval_accuracy_gain": eval_final - eval_start,
+        **extra,
+        "parameters": count_parameters(learner.engine_model),
+        "seed": spec.trainer.seed,
+        "last_checkpoint_step": checkpoints.stats.last_step,
+        "wall_time_s": round(time.perf_counter() - started, 2),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    reporter.log(
+        f"rlft: held-out accuracy {eval_start:.3f} → {eval_final:.3f} after {steps} "
+        f"{spec.algorithm.name} steps ({summary['wall_time_s']:.0f} s); "
+        f"model saved to {out / 'model'}"
+    )
+    return summary
+
+
+def _announce(run: Run, tokenizer, resumed: Cursor | None) -> None:
+    if not run.dist.is_main:
+        return
+    spec, model = run.spec, run.learner.engine_model
+    (run.out / "job.yaml").write_text(yaml.safe_dump(dump_job(run.job), sort_keys=False))
+    ranks = f", {run.dist.world} ranks (FSDP2)" if run.dist.active else ""
+    run.reporter.log(
+        f"rlft: job {run.job.metadata.name}: {count_parameters(model) / 1e6:.2f}M-parameter "
+        f"{type(model).__name__}, vocabulary {len(tokenizer)}, {spec.algorithm.name}{ranks}, "
+        f"output {run.out}"
+    )
+    if resumed is not None:
+        run.reporter.log(
+            f"rlft: resumed from the checkpoint of step {resumed.step} "
+            f"({run.checkpoints.checkpointer.storage.uri})"
+        )
+
+
+def _start_main_phase(run: Run, config) -> None:
+    """A fresh start: the warm start (when the job has one), the held-out accuracy it
+    reached, and the main phase's optimizer, reference and critic."""
+    spec = run.spec
+    if wants_warm_start(run):
+        run.cursor.sft_steps = train(run, warm_start_phase(run))
+    eval_start = run.eval_accuracy()
+    run.reporter.log(f"rlft: held-out accuracy before {spec.algorithm.name}: {eval_start:.3f}")
+    prepare_main_phase(run, config)
+    run.cursor.results["eval_accuracy_start"] = eval_start
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after the checkpoint: the resumed run writes them again."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))

@@ -1,0 +1,287 @@
+"""The one step loop of every phase of a job, on every rank:
+
+    train(run, phase)            the warm start, then the job's algorithm
+      train_step(run, phase, s)  batch from the phase's source (rank 0, broadcast) →
+                                 the learner's update, judged by the guard
+      finish_step(...)           the one place that acts on the result: publication,
+                                 the policy version, the record, the guard's decision
+                                 (rollback, pause, fail) and the checkpoint
+
+The warm start is a phase like the others with a supervised source; it has no guard,
+versions, records or checkpoints (it is rerun deterministically instead).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from rlft.trainer.algorithms.batch import SequenceBatch
+from rlft.trainer.checkpoint import NoCheckpointError
+from rlft.trainer.config import RLFineTune
+from rlft.trainer.data import Problem, Task
+from rlft.trainer.data.rewards import RewardModel
+from rlft.trainer.distributed import Dist
+from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.learner.learner import Learner, StepResult
+from rlft.trainer.model.encoding import Encoder
+from rlft.trainer.rollout.batches import reference_logprobs
+from rlft.trainer.run.checkpointing import Checkpointing
+from rlft.trainer.run.evaluate import greedy_accuracy
+from rlft.trainer.run.progress import Reporter
+from rlft.trainer.run.sources import BatchSource, Drawn
+from rlft.trainer.run.state import Cursor
+from rlft.trainer.run.step_metrics import update_metrics
+from rlft.trainer.run.supervisor import RunEnded, Supervisor
+from rlft.trainer.telemetry.tracing import StepTracer
+
+
+@dataclass
+class MainRank:
+    """Rank 0's duties: the in-process engine (evaluation, rollouts), the rewards, and
+    the metrics file."""
+
+    engine: Any
+    """The in-process TransformersEngine on the learner's unsharded policy."""
+    rewards: RewardModel
+    metrics: IO[str] | None = None
+
+    def write(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+
+@dataclass
+class Run:
+    """What every phase of a job shares, on every rank (`main` on rank 0 only)."""
+
+    job: RLFineTune
+    task: Task
+    encoder: Encoder
+    learner: Learner
+    dist: Dist
+    reporter: Reporter
+    supervisor: Supervisor
+    checkpoints: Checkpointing
+    cursor: Cursor
+    out: Path
+    main: MainRank | None = None
+
+    @property
+    def spec(self):
+        return self.job.spec
+
+    @property
+    def tracer(self) -> StepTracer:
+        telemetry = self.supervisor.telemetry
+        return telemetry.tracer if telemetry is not None else _NO_TRACER
+
+    def accuracy(self, problems: list[Problem]) -> float:
+        """Greedy exact-match accuracy of the current policy on `problems` (rank 0)."""
+        assert self.main is not None
+        return greedy_accuracy(
+            self.main.engine,
+            problems,
+            self.encoder.prompt,
+            self.encoder.decode,
+            self.spec.rollout.sampling.max_new_tokens,
+        )
+
+    def eval_accuracy(self) -> float:
+        """Held-out greedy accuracy, computed on rank 0 and shared with every rank."""
+        value = None
+        if self.main is not None:
+            value = self.accuracy(self.task.eval_problems()[: self.spec.eval.max_problems])
+        return self.dist.broadcast(value)
+
+    def reference_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+        assert self.learner.reference is not None
+        return reference_logprobs(
+            self.learner.reference,
+            batch,
+            self.spec.rollout.sampling.temperature,
+            self.spec.trainer.micro_batch_size,
+        )
+
+    def set_policy_version(self, version: int) -> None:
+        """The cursor owns the version; the in-process engine tags completions with it."""
+        self.cursor.policy_version = version
+        if self.main is not None:
+            self.main.engine.set_policy_version(version)
+
+
+_NO_TRACER = StepTracer()
+
+
+@dataclass
+class Phase:
+    title: str
+    source: BatchSource
+    objective: Any
+    steps: int
+    """Number of the last step."""
+    learning_rate: float
+    warmup_steps: int
+    first_step: int = 1
+    epochs: int = 1
+    guarded: bool = True
+    """The job's algorithm: judged by the guard, versioned, recorded, checkpointed."""
+    stop_after: Callable[[int], bool] | None = None
+    """Ends the phase early after a step (every rank gets the same answer)."""
+
+
+def warmup_lr(step: int, warmup_steps: int, peak: float) -> float:
+    """Linear warm-up over `warmup_steps`, then constant."""
+    return peak * min(1.0, step / max(1, warmup_steps))
+
+
+def train(run: Run, phase: Phase) -> int:
+    """Steps `first_step`..`steps` of `phase`; returns the last step taken."""
+    run.reporter.start(phase.title, phase.steps)
+    phase.source.start(run)
+    step = phase.first_step - 1
+    try:
+        for step in range(phase.first_step, phase.steps + 1):
+            train_step(run, phase, step)
+            if phase.stop_after is not None and phase.stop_after(step):
+                break
+    finally:
+        run.reporter.stop()
+        phase.source.close()
+    return step
+
+
+@dataclass
+class Timings:
+    """Seconds of the step's phases as the trainer saw them (perf_counter)."""
+
+    started: float
+    generated: float = 0.0
+    trained: float = 0.0
+    published: float = 0.0
+
+
+def train_step(run: Run, phase: Phase, step: int) -> None:
+    tracer = run.tracer
+    with tracer.step(step, run.cursor.policy_version):
+        timings = Timings(time.perf_counter())
+        lr = warmup_lr(step, phase.warmup_steps, phase.learning_rate)
+        lr *= run.supervisor.lr_multiplier
+        run.learner.set_lr(lr)
+        drawn = phase.source.next(run, step) if run.main is not None else Drawn(None)
+        timings.generated = timings.started + drawn.waited_s
+        for name, start_ns, end_ns in drawn.phases:
+            tracer.record(name, start_ns, end_ns)
+        with tracer.phase("train"):
+            base = {"step": step, "policy_version": run.cursor.policy_version, "lr": lr}
+            base |= drawn.fields
+            result = _update(run, phase, run.dist.broadcast(drawn.batch), base, step)
+        timings.trained = time.perf_counter()
+        with tracer.phase("publish_weights"):
+            run.learner.sync_engine_model()
+            if phase.guarded and result.applied:
+                run.set_policy_version(run.cursor.policy_version + 1)
+            phase.source.step_done(run)
+        timings.published = time.perf_counter()
+        finish_step(run, phase, step, base, drawn, result, timings)
+
+
+def _update(run: Run, phase: Phase, batch, base: dict, step: int) -> StepResult:
+    if batch is None:
+        return StepResult(applied=False, reason="no informative groups were sampled")
+    judge = None
+    if phase.guarded:
+        supervisor = run.supervisor
+
+        def judge(result: StepResult):
+            return supervisor.judge(base | update_metrics(result))
+
+    return run.learner.step(phase.objective, batch, phase.epochs, judge=judge, step=step)
+
+
+def finish_step(
+    run: Run,
+    phase: Phase,
+    step: int,
+    base: dict,
+    drawn: Drawn,
+    result: StepResult,
+    timings: Timings,
+) -> None:
+    """Record the step, act on the guard's decision, checkpoint when due. May raise
+    StopRequested (SIGTERM: emergency checkpoint committed) or RunEnded."""
+    if run.main is not None:
+        record = _record(run, phase, step, base, drawn, result, timings)
+        line = phase.source.describe(record)
+        if phase.guarded:
+            run.supervisor.record(record)
+            run.main.write(record)
+        run.reporter.advance(step, line)
+    if not phase.guarded:
+        return
+    run.cursor.step = step
+    decision = result.decision
+    if decision.action == "rollback":
+        _roll_back(run, phase, step, decision.restore_before_step or step)
+    ended = run.supervisor.ended(decision, step)
+    if ended is not None:
+        if ended.code == ExitCode.OK:  # pause: keep everything for a later resume
+            run.checkpoints.final(run.cursor, run.learner)
+        run.supervisor.set_phase("paused" if ended.code == ExitCode.OK else "failed")
+        raise ended
+    started = time.perf_counter()
+    with run.tracer.phase("checkpoint"):
+        run.checkpoints.end_of_step(run.cursor, run.learner)
+    run.supervisor.record({"checkpoint_time_s": time.perf_counter() - started})
+
+
+def _record(
+    run: Run,
+    phase: Phase,
+    step: int,
+    base: dict,
+    drawn: Drawn,
+    result: StepResult,
+    timings: Timings,
+) -> dict:
+    """The step's line in metrics.jsonl (and, through the bindings, Prometheus)."""
+    step_seconds = timings.published - timings.started
+    record = {"step": step, "policy_version": run.cursor.policy_version, "lr": base["lr"]}
+    record |= drawn.fields | update_metrics(result)
+    record |= {
+        "gen_time_s": timings.generated - timings.started,
+        "train_time_s": timings.trained - timings.generated,
+        "publish_time_s": timings.published - timings.trained,
+        "step_time_s": step_seconds,
+    }
+    scoring = [end - start for name, start, end in drawn.phases if name == "score"]
+    if scoring:
+        record["score_time_s"] = sum(scoring) / 1e9
+    record |= phase.source.step_metrics(drawn, step_seconds)
+    every = run.spec.eval.every_steps
+    if phase.guarded and every and step % every == 0 and step < phase.steps:
+        record["eval_accuracy"] = run.accuracy(
+            run.task.eval_problems()[: run.spec.eval.max_problems]
+        )
+    return record
+
+
+def _roll_back(run: Run, phase: Phase, step: int, before: int) -> None:
+    try:
+        restored = run.checkpoints.rollback(before, run.cursor, run.learner)
+    except NoCheckpointError as error:
+        raise RunEnded(f"collapse at step {step} and {error}", ExitCode.COLLAPSED) from None
+    run.set_policy_version(run.cursor.policy_version)
+    message = (
+        f"step {step}: rolled back to the healthy checkpoint of step {restored}; "
+        f"learning rate × {run.supervisor.lr_multiplier:g} from now on"
+    )
+    run.supervisor.event("rollback", message, "warning", step)
+    phase.source.rolled_back(run)

@@ -1,0 +1,79 @@
+"""One step's figures for metrics.jsonl (and, through the bindings, Prometheus): from the
+rollouts, and from the summed statistics of the update."""
+
+from __future__ import annotations
+
+import torch
+
+from rlft.trainer.learner.learner import StepResult
+
+
+def rollout_metrics(rollouts) -> dict[str, float]:
+    rewards = rollouts.rewards.to(torch.float64)
+    completions = rollouts.completions
+    lengths = [len(c.token_ids) for c in completions] or [0]
+    out = {
+        "reward_mean": rewards.mean().item() if rewards.numel() else float("nan"),
+        "reward_std": rewards.std(unbiased=False).item() if rewards.numel() else float("nan"),
+        "train_accuracy": rollouts.accuracy,
+        "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": float(max(lengths)),
+        "truncated_fraction": sum(c.finish_reason == "length" for c in completions)
+        / max(1, len(completions)),
+    }
+    return out | rollouts.stats
+
+
+def update_metrics(result: StepResult) -> dict[str, float]:
+    """Per-step averages from the summed statistics of the update."""
+    stats = result.stats
+    tokens = max(stats.get("norm_tokens", 0.0), 1.0)
+    pairs = max(stats.get("norm_pairs", 0.0), 1.0)
+    out: dict[str, float] = {"update_applied": result.applied, "guard_action": result.action}
+    if not result.applied:
+        out["skip_reason"] = result.reason
+        if not stats:
+            return out
+    out["loss"] = stats.get("loss", float("nan"))
+    out["grad_norm"] = result.grad_norm
+    if result.group_norms:
+        out["grad_norm_groups"] = result.group_norms
+    out["tokens"] = stats.get("norm_tokens", 0.0)
+    for key in ("kl", "entropy", "is_weight"):
+        if key in stats:
+            out[key if key != "is_weight" else "is_weight_mean"] = stats[key] / tokens
+    if "clip" in stats:
+        out["clip_fraction"] = stats["clip"] / tokens
+        out["ratio_mean"] = stats["ratio"] / tokens
+        out["ratio_max"] = stats["ratio_max"]
+        out["ratio_min"] = stats["ratio_min"]
+        out["is_rejected_fraction"] = stats["is_rejected"] / tokens
+    if "value_loss" in stats:
+        out["value_loss"] = stats["value_loss"]
+    if "margin" in stats:
+        out["margin_mean"] = stats["margin"] / pairs
+        out["preference_accuracy"] = stats["preference_accuracy"] / pairs
+    return out | expert_metrics(stats)
+
+
+def expert_metrics(stats: dict[str, float]) -> dict[str, float | list[float]]:
+    """MoE load: tokens per expert per layer → imbalance (max / mean load) per layer."""
+    loads: dict[int, dict[int, float]] = {}
+    for key, value in stats.items():
+        if key.startswith("expert_tokens."):
+            _, layer, expert = key.split(".")
+            loads.setdefault(int(layer), {})[int(expert)] = value
+    if not loads:
+        return {}
+    imbalance, per_layer = [], []
+    for layer in sorted(loads):
+        counts = [loads[layer][e] for e in sorted(loads[layer])]
+        mean = sum(counts) / len(counts)
+        imbalance.append(max(counts) / mean if mean > 0 else float("nan"))
+        total = sum(counts) or 1.0
+        per_layer.append([c / total for c in counts])
+    return {
+        "expert_imbalance_max": max(imbalance),
+        "expert_imbalance": imbalance,
+        "expert_load": per_layer,
+    }

@@ -1,0 +1,99 @@
+"""The stability guard and telemetry of a running job, around every optimizer step.
+
+Rank 0 judges each update with the collapse detector (`StepGuard`) after the gradient is
+clipped and before the optimizer step, serves /metrics and /status, and broadcasts the
+decision so every rank does the same: apply, skip (zero the update), roll back (restore
+the newest healthy checkpoint before the trouble, keep the data stream past the bad
+window, scale the learning rate), pause (checkpoint, exit 0) or fail (exit 3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlft.trainer.distributed import Dist
+from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.stability.actions import GuardDecision, StepGuard
+from rlft.trainer.telemetry.hub import Telemetry
+
+
+class RunEnded(Exception):
+    """The guard ended the run: `code` is the exit code to report."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class Supervisor:
+    def __init__(self, job, dist: Dist, log):
+        spec = job.spec
+        self.dist = dist
+        self.telemetry = Telemetry.start(spec.telemetry, log=log) if dist.is_main else None
+        if self.telemetry is not None:
+            self.telemetry.configure(
+                staleness_limit=spec.rollout.max_staleness,
+                checkpoint_interval_s=spec.checkpoint.interval_minutes * 60,
+            )
+        self.guard = StepGuard(spec.stability, listener=self.telemetry) if dist.is_main else None
+        self.lr_multiplier = 1.0
+
+    def judge(self, record: dict[str, Any]) -> GuardDecision:
+        """The guard's decision for this update (rank 0's, on every rank)."""
+        decision = self.guard.check(record) if self.guard is not None else None
+        decision = self.dist.broadcast(decision)
+        self.lr_multiplier = decision.lr_multiplier
+        return decision
+
+    def healthy(self) -> bool:
+        """Whether a checkpoint now may be tagged healthy (rank 0 decides the manifest)."""
+        return self.guard.healthy_for_checkpoint() if self.guard is not None else True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.guard.state_dict() if self.guard is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any], rollback: bool = False) -> None:
+        """On resume: everything; after a rollback: the detector only (counters keep)."""
+        if self.guard is not None and state:
+            if rollback:
+                self.guard.restore_detector(state["detector"])
+            else:
+                self.guard.load_state_dict(state)
+        self.lr_multiplier = self.dist.broadcast(
+            self.guard.lr_multiplier if self.guard is not None else None
+        )
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.telemetry is not None:
+            self.telemetry.record(record)
+
+    def checkpointed(self, step: int, uri: str, healthy: bool) -> None:
+        if self.telemetry is not None:
+            self.telemetry.checkpoint(step, uri, healthy)
+
+    def checkpoint_retry(self, message: str, step: int | None) -> None:
+        if self.telemetry is not None:
+            self.telemetry.exporter.checkpoint_retry()
+            self.telemetry.event("checkpoint_retry", message, "warning", step)
+
+    def event(self, kind: str, message: str, level: str = "info", step: int | None = None):
+        if self.telemetry is not None:
+            self.telemetry.event(kind, message, level, step)
+
+    @staticmethod
+    def ended(decision: GuardDecision, step: int) -> RunEnded | None:
+        """The exception that ends the run after this step's decision, if any."""
+        reasons = "; ".join(decision.reasons)
+        if decision.action == "fail":
+            return RunEnded(f"collapse at step {step} ({reasons}); failing", ExitCode.COLLAPSED)
+        if decision.action == "pause":
+            return RunEnded(f"collapse at step {step} ({reasons}); paused", ExitCode.OK)
+        return None
+
+    def set_phase(self, phase: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.set_phase(phase)
+
+    def close(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.close()

@@ -1,0 +1,282 @@
+"""Where checkpoints live: a small key/value interface with a file and an S3 backend.
+
+Keys are relative POSIX paths under the location the URI names (`step-000120/x.distcp`).
+The checkpoint code only uses these operations, so a new backend is one class. Writes
+are all-or-nothing: on `file://` a temp file is fsynced and renamed into place; on S3 an
+object appears only once its (multipart) upload completed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO, Protocol
+from urllib.parse import urlparse
+
+from rlft.trainer.storage.errors import (
+    BadUriError,
+    ObjectMissingError,
+    StorageError,
+    StorageFullError,
+)
+
+CHUNK = 8 << 20
+TEMP_MARK = ".rlft-tmp-"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key under the location's root and its size in bytes."""
+
+    key: str
+    size: int
+
+
+class Storage(Protocol):
+    """What the checkpoint code needs from a storage location."""
+
+    uri: str
+    """The location, as the user wrote it (never holds credentials)."""
+
+    def put_file(self, key: str, path: Path, *, move: bool = False) -> None:
+        """Store a local file under `key`; `move` allows consuming the local file."""
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Store `data` under `key`."""
+
+    def get_bytes(self, key: str) -> bytes:
+        """The object's content; ObjectMissingError when absent."""
+
+    def get_file(self, key: str, path: Path) -> None:
+        """Copy the object to a local file (written atomically)."""
+
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        """A readable stream of the object (for hashing without a local copy)."""
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with `prefix`, sorted by key."""
+
+    def exists(self, key: str) -> bool:
+        """Whether the object exists."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under `prefix`; the number deleted."""
+
+
+def check_key(key: str) -> str:
+    """A key must be a relative path without `..` (it must stay inside the location)."""
+    parts = PurePosixPath(key).parts
+    if not key or key.startswith("/") or ".." in parts or TEMP_MARK in key:
+        raise ValueError(f"invalid storage key {key!r}")
+    return key
+
+
+def sha256_stream(stream: BinaryIO) -> tuple[int, str]:
+    """Size and SHA-256 hex digest of a stream, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := stream.read(CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def sha256_file(path: Path) -> tuple[int, str]:
+    with open(path, "rb") as stream:
+        return sha256_stream(stream)
+
+
+# ------------------------------------------------------------------------ file://
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_error(error: OSError, what: str, location: str) -> StorageError:
+    if error.errno == errno.ENOSPC:
+        return StorageFullError(
+            f"no space left on the device {what} under {location}: free space or point "
+            "spec.checkpoint.uri at a larger volume (the partial file was removed)"
+        )
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageError(
+            f"permission denied {what} under {location}: make the folder writable by the "
+            "trainer or choose another spec.checkpoint.uri"
+        )
+    return StorageError(f"{what} under {location} failed: {error.strerror}")
+
+
+class FileStorage:
+    """A folder on a local or mounted file system."""
+
+    def __init__(self, root: Path, uri: str | None = None):
+        self.root = root
+        self.uri = uri or root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _write_atomically(self, key: str, fill) -> None:
+        target = self._path(key)
+        temp = target.parent / f"{TEMP_MARK}{uuid.uuid4().hex}-{target.name}"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(temp, "wb") as out:
+                fill(out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temp, target)
+            _fsync_dir(target.parent)
+        except OSError as error:
+            temp.unlink(missing_ok=True)
+            raise _os_error(error, f"writing {key}", self.uri) from None
+
+    def put_file(self, key: str, path: Path, *, move: bool = False) -> None:
+        target = self._path(key)
+        if move:
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                same_device = os.stat(path).st_dev == os.stat(target.parent).st_dev
+                if same_device:
+                    with open(path, "rb+") as src:
+                        os.fsync(src.fileno())
+                    os.replace(path, target)
+                    _fsync_dir(target.parent)
+                    return
+            except OSError as error:
+                raise _os_error(error, f"writing {key}", self.uri) from None
+
+        def copy(out: BinaryIO) -> None:
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, out, CHUNK)
+
+        self._write_atomically(key, copy)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._write_atomically(key, lambda out: out.write(data))
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissingError(f"{self.uri}/{key} does not exist") from None
+        except OSError as error:
+            raise _os_error(error, f"reading {key}", self.uri) from None
+
+    def get_file(self, key: str, path: Path) -> None:
+        source = self._path(key)
+        if not source.is_file():
+            raise ObjectMissingError(f"{self.uri}/{key} does not exist")
+        FileStorage(path.parent).put_file(path.name, source)
+
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectMissingError(f"{self.uri}/{key} does not exist")
+        with open(path, "rb") as stream:
+            yield stream
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        found: list[ObjectInfo] = []
+        if not self.root.is_dir():
+            return found
+        for folder, subfolders, names in os.walk(self.root):
+            subfolders[:] = [d for d in subfolders if not d.startswith(TEMP_MARK)]
+            for name in names:
+                if name.startswith(TEMP_MARK):
+                    continue
+                path = Path(folder) / name
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    try:
+                        found.append(ObjectInfo(key, path.stat().st_size))
+                    except FileNotFoundError:
+                        continue  # deleted while listing
+        return sorted(found, key=lambda info: info.key)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete_prefix(self, prefix: str) -> int:
+        doomed = self.list(prefix)
+        for info in doomed:
+            self._path(info.key).unlink(missing_ok=True)
+        # Remove folders left empty (and stale temp files inside them) below the prefix.
+        base = self.root / prefix if prefix.endswith("/") else (self.root / prefix).parent
+        if base.is_dir() and base != self.root:
+            for folder, _, names in sorted(os.walk(base), key=lambda w: -len(w[0])):
+                for name in names:
+                    if name.startswith(TEMP_MARK):
+                        (Path(folder) / name).unlink(missing_ok=True)
+                with suppress(OSError):
+                    Path(folder).rmdir()
+        return len(doomed)
+
+
+# -------------------------------------------------------------------------- URIs
+
+
+def parse_file_uri(uri: str) -> Path:
+    """The folder of a `file:///abs/path` URI or a plain path."""
+    if "://" not in uri:
+        return Path(uri).expanduser().resolve()
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        raise BadUriError(f"{uri!r}: not a file URI")
+    if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
+        raise BadUriError(
+            f"{uri!r}: a file URI needs an absolute path with three slashes, "
+            "e.g. file:///data/checkpoints"
+        )
+    return Path(parsed.path)
+
+
+def open_storage(uri: str, s3: S3Options | None = None) -> Storage:
+    """The backend for `uri`: `s3://bucket/prefix`, `file:///path` or a plain path."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise BadUriError("the checkpoint URI is empty: use s3://bucket/prefix or file:///path")
+    scheme = urlparse(uri).scheme if "://" in uri else ""
+    if scheme == "s3":
+        from rlft.trainer.storage.s3 import S3Storage
+
+        return S3Storage(uri, s3 or S3Options())
+    if scheme in ("", "file"):
+        return FileStorage(parse_file_uri(uri), uri if scheme else None)
+    raise BadUriError(
+        f"{uri!r}: unsupported scheme {scheme!r}; use s3://bucket/prefix or file:///path"
+    )
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """How to reach an S3-compatible store (from spec.checkpoint)."""
+
+    endpoint_url: str | None = None
+    """None: AWS (or AWS_ENDPOINT_URL from the environment)."""
+    region: str | None = None
+    addressing_style: str = "auto"
+    """`auto`, `path` (most S3-compatible stores) or `virtual`."""
+    upload_concurrency: int = 8
+    """Parallel part uploads per file, and files uploaded at once."""
+    part_size_mb: int = 32
+    """Multipart chunk size."""
+    credentials_dir: str | None = None
+    """Folder with the credentials as files (a mounted Secret); None: the environment."""
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    max_attempts: int = 3
+    """Attempts inside botocore for each request; the saver retries on top of these."""

@@ -1,0 +1,315 @@
+"""The S3 backend (boto3): AWS or any S3-compatible store (SeaweedFS, MinIO, Ceph…).
+
+Large files go up as parallel multipart uploads (boto3's transfer manager); an object
+only appears once its upload completed, so a killed upload leaves no partial object.
+botocore retries each request a few times; callers add longer retries on top for errors
+marked transient. Every botocore error is translated into a StorageError whose text is
+ours plus the server's redacted message: credentials never reach a log line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import urlparse
+
+import boto3
+import botocore.exceptions as bex
+from boto3.exceptions import S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+
+from rlft.trainer.storage.backends import ObjectInfo, S3Options, check_key
+from rlft.trainer.storage.errors import (
+    BadUriError,
+    BucketMissingError,
+    CredentialsError,
+    ObjectMissingError,
+    StorageError,
+    redact,
+)
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
+_CREDENTIAL_FILES = {
+    "aws_access_key_id": ("AWS_ACCESS_KEY_ID", "aws_access_key_id", "accessKeyId"),
+    "aws_secret_access_key": (
+        "AWS_SECRET_ACCESS_KEY",
+        "aws_secret_access_key",
+        "secretAccessKey",
+    ),
+    "aws_session_token": ("AWS_SESSION_TOKEN", "aws_session_token", "sessionToken"),
+}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "503",
+    "500",
+    "502",
+    "504",
+}
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "InvalidToken",
+    "ExpiredToken",
+    "InvalidClientTokenId",
+    "403",
+}
+_CONNECTION_ERRORS = (
+    bex.EndpointConnectionError,
+    bex.ConnectionError,
+    bex.ConnectTimeoutError,
+    bex.ReadTimeoutError,
+    bex.ConnectionClosedError,
+    bex.HTTPClientError,
+)
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """Bucket and key prefix (no trailing slash) of `s3://bucket/prefix`."""
+    parsed = urlparse(uri)
+    bucket = parsed.netloc
+    if parsed.scheme != "s3" or not bucket:
+        raise BadUriError(f"{uri!r}: an S3 URI looks like s3://bucket/prefix")
+    if not _BUCKET.match(bucket):
+        raise BadUriError(
+            f"{uri!r}: {bucket!r} is not a valid bucket name (3–63 lower-case letters, "
+            "digits, dots and hyphens)"
+        )
+    if parsed.query or parsed.fragment:
+        raise BadUriError(f"{uri!r}: an S3 URI has no query or fragment")
+    return bucket, parsed.path.strip("/")
+
+
+def read_credentials_dir(folder: str) -> dict[str, str]:
+    """Credentials from a mounted Secret: one file per key, named like the environment
+    variable (AWS_ACCESS_KEY_ID) or its lower-case form."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise CredentialsError(
+            f"credentials folder {folder} does not exist: mount the Secret there or unset "
+            "spec.checkpoint.credentialsDir"
+        )
+    found: dict[str, str] = {}
+    for key, names in _CREDENTIAL_FILES.items():
+        for name in names:
+            file = path / name
+            if file.is_file():
+                found[key] = file.read_text().strip()
+                break
+    missing = [k for k in ("aws_access_key_id", "aws_secret_access_key") if k not in found]
+    if missing:
+        wanted = " and ".join(_CREDENTIAL_FILES[k][0] for k in missing)
+        raise CredentialsError(f"credentials folder {folder} has no file named {wanted}")
+    return found
+
+
+def _error_code(error: BaseException) -> tuple[str | None, str]:
+    """The S3 error code (or HTTP status) and the server's message, if any."""
+    if isinstance(error, bex.ClientError):
+        body = error.response.get("Error", {})
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = body.get("Code") or (str(status) if status else None)
+        if code and code.isdigit() and status == 404:
+            code = "NotFound"
+        return code, str(body.get("Message") or "")
+    match = re.search(r"An error occurred \((\w+)\)", str(error))
+    return (match.group(1) if match else None), ""
+
+
+class S3Storage:
+    """Objects under `s3://bucket/prefix`."""
+
+    def __init__(self, uri: str, options: S3Options):
+        self.uri = uri.rstrip("/")
+        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.options = options
+        credentials: dict[str, str] = {}
+        if options.credentials_dir:
+            credentials = read_credentials_dir(options.credentials_dir)
+        self._secrets = [
+            credentials.get("aws_secret_access_key"),
+            credentials.get("aws_session_token"),
+            os.environ.get("AWS_SECRET_ACCESS_KEY"),
+            os.environ.get("AWS_SESSION_TOKEN"),
+        ]
+        region = (
+            options.region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1"
+        )
+        config = Config(
+            region_name=region,
+            connect_timeout=options.connect_timeout_s,
+            read_timeout=options.read_timeout_s,
+            retries={"max_attempts": options.max_attempts, "mode": "standard"},
+            max_pool_connections=max(10, 2 * options.upload_concurrency),
+            s3={"addressing_style": options.addressing_style},
+            # S3-compatible stores differ in their support of the newer default CRC
+            # checksums; integrity is checked end to end by the manifest's SHA-256.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        session = boto3.session.Session(**credentials)
+        self._client = session.client("s3", endpoint_url=options.endpoint_url, config=config)
+        part = options.part_size_mb << 20
+        self._transfer = TransferConfig(
+            multipart_threshold=part,
+            multipart_chunksize=part,
+            max_concurrency=options.upload_concurrency,
+            use_threads=True,
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _relative(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    def _translate(self, error: BaseException, what: str) -> StorageError:
+        where = f"{what} at {self.uri}"
+        inner = error
+        if isinstance(error, S3UploadFailedError):
+            inner = error.__cause__ or error.__context__ or error
+        if isinstance(inner, bex.NoCredentialsError | bex.PartialCredentialsError):
+            return CredentialsError(
+                f"no S3 credentials for {where}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or mount them with spec.checkpoint.credentialsSecret"
+            )
+        if isinstance(inner, _CONNECTION_ERRORS) or (
+            isinstance(error, S3UploadFailedError) and "connect" in str(error).lower()
+        ):
+            endpoint = self.options.endpoint_url or "the S3 endpoint"
+            return StorageError(f"cannot reach {endpoint} for {where}", transient=True)
+        code, message = _error_code(inner)
+        if code == "NoSuchBucket":
+            return BucketMissingError(
+                f"bucket {self.bucket!r} does not exist ({where}): create it or fix "
+                "spec.checkpoint.uri"
+            )
+        if code in ("NoSuchKey", "NotFound", "404"):
+            return ObjectMissingError(f"{where}: no such object")
+        if code in _CREDENTIAL_CODES:
+            return CredentialsError(
+                f"the object store rejected the credentials ({code}) for {where}: check the "
+                "access key and secret (spec.checkpoint.credentialsSecret or AWS_* variables)"
+            )
+        detail = redact(message, self._secrets)
+        transient = code in _TRANSIENT_CODES or code is None
+        suffix = f": {detail}" if detail else ""
+        return StorageError(
+            f"{where} failed ({code or 'unknown error'}){suffix}", transient=transient
+        )
+
+    def _call(self, what: str, fn, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (bex.BotoCoreError, bex.ClientError, S3UploadFailedError) as error:
+            raise self._translate(error, what) from None
+
+    # --------------------------------------------------------------- operations
+
+    def put_file(self, key: str, path: Path, *, move: bool = False) -> None:
+        self._call(
+            f"uploading {key}",
+            self._client.upload_file,
+            str(path),
+            self.bucket,
+            self._key(key),
+            Config=self._transfer,
+        )
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._call(
+            f"writing {key}",
+            self._client.put_object,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            Body=data,
+        )
+
+    def get_bytes(self, key: str) -> bytes:
+        with self.open_read(key) as stream:
+            return stream.read()
+
+    def get_file(self, key: str, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._call(
+            f"downloading {key}",
+            self._client.download_file,
+            self.bucket,
+            self._key(key),
+            str(path),
+            Config=self._transfer,
+        )
+
+    @contextmanager
+    def open_read(self, key: str) -> Iterator[BinaryIO]:
+        response = self._call(
+            f"reading {key}", self._client.get_object, Bucket=self.bucket, Key=self._key(key)
+        )
+        body = response["Body"]
+        try:
+            yield body
+        except (bex.BotoCoreError, bex.ClientError) as error:
+            raise self._translate(error, f"reading {key}") from None
+        finally:
+            body.close()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        full = (f"{self.prefix}/" if self.prefix else "") + prefix
+        found: list[ObjectInfo] = []
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=full
+        )
+        try:
+            for page in pages:
+                for item in page.get("Contents", []):
+                    found.append(ObjectInfo(self._relative(item["Key"]), int(item["Size"])))
+        except (bex.BotoCoreError, bex.ClientError) as error:
+            raise self._translate(error, f"listing {prefix or '/'}") from None
+        return sorted(found, key=lambda info: info.key)
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call(
+                f"checking {key}", self._client.head_object, Bucket=self.bucket, Key=self._key(key)
+            )
+        except ObjectMissingError:
+            return False
+        return True
+
+    def delete_prefix(self, prefix: str) -> int:
+        doomed = [self._key(info.key) for info in self.list(prefix)]
+        for start in range(0, len(doomed), 1000):
+            batch = [{"Key": key} for key in doomed[start : start + 1000]]
+            response = self._call(
+                f"deleting {prefix}",
+                self._client.delete_objects,
+                Bucket=self.bucket,
+                Delete={"Objects": batch, "Quiet": True},
+            )
+            if response.get("Errors"):
+                first = response["Errors"][0]
+                raise StorageError(
+                    f"deleting {prefix} at {self.uri} failed for {len(response['Errors'])} "
+                    f"objects ({first.get('Code')})",
+                    transient=True,
+                )
+        return len(doomed)
