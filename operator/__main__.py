@@ -14,59 +14,7 @@ import random
 import sys
 
 from rlft.operator.manifests import Settings
-
-
-def build_parser(prog: str = "python -m rlft.operator") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Run the RLFineTune operator.")
-    add_arguments(parser)
-    return parser
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    scope = parser.add_mutually_exclusive_group()
-    scope.add_argument(
-        "-n",
-        "--namespace",
-        action="append",
-        default=[],
-        help="serve this namespace (repeatable; default: the pod's own namespace)",
-    )
-    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve all namespaces")
-    parser.add_argument("--peering", default="rlft", help="peering object for leader election")
-    parser.add_argument("--standalone", action="store_true", help="no leader election")
-    parser.add_argument(
-        "--priority",
-        type=int,
-        default=None,
-        help="leader-election priority (highest wins; default: random, env RLFT_OPERATOR_PRIORITY)",
-    )
-    parser.add_argument(
-        "--peering-lifetime", type=int, default=60, help="seconds a silent peer counts as alive"
-    )
-    parser.add_argument(
-        "--metrics-bind",
-        default="0.0.0.0:9090",
-        help="HOST:PORT of /metrics (port 0 picks a free one)",
-    )
-    parser.add_argument(
-        "--poll-seconds",
-        type=float,
-        default=15.0,
-        help="reconcile every job at least this often (and poll /status)",
-    )
-    parser.add_argument(
-        "--trainer-status-port",
-        type=int,
-        default=8080,
-        help="port of the trainers' /status and /metrics",
-    )
-    parser.add_argument(
-        "--grace-seconds",
-        type=int,
-        default=300,
-        help="terminationGracePeriodSeconds of pods (emergency checkpoint time)",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+from rlft.operator.options import build_parser
 
 
 def _own_namespace() -> str:

@@ -2,7 +2,7 @@
 and comments) and `values.schema.json` (types, bounds, unknown keys rejected).
 
 Where a value maps to an operator option its default is the operator's own
-(`python -m rlft.operator --help`), read from its argument parser, so the chart and the
+(`python -m rlft.operator --help`), from `rlft.operator.options`, so the chart and the
 operator cannot drift apart. `python -m rlft.operator.chart_files` writes both files; a
 test fails when they are stale.
 """
@@ -21,10 +21,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from rlft.operator.__main__ import build_parser
-
-_OPERATOR = vars(build_parser().parse_args([]))
-_METRICS_PORT = int(_OPERATOR["metrics_bind"].rpartition(":")[2])
+from rlft.operator import options
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Prometheus durations, as prometheus-operator's CRDs accept them.
@@ -80,21 +77,21 @@ class PullSecret(Values):
 class OperatorOptions(Values):
     """Command-line options of `python -m rlft.operator` (defaults: the operator's own)."""
 
-    peering: str = Field(_OPERATOR["peering"], min_length=1, max_length=63, pattern=DNS_LABEL)
+    peering: str = Field(options.PEERING, min_length=1, max_length=63, pattern=DNS_LABEL)
     """Name of the kopf peering object the replicas elect their leader through."""
-    peering_lifetime_seconds: int = Field(_OPERATOR["peering_lifetime"], ge=5, le=3600)
+    peering_lifetime_seconds: int = Field(options.PEERING_LIFETIME_SECONDS, ge=5, le=3600)
     """Seconds a silent replica still counts as alive: how long a standby waits before it
     takes over from a leader that vanished without saying goodbye."""
-    poll_seconds: float = Field(_OPERATOR["poll_seconds"], ge=1, le=3600)
+    poll_seconds: float = Field(options.POLL_SECONDS, ge=1, le=3600)
     """Every job is reconciled (and its trainer's /status polled) at least this often."""
-    trainer_status_port: int = Field(_OPERATOR["trainer_status_port"], ge=1024, le=65535)
+    trainer_status_port: int = Field(options.TRAINER_STATUS_PORT, ge=1024, le=65535)
     """Port of the trainers' /status and /metrics (the operator polls it)."""
-    grace_seconds: int = Field(_OPERATOR["grace_seconds"], ge=0, le=86400)
+    grace_seconds: int = Field(options.GRACE_SECONDS, ge=0, le=86400)
     """terminationGracePeriodSeconds of the job pods: time for the emergency checkpoint
     after SIGTERM (suspend, preemption, drain)."""
-    metrics_port: int = Field(_METRICS_PORT, ge=1024, le=65535)
+    metrics_port: int = Field(options.metrics_port(), ge=1024, le=65535)
     """Port of the operator's /metrics (also its liveness and readiness probe)."""
-    verbose: bool = _OPERATOR["verbose"]
+    verbose: bool = False
     """Debug logging."""
 
 

@@ -27,8 +27,8 @@ from chart_render import (
 )
 
 from rlft.operator import chart_files
-from rlft.operator.__main__ import build_parser
 from rlft.operator.chart_values import ChartValues
+from rlft.operator.options import build_parser
 
 CASES = {
     "defaults": {},

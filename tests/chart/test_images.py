@@ -153,7 +153,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f"{{name}} is not in the operator image")
 sys.meta_path.insert(0, Block())
 import rlft.operator.handlers, rlft.operator.chart_values, rlft.operator.permissions
-from rlft.operator.__main__ import build_parser
+from rlft.operator.options import build_parser
 build_parser().parse_args(["--all-namespaces"])
 print("ok")
 """

@@ -3,14 +3,11 @@ a no-op that costs next to nothing when tracing is not configured."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otlp_receiver import received_spans
 
 from rlft.trainer.telemetry.metrics import PHASES
 from rlft.trainer.telemetry.tracing import StepTracer, endpoint_from
@@ -69,33 +66,6 @@ def test_endpoint_resolution():
     assert endpoint_from(None, {}) is None
 
 
-class _Receiver(BaseHTTPRequestHandler):
-    bodies: list[tuple[str, bytes]]
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.server.bodies.append((self.path, body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def otlp_receiver() -> Iterator[ThreadingHTTPServer]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
-    server.bodies = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
-
-
 def test_otlp_http_export_to_a_collector(otlp_receiver, monkeypatch):
     port = otlp_receiver.server_address[1]
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
@@ -105,10 +75,7 @@ def test_otlp_http_export_to_a_collector(otlp_receiver, monkeypatch):
         pass
     tracer.close()  # flushes the batch
     assert otlp_receiver.bodies, "no OTLP request reached the receiver"
-    path, body = otlp_receiver.bodies[0]
-    assert path == "/v1/traces"
-    request = ExportTraceServiceRequest.FromString(body)
-    names = {s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans}
-    assert names == {"step", "publish_weights"}
-    service = request.resource_spans[0].resource.attributes
-    assert {a.key: a.value.string_value for a in service}["service.name"] == "rlft-test"
+    assert otlp_receiver.bodies[0][0] == "/v1/traces"
+    spans, resources = received_spans(otlp_receiver)
+    assert {s.name for s in spans} == {"step", "publish_weights"}
+    assert resources[0]["service.name"] == "rlft-test"

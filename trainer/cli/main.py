@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     crd.set_defaults(handler=cmd_crd)
 
     operator = commands.add_parser("operator", help="run the Kubernetes operator")
-    from rlft.operator.__main__ import add_arguments
+    from rlft.operator.options import add_arguments
 
     add_arguments(operator)
     operator.set_defaults(handler=cmd_operator)

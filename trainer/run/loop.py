@@ -170,7 +170,7 @@ class Timings:
 
 def train_step(run: Run, phase: Phase, step: int) -> None:
     tracer = run.tracer
-    with tracer.step(step, run.cursor.policy_version):
+    with tracer.step(step, run.cursor.policy_version, phase.title):
         timings = Timings(time.perf_counter())
         lr = warmup_lr(step, phase.warmup_steps, phase.learning_rate)
         lr *= run.supervisor.lr_multiplier

@@ -96,11 +96,13 @@ class StepTracer:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    def step(self, step: int, policy_version: int | None = None):
-        """Context manager: the span of one training step (parent of its phases)."""
+    def step(self, step: int, policy_version: int | None = None, stage: str | None = None):
+        """Context manager: the span of one training step (parent of its phases);
+        `stage` names the phase of the job (the warm start, the algorithm)."""
         if self._tracer is None:
             return _NOTHING
-        return self._span("step", {"rlft.step": step, "rlft.policy_version": policy_version})
+        attributes = {"rlft.step": step, "rlft.policy_version": policy_version, "rlft.stage": stage}
+        return self._span("step", attributes)
 
     def phase(self, name: str, **attributes: Any):
         """Context manager: the span of one phase of the current step."""

@@ -1,0 +1,75 @@
+"""The operator's command-line options, one place for their names and defaults: the
+operator (`python -m rlft.operator`, `rlft operator`) parses them, and the Helm chart's
+values take their defaults from the constants here, so the two cannot drift apart.
+Importing this module has no side effects."""
+
+from __future__ import annotations
+
+import argparse
+
+PEERING = "rlft"
+PEERING_LIFETIME_SECONDS = 60
+METRICS_BIND = "0.0.0.0:9090"
+POLL_SECONDS = 15.0
+TRAINER_STATUS_PORT = 8080
+GRACE_SECONDS = 300
+
+
+def metrics_port(bind: str = METRICS_BIND) -> int:
+    return int(bind.rpartition(":")[2])
+
+
+def build_parser(prog: str = "python -m rlft.operator") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Run the RLFineTune operator.")
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="serve this namespace (repeatable; default: the pod's own namespace)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve all namespaces")
+    parser.add_argument("--peering", default=PEERING, help="peering object for leader election")
+    parser.add_argument("--standalone", action="store_true", help="no leader election")
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="leader-election priority (highest wins; default: random, env RLFT_OPERATOR_PRIORITY)",
+    )
+    parser.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=PEERING_LIFETIME_SECONDS,
+        help="seconds a silent peer counts as alive",
+    )
+    parser.add_argument(
+        "--metrics-bind",
+        default=METRICS_BIND,
+        help="HOST:PORT of /metrics (port 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=POLL_SECONDS,
+        help="reconcile every job at least this often (and poll /status)",
+    )
+    parser.add_argument(
+        "--trainer-status-port",
+        type=int,
+        default=TRAINER_STATUS_PORT,
+        help="port of the trainers' /status and /metrics",
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=int,
+        default=GRACE_SECONDS,
+        help="terminationGracePeriodSeconds of pods (emergency checkpoint time)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
