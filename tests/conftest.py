@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from hypothesis import settings
 
 # `make test` replays the same examples every run, so a red CI is reproducible and a
@@ -21,3 +23,12 @@ from checkpoint_fixtures import bucket, s3_env, seaweed  # noqa: E402, F401
 
 # The loopback OTLP/HTTP receiver serves the tracing tests (unit and end to end).
 from otlp_receiver import otlp_receiver  # noqa: E402, F401
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Whole-job tests train with one thread: steadier timings on 2 cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

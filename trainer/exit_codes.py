@@ -1,4 +1,4 @@
-"""Exit codes of the trainer: how the operator learns what happened (see DESIGN.md)."""
+"""Exit codes of the trainer: how the operator learns what happened (see docs/architecture.md)."""
 
 from enum import IntEnum
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 from otlp_receiver import attributes, received_spans
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
@@ -15,13 +14,7 @@ from rlft.trainer.run.job import run_job
 
 RL_PHASES = {"generate", "score", "train", "publish_weights", "checkpoint"}
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_a_job_exports_one_step_span_per_step_with_its_phases(tmp_path, monkeypatch, otlp_receiver):

@@ -3,7 +3,7 @@ equal to the transformers engine's on the same weights, before and after a weigh
 for a dense and an MoE model; sampled completions carry the behaviour log-probs of the
 sampling distribution.
 
-vLLM cannot share .venv (FACTS.md: it pins transformers 5.19 and pulls broken
+vLLM cannot share .venv (docs/build.md: it pins transformers 5.19 and pulls broken
 torchvision/torchaudio/torchcodec), so the server runs from `.venv-vllm`, which
 `make test` builds (`make vllm`). Without it these tests fail and say so; they are not
 skipped. The MoE case guards rlft's fix for vLLM's fused-MoE reload

@@ -135,7 +135,7 @@ class EmulatedApiServer:
 
     def apply(self, document: dict[str, Any] | str, *args: str, check: bool = True) -> Any:
         text = document if isinstance(document, str) else yaml.safe_dump(document)
-        # --validate=false: the emulated API server serves no /openapi (see FACTS.md)
+        # --validate=false: the emulated API server serves no /openapi (see docs/build.md)
         return self.kubectl("apply", "--validate=false", "-f", "-", *args, stdin=text, check=check)
 
     def set_pod_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """An emulated Kubernetes API server for tests: kmock's KubernetesEmulator with the gaps
-FACTS.md lists closed. Not a cluster: nothing schedules or runs pods; tests play the
+docs/build.md lists closed. Not a cluster: nothing schedules or runs pods; tests play the
 kubelet by patching pod status with kubectl.
 
 kmock brings the HTTP server on loopback, API discovery and error rendering; this subclass
@@ -341,7 +341,7 @@ def _jsonpath(obj: Any, path: str) -> Any:
 
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator with the gaps FACTS.md lists closed (see the module docstring)."""
+    """kmock's emulator with the gaps docs/build.md lists closed (see the module docstring)."""
 
     types: dict[tuple[str, str], ResourceType] = attrs.field(factory=dict, init=False)
     store: dict[tuple[str, str, str | None, str], dict[str, Any]] = attrs.field(

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pods import raw_pod, view
 
-from rlft.operator import policy as P
+from rlft.operator import failures as P
 from rlft.operator.observe import pod_view, trainer_report
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jobs import job_doc, parsed
 from pods import view
 
-from rlft.operator import policy as P
+from rlft.operator import failures as P
 from rlft.operator.observe import PodView, TrainerReport
 from rlft.operator.reconcile import Decision, Observed, parse_time, reconcile
 from rlft.operator.status import RLFineTuneStatus

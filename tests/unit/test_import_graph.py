@@ -17,7 +17,7 @@ CORES = (
     "rlft.trainer.algorithms",
     "rlft.trainer.stability",
     "rlft.operator.reconcile",
-    "rlft.operator.policy",
+    "rlft.operator.failures",
     "rlft.operator.manifests",
     "rlft.operator.observe",
     "rlft.operator.status",

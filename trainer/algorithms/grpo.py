@@ -30,31 +30,19 @@ def _outcome_shape(advantages):
     return shape
 
 
-def _policy_gradient(spec: AlgorithmSpec, temperature: float, max_new_tokens: int):
-    return PolicyGradient(spec, temperature, max_new_tokens)
+def _register(name: str, advantages) -> Algorithm:
+    return register(
+        Algorithm(
+            name,
+            lambda spec, temperature, max_new_tokens: PolicyGradient(
+                spec, temperature, max_new_tokens
+            ),
+            "rollouts",
+            _outcome_shape(advantages),
+        )
+    )
 
 
-GRPO = register(
-    Algorithm(
-        "grpo",
-        _policy_gradient,
-        "rollouts",
-        _outcome_shape(lambda s, r: group_relative_advantages(r, s.group_size, s.scale_rewards)),
-    )
-)
-RLOO = register(
-    Algorithm(
-        "rloo",
-        _policy_gradient,
-        "rollouts",
-        _outcome_shape(lambda s, r: leave_one_out_advantages(r, s.group_size)),
-    )
-)
-REINFORCE_PP = register(
-    Algorithm(
-        "reinforce++",
-        _policy_gradient,
-        "rollouts",
-        _outcome_shape(lambda s, r: reinforce_pp_advantages(r, s.group_size)),
-    )
-)
+GRPO = _register("grpo", lambda s, r: group_relative_advantages(r, s.group_size, s.scale_rewards))
+RLOO = _register("rloo", lambda s, r: leave_one_out_advantages(r, s.group_size))
+REINFORCE_PP = _register("reinforce++", lambda s, r: reinforce_pp_advantages(r, s.group_size))

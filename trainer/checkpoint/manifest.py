@@ -1,6 +1,6 @@
 """The checkpoint layout and its pure decisions: manifests, resume choice, retention.
 
-Layout under the checkpoint URI (DESIGN.md, "Contracts"):
+Layout under the checkpoint URI (docs/architecture.md, "Contracts"):
 
     step-000120/               one folder per checkpoint
         .metadata, __0_0.distcp, __1_0.distcp, …   DCP shards (each rank writes its own)

@@ -26,7 +26,7 @@ def worker_env(nproc: int) -> dict[str, str]:
     env = dict(os.environ)
     cores = os.cpu_count() or 1
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    # The agent's shared TCPStore keeps dead workers' addresses (see FACTS.md).
+    # The agent's shared TCPStore keeps dead workers' addresses (see docs/build.md).
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
 

@@ -1,4 +1,7 @@
-"""Rollout engines: generate completions with behaviour log-probs and policy versions."""
+"""Rollouts: engines that generate completions with behaviour log-probs and policy
+versions (transformers, vLLM), the rollout server and its client, and rank 0's side:
+batch building (`batches`), the async pipeline (`pipeline`), the weight publisher
+(`publisher`) and the session that ties them together (`session`)."""
 
 from rlft.trainer.rollout.engine import Completion, SamplingParams
 

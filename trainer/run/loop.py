@@ -168,6 +168,18 @@ class Timings:
     published: float = 0.0
 
 
+@dataclass
+class Outcome:
+    """What one step produced, for `finish_step`."""
+
+    step: int
+    base: dict
+    """The record fields known before the update (what the guard saw)."""
+    drawn: Drawn
+    result: StepResult
+    timings: Timings
+
+
 def train_step(run: Run, phase: Phase, step: int) -> None:
     tracer = run.tracer
     with tracer.step(step, run.cursor.policy_version, phase.title):
@@ -190,7 +202,7 @@ def train_step(run: Run, phase: Phase, step: int) -> None:
                 run.set_policy_version(run.cursor.policy_version + 1)
             phase.source.step_done(run)
         timings.published = time.perf_counter()
-        finish_step(run, phase, step, base, drawn, result, timings)
+        finish_step(run, phase, Outcome(step, base, drawn, result, timings))
 
 
 def _update(run: Run, phase: Phase, batch, base: dict, step: int) -> StepResult:
@@ -206,19 +218,12 @@ def _update(run: Run, phase: Phase, batch, base: dict, step: int) -> StepResult:
     return run.learner.step(phase.objective, batch, phase.epochs, judge=judge, step=step)
 
 
-def finish_step(
-    run: Run,
-    phase: Phase,
-    step: int,
-    base: dict,
-    drawn: Drawn,
-    result: StepResult,
-    timings: Timings,
-) -> None:
+def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
     """Record the step, act on the guard's decision, checkpoint when due. May raise
     StopRequested (SIGTERM: emergency checkpoint committed) or RunEnded."""
+    step = outcome.step
     if run.main is not None:
-        record = _record(run, phase, step, base, drawn, result, timings)
+        record = _record(run, phase, outcome)
         line = phase.source.describe(record)
         if phase.guarded:
             run.supervisor.record(record)
@@ -227,7 +232,7 @@ def finish_step(
     if not phase.guarded:
         return
     run.cursor.step = step
-    decision = result.decision
+    decision = outcome.result.decision
     if decision.action == "rollback":
         _roll_back(run, phase, step, decision.restore_before_step or step)
     ended = run.supervisor.ended(decision, step)
@@ -242,19 +247,12 @@ def finish_step(
     run.supervisor.record({"checkpoint_time_s": time.perf_counter() - started})
 
 
-def _record(
-    run: Run,
-    phase: Phase,
-    step: int,
-    base: dict,
-    drawn: Drawn,
-    result: StepResult,
-    timings: Timings,
-) -> dict:
+def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:
     """The step's line in metrics.jsonl (and, through the bindings, Prometheus)."""
+    step, drawn, timings = outcome.step, outcome.drawn, outcome.timings
     step_seconds = timings.published - timings.started
-    record = {"step": step, "policy_version": run.cursor.policy_version, "lr": base["lr"]}
-    record |= drawn.fields | update_metrics(result)
+    record = {"step": step, "policy_version": run.cursor.policy_version, "lr": outcome.base["lr"]}
+    record |= drawn.fields | update_metrics(outcome.result)
     record |= {
         "gen_time_s": timings.generated - timings.started,
         "train_time_s": timings.trained - timings.generated,

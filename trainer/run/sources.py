@@ -8,6 +8,7 @@ entry names which source an algorithm uses (`algorithms.registry`).
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from rlft.trainer.rollout.batches import (
     supervised_batch,
 )
 from rlft.trainer.rollout.engine import SamplingParams
+from rlft.trainer.rollout.pipeline import rollout_producer
 from rlft.trainer.run.step_metrics import rollout_metrics
 
 if TYPE_CHECKING:
@@ -171,16 +173,23 @@ class RolloutSource(_Source):
             return
         from rlft.trainer.rollout.session import RolloutSession
 
-        sampling = run.spec.rollout.sampling
+        spec = run.spec
+        sampling = spec.rollout.sampling
+        producer = functools.partial(
+            rollout_producer,
+            task=run.task,
+            encoder=run.encoder,
+            rewards=run.main.rewards,
+            algorithm=spec.algorithm,
+            prompts_per_step=spec.trainer.prompts_per_step,
+            sampling=SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens),
+        )
         self.session = RolloutSession.start(
             run.job,
-            run.task,
-            run.encoder,
-            run.main.rewards,
+            producer,
             run.main.engine,
             run.learner.engine_model,
             run.cursor,
-            SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens),
             run.out,
             run.reporter.log,
         )

@@ -1,4 +1,4 @@
-"""The trainer's `/status` document (DESIGN.md, "Contracts"): what the operator polls.
+"""The trainer's `/status` document (docs/architecture.md, "Contracts"): what the operator polls.
 
 A thread-safe board the loop writes to and the HTTP server reads from. The JSON shape
 is the contract with the operator:

@@ -1,3 +1,4 @@
-"""Weight publication from trainer rank 0 to the rollout instances: `store` (a Hugging
-Face folder per policy version, then POST /weights) and `broadcast` (a torch.distributed
-group of its own)."""
+"""How weights travel to rollout instances: the weight store (a Hugging Face folder per
+policy version, in object storage or a folder) and the broadcast group (a
+torch.distributed group of its own). The publisher that uses them is
+`rlft.trainer.rollout.publisher`."""
