@@ -57,14 +57,15 @@ def wait_for(
 class EmulatedApiServer:
     """The emulated API server as a subprocess, with a kubeconfig pointing at it."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, graceful_pods: bool = False):
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         port_file = workdir / "port"
         self.log_path = workdir / "emulator.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, str(EMULATOR), "--port-file", str(port_file)],
+            [sys.executable, str(EMULATOR), "--port-file", str(port_file)]
+            + (["--graceful-pods"] if graceful_pods else []),
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )

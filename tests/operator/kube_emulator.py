@@ -107,6 +107,7 @@ class ResourceType:
 BUILTIN = [
     ResourceType("", "v1", "namespaces", "Namespace", False, ("status",)),
     ResourceType("", "v1", "pods", "Pod", True, ("status",), ("po",)),
+    ResourceType("", "v1", "nodes", "Node", False, ("status",), ("no",)),
     ResourceType("", "v1", "services", "Service", True, ("status",), ("svc",)),
     ResourceType("", "v1", "configmaps", "ConfigMap", True, (), ("cm",)),
     ResourceType("", "v1", "secrets", "Secret", True),
@@ -352,6 +353,10 @@ class Emulator(kmock.KubernetesEmulator):
     log: list[tuple[tuple[str, str], str, dict[str, Any]]] = attrs.field(factory=list, init=False)
     changed: asyncio.Event | None = attrs.field(default=None, init=False)
     request_count: int = attrs.field(default=0, init=False)
+    graceful_pods: bool = attrs.field(default=False, kw_only=True)
+    """Delete pods bound to a node the way a real API server does: mark them Terminating
+    (deletionTimestamp, deletionGracePeriodSeconds) and let their kubelet remove them
+    with a grace of 0 once the containers have stopped (the test cluster's kubelets)."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -794,7 +799,12 @@ class Emulator(kmock.KubernetesEmulator):
             new["metadata"]["generation"] = old_meta.get("generation", 1) + 1
         self._bump(new)
         key = (*rt.key, old_meta.get("namespace"), old_meta["name"])
-        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+        terminating_pod = self.graceful_pods and _grace(rt, new, None, {}) > 0
+        if (
+            new["metadata"].get("deletionTimestamp")
+            and not new["metadata"].get("finalizers")
+            and not terminating_pod  # its kubelet still reports on it, then deletes it
+        ):
             self.store.pop(key, None)
             self._emit(rt, "DELETED", new)
             self._collect_garbage(new["metadata"]["uid"])
@@ -845,6 +855,17 @@ class Emulator(kmock.KubernetesEmulator):
         key = (*rt.key, namespace if rt.namespaced else None, name)
         policy = (body or {}).get("propagationPolicy") if isinstance(body, dict) else None
         policy = policy or q.get("propagationPolicy") or "Background"
+        grace = _grace(rt, obj, body, q) if self.graceful_pods else 0
+        if grace and not meta.get("deletionTimestamp"):
+            obj = copy.deepcopy(obj)
+            obj["metadata"]["deletionTimestamp"] = _now()
+            obj["metadata"]["deletionGracePeriodSeconds"] = grace
+            self._bump(obj)
+            self.store[key] = obj
+            self._emit(rt, "MODIFIED", obj)
+            return obj
+        if grace:  # already Terminating: its kubelet finishes the deletion
+            return obj
         if meta.get("finalizers"):
             if not meta.get("deletionTimestamp"):
                 obj = copy.deepcopy(obj)
@@ -874,8 +895,21 @@ class Emulator(kmock.KubernetesEmulator):
                     self._write_delete(rt, ns, name, None, {})
 
 
-async def serve(port_file: Path, port: int = 0) -> None:
-    emulator = Emulator()
+def _grace(rt: ResourceType, obj: dict[str, Any], body: Any, q: Any) -> int:
+    """The grace period of a pod deletion: the request's, else the pod's own; 0 for
+    objects that are not pods bound to a node (they are removed at once)."""
+    if rt.kind != "Pod" or not obj.get("spec", {}).get("nodeName"):
+        return 0
+    asked = (body or {}).get("gracePeriodSeconds") if isinstance(body, dict) else None
+    if asked is None and q.get("gracePeriodSeconds") is not None:
+        asked = int(q.get("gracePeriodSeconds"))
+    if asked is None:
+        asked = obj["spec"].get("terminationGracePeriodSeconds", 30)
+    return max(0, int(asked))
+
+
+async def serve(port_file: Path, port: int = 0, graceful_pods: bool = False) -> None:
+    emulator = Emulator(graceful_pods=graceful_pods)
     async with emulator, kmock.Server(emulator, port=port) as server:
         port_file.write_text(str(server.port))
         stop = asyncio.Event()
@@ -889,8 +923,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port-file", required=True, type=Path)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument(
+        "--graceful-pods",
+        action="store_true",
+        help="pods on a node terminate through their kubelet",
+    )
     args = parser.parse_args()
-    asyncio.run(serve(args.port_file, args.port))
+    asyncio.run(serve(args.port_file, args.port, args.graceful_pods))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,612 @@
+"""A process kubelet: one simulated node of the test cluster.
+
+    python tests/cluster/kubelet.py --api URL --node node-a --index 1 --cpu 4 --memory 8Gi
+
+It registers its Node (capacity, a Ready condition it keeps fresh), runs the pods bound
+to it as real processes (`podinit.py` in their own mount and UTS namespaces, under a
+memory cgroup with the container's limit, with ConfigMap, Secret and emptyDir volumes,
+the pod's environment and a per-pod /etc/hosts for cluster DNS), and reports what a
+kubelet reports: phase, podIP, Ready, containerStatuses (running; terminated with exit
+code, reason Completed / Error / OOMKilled and the termination message), restarts per
+restartPolicy. A pod marked for deletion gets SIGTERM on its process group, then SIGKILL
+after its grace period, and is removed. What it does not do is listed in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from cluster_dns import hosts_file  # noqa: E402
+from cluster_images import environment_of  # noqa: E402
+from cluster_resources import memory_limit  # noqa: E402
+from kube_api import Api, ApiError  # noqa: E402
+
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+HEARTBEAT_S = 1.0
+SYNC_S = 0.2
+BACKOFF_S = (1, 2, 4, 8)
+"""Restart back-off after each crash (a real kubelet: 10 s doubling to 5 minutes)."""
+TERMINATION_LOG = "/dev/termination-log"
+MAX_MESSAGE = 4096
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class ConfigError(Exception):
+    """A Secret or ConfigMap the container needs is missing (CreateContainerConfigError)."""
+
+
+@dataclass
+class Container:
+    spec: dict[str, Any]
+    log: Path
+    termination: Path
+    cgroup: Path | None = None
+    process: subprocess.Popen | None = None
+    started_at: str | None = None
+    restarts: int = 0
+    state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "Creating"}})
+    last_state: dict[str, Any] = field(default_factory=dict)
+    restart_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+@dataclass
+class PodRun:
+    pod: dict[str, Any]
+    folder: Path
+    ip: str
+    hosts: Path
+    containers: list[Container]
+    env_error: str | None = None
+    kill_at: float | None = None
+    reported: dict[str, Any] = field(default_factory=dict)
+    hosts_text: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.pod["metadata"]["namespace"], self.pod["metadata"]["name"]
+
+
+class Kubelet:
+    def __init__(
+        self,
+        api: Api,
+        node: str,
+        index: int,
+        capacity: dict[str, str],
+        state: Path,
+        labels: dict[str, str],
+        taints: list[dict[str, str]],
+    ):
+        self.api, self.node, self.index = api, node, index
+        self.capacity, self.labels, self.taints = capacity, labels, taints
+        self.state = state
+        self.runs: dict[str, PodRun] = {}  # by pod uid
+        self.next_ip = 2
+        self.stopping = False
+        self.cgroups = CGROUP_ROOT / "rlft-test-cluster" / node
+
+    # ------------------------------------------------------------------ node
+    def register(self) -> None:
+        body = {
+            "metadata": {
+                "name": self.node,
+                "labels": {"kubernetes.io/hostname": self.node, **self.labels},
+            },
+            "spec": {"taints": self.taints} if self.taints else {},
+        }
+        if self.api.get("nodes", None, self.node) is None:
+            self.api.create("nodes", None, body)
+        else:
+            self.api.patch("nodes", None, self.node, body)
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        stamp = now()
+        status = {
+            "capacity": self.capacity,
+            "allocatable": self.capacity,
+            "addresses": [{"type": "InternalIP", "address": f"127.0.{self.index}.1"}],
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "the process kubelet is posting ready status",
+                    "lastHeartbeatTime": stamp,
+                    "lastTransitionTime": stamp,
+                }
+            ],
+            "nodeInfo": {"kubeletVersion": "process-kubelet", "operatingSystem": "linux"},
+        }
+        self.api.patch("nodes", None, self.node, {"status": status}, status=True)
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        self.register()
+        beat = time.monotonic()
+        while not self.stopping:
+            try:
+                self.sync()
+                if time.monotonic() - beat >= HEARTBEAT_S:
+                    self.heartbeat()
+                    beat = time.monotonic()
+            except (ApiError, OSError) as error:  # the API server restarting: try again
+                print(f"kubelet {self.node}: {error}", file=sys.stderr, flush=True)
+            time.sleep(SYNC_S)
+        self.shutdown()
+
+    def sync(self) -> None:
+        pods = self.api.list("pods")
+        services = self.api.list("services")
+        mine = {p["metadata"]["uid"]: p for p in pods if p["spec"].get("nodeName") == self.node}
+        for uid, pod in mine.items():
+            run = self.runs.get(uid)
+            if run is None:
+                if pod["metadata"].get("deletionTimestamp"):
+                    self.api.delete("pods", *_key(pod), grace=0)
+                    continue
+                run = self.runs[uid] = self.admit(pod)
+            run.pod = pod
+            hosts = hosts_file(pod, run.ip, pods, services)
+            if hosts != run.hosts_text:  # in place: the bind mount follows the inode
+                run.hosts.write_text(hosts)
+                run.hosts_text = hosts
+            if pod["metadata"].get("deletionTimestamp"):
+                if self.terminate(run):
+                    self.remove(uid)
+                continue
+            self.drive(run)
+            self.report(run)
+        for uid in [u for u in self.runs if u not in mine]:  # deleted behind our back
+            self.kill(self.runs[uid])
+            self.remove(uid, delete=False)
+
+    # ------------------------------------------------------------------ pods
+    def admit(self, pod: dict[str, Any]) -> PodRun:
+        ns, name = _key(pod)
+        folder = self.state / "pods" / f"{ns}_{name}_{pod['metadata']['uid'][:8]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        ip = f"127.0.{self.index}.{self.next_ip}"
+        self.next_ip = self.next_ip + 1 if self.next_ip < 254 else 2
+        hosts = folder / "hosts"
+        hosts.write_text("")
+        containers = [
+            Container(c, folder / f"{c['name']}.log", folder / f"{c['name']}.termination")
+            for c in pod["spec"]["containers"]
+        ]
+        for container in containers:
+            container.termination.write_text("")
+        return PodRun(pod, folder, ip, hosts, containers)
+
+    def drive(self, run: PodRun) -> None:
+        """Start what should run, notice what exited, restart per restartPolicy."""
+        policy = run.pod["spec"].get("restartPolicy", "Always")
+        for container in run.containers:
+            if container.running:
+                continue
+            if container.process is not None:
+                self._exited(run, container, policy)
+            if container.process is None and _may_start(container, policy):
+                if container.restart_at is not None and time.monotonic() < container.restart_at:
+                    continue
+                self.start(run, container)
+
+    def _exited(self, run: PodRun, container: Container, policy: str) -> None:
+        code = container.process.returncode
+        code = 128 - code if code < 0 else code
+        oom = _oom_killed(container.cgroup)
+        reason = "OOMKilled" if oom else ("Completed" if code == 0 else "Error")
+        terminated = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": container.started_at,
+            "finishedAt": now(),
+            "containerID": f"process://{container.process.pid}",
+        }
+        message = _termination_message(container, code)
+        if message:
+            terminated["message"] = message
+        container.process = None
+        _remove_cgroup(container.cgroup)
+        container.cgroup = None
+        restart = policy == "Always" or (policy == "OnFailure" and code != 0)
+        if restart:
+            container.last_state = {"terminated": terminated}
+            delay = BACKOFF_S[min(container.restarts, len(BACKOFF_S) - 1)]
+            container.restart_at = time.monotonic() + delay
+            container.state = {
+                "waiting": {
+                    "reason": "CrashLoopBackOff",
+                    "message": f"back-off {delay}s restarting failed container",
+                }
+            }
+            container.restarts += 1
+        else:
+            container.state = {"terminated": terminated}
+            container.restart_at = None
+
+    def start(self, run: PodRun, container: Container) -> None:
+        pod, spec = run.pod, container.spec
+        image = spec.get("image", "")
+        environment = environment_of(image)
+        if environment is None:
+            container.state = {
+                "waiting": {"reason": "ErrImagePull", "message": f"image {image!r} not found"}
+            }
+            return
+        try:
+            env = self._environment(pod, spec, run.ip, environment)
+        except ConfigError as error:
+            container.state = {
+                "waiting": {"reason": "CreateContainerConfigError", "message": str(error)}
+            }
+            return
+        argv = [_expand(a, env) for a in (spec.get("command") or []) + (spec.get("args") or [])]
+        if not argv:
+            container.state = {
+                "waiting": {"reason": "CreateContainerError", "message": "no command"}
+            }
+            return
+        try:
+            mounts = self._mounts(run, container)
+        except ConfigError as error:
+            container.state = {
+                "waiting": {"reason": "CreateContainerConfigError", "message": str(error)}
+            }
+            return
+        container.cgroup = self._cgroup(run, container)
+        security = spec.get("securityContext") or {}
+        sandbox = {
+            "hostname": pod["spec"].get("hostname") or pod["metadata"]["name"],
+            "mounts": mounts,
+            "readOnlyRootFilesystem": bool(security.get("readOnlyRootFilesystem")),
+            "cgroup": str(container.cgroup) if container.cgroup else None,
+            "workingDir": spec.get("workingDir"),
+            "argv": argv,
+            "env": env,
+            "terminationMessage": spec.get("terminationMessagePath", TERMINATION_LOG),
+        }
+        spec_file = run.folder / f"{container.name}.sandbox.json"
+        spec_file.write_text(json.dumps(sandbox))
+        container.termination.write_text("")
+        with container.log.open("ab") as log:
+            container.process = subprocess.Popen(
+                [
+                    "unshare",
+                    "-m",
+                    "-u",
+                    "--propagation",
+                    "private",
+                    sys.executable,
+                    str(HERE / "podinit.py"),
+                    str(spec_file),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        (self.state / "pids").mkdir(exist_ok=True)
+        (self.state / "pids" / str(container.process.pid)).write_text(container.name)
+        container.started_at = now()
+        container.state = {"running": {"startedAt": container.started_at}}
+
+    def _environment(
+        self, pod: dict[str, Any], spec: dict[str, Any], ip: str, environment: Path
+    ) -> dict[str, str]:
+        ns = pod["metadata"]["namespace"]
+        env = {
+            "PATH": f"{environment / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+            "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"],
+            "VIRTUAL_ENV": str(environment),
+        }
+        fields = {
+            "metadata.name": pod["metadata"]["name"],
+            "metadata.namespace": ns,
+            "metadata.uid": pod["metadata"]["uid"],
+            "spec.nodeName": self.node,
+            "status.podIP": ip,
+            "status.hostIP": f"127.0.{self.index}.1",
+        }
+        for item in spec.get("env") or []:
+            if "value" in item:
+                env[item["name"]] = _expand(str(item["value"]), env)
+                continue
+            source = item.get("valueFrom") or {}
+            if "fieldRef" in source:
+                env[item["name"]] = fields[source["fieldRef"]["fieldPath"]]
+            elif "secretKeyRef" in source or "configMapKeyRef" in source:
+                value = self._key_ref(ns, source)
+                if value is not None:
+                    env[item["name"]] = value
+        return env
+
+    def _key_ref(self, ns: str, source: dict[str, Any]) -> str | None:
+        secret = "secretKeyRef" in source
+        ref = source["secretKeyRef"] if secret else source["configMapKeyRef"]
+        kind = "secrets" if secret else "configmaps"
+        obj = self.api.get(kind, ns, ref["name"])
+        label = "secret" if secret else "configmap"
+        if obj is None:
+            if ref.get("optional"):
+                return None
+            raise ConfigError(f'{label} "{ref["name"]}" not found')
+        data = obj.get("data") or {}
+        if ref["key"] not in data:
+            if ref.get("optional"):
+                return None
+            raise ConfigError(
+                f"couldn't find key {ref['key']} in {label.title()} {ns}/{ref['name']}"
+            )
+        value = data[ref["key"]]
+        return base64.b64decode(value).decode() if secret else value
+
+    def _mounts(self, run: PodRun, container: Container) -> list[dict[str, Any]]:
+        pod = run.pod
+        ns = pod["metadata"]["namespace"]
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        out = [{"source": str(run.hosts), "target": "/etc/hosts", "readOnly": False}]
+        for mount in container.spec.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"])
+            if volume is None:
+                raise ConfigError(f"volume {mount['name']!r} is not defined in the pod")
+            source = self._volume(run, ns, volume)
+            out.append(
+                {
+                    "source": str(source),
+                    "target": mount["mountPath"],
+                    "readOnly": bool(mount.get("readOnly")),
+                }
+            )
+        out.append(
+            {
+                "source": str(container.termination),
+                "target": container.spec.get("terminationMessagePath", TERMINATION_LOG),
+            }
+        )
+        return out
+
+    def _volume(self, run: PodRun, ns: str, volume: dict[str, Any]) -> Path:
+        folder = run.folder / "volumes" / volume["name"]
+        if "emptyDir" in volume:
+            folder.mkdir(parents=True, exist_ok=True)
+            return folder
+        if "hostPath" in volume:
+            return Path(volume["hostPath"]["path"])
+        for kind, key in (("configmaps", "configMap"), ("secrets", "secret")):
+            if key not in volume:
+                continue
+            name = volume[key].get("name") or volume[key].get("secretName")
+            obj = self.api.get(kind, ns, name)
+            if obj is None:
+                if volume[key].get("optional"):
+                    folder.mkdir(parents=True, exist_ok=True)
+                    return folder
+                raise ConfigError(f'{key.lower()} "{name}" not found')
+            folder.mkdir(parents=True, exist_ok=True)
+            for item, value in (obj.get("data") or {}).items():
+                content = base64.b64decode(value) if kind == "secrets" else value.encode()
+                (folder / item).write_bytes(content)
+            return folder
+        kinds = sorted(k for k in volume if k != "name")
+        raise ConfigError(f"volume {volume['name']!r}: {kinds} volumes are not supported here")
+
+    def _cgroup(self, run: PodRun, container: Container) -> Path | None:
+        limit = memory_limit(container.spec)
+        if limit is None or not CGROUP_ROOT.is_dir():
+            return None
+        ns, name = run.key
+        group = self.cgroups / f"{ns}_{name}_{container.name}_{container.restarts}"
+        group.mkdir(parents=True, exist_ok=True)
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        return group
+
+    # ------------------------------------------------------------------ status
+    def report(self, run: PodRun) -> None:
+        pod = run.pod
+        statuses = []
+        for container in run.containers:
+            status = {
+                "name": container.name,
+                "image": container.spec.get("image", ""),
+                "imageID": "",
+                "ready": container.running,
+                "started": container.running,
+                "restartCount": container.restarts,
+                "state": container.state,
+            }
+            if container.last_state:
+                status["lastState"] = container.last_state
+            statuses.append(status)
+        phase = _phase(run.containers, pod["spec"].get("restartPolicy", "Always"))
+        ready = "True" if all(s["ready"] for s in statuses) and phase == "Running" else "False"
+        status = {
+            "phase": phase,
+            "hostIP": f"127.0.{self.index}.1",
+            "podIP": run.ip,
+            "podIPs": [{"ip": run.ip}],
+            "startTime": run.reported.get("startTime") or now(),
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Initialized", "status": "True"},
+                {"type": "ContainersReady", "status": ready},
+                {"type": "Ready", "status": ready},
+            ],
+            "containerStatuses": statuses,
+        }
+        if status != run.reported:
+            self.api.patch("pods", *run.key, {"status": status}, status=True)
+            run.reported = status
+
+    # ------------------------------------------------------------------ stop
+    def terminate(self, run: PodRun) -> bool:
+        """SIGTERM, then SIGKILL after the grace period; True once every process is gone."""
+        grace = run.pod["metadata"].get("deletionGracePeriodSeconds", 30)
+        if run.kill_at is None:
+            run.kill_at = time.monotonic() + grace
+            for container in run.containers:
+                _signal(container, signal.SIGTERM)
+        if time.monotonic() >= run.kill_at:
+            self.kill(run)
+        alive = [c for c in run.containers if c.running]
+        if alive:
+            return False
+        for container in run.containers:
+            if container.process is not None:
+                container.process.wait()
+        return True
+
+    def kill(self, run: PodRun) -> None:
+        for container in run.containers:
+            _signal(container, signal.SIGKILL)
+            if container.process is not None:
+                container.process.wait()
+
+    def remove(self, uid: str, delete: bool = True) -> None:
+        run = self.runs.pop(uid)
+        for container in run.containers:
+            _remove_cgroup(container.cgroup)
+            if container.process is not None:
+                (self.state / "pids" / str(container.process.pid)).unlink(missing_ok=True)
+        shutil.rmtree(run.folder / "volumes", ignore_errors=True)
+        if delete:
+            self.api.delete("pods", *run.key, grace=0)
+
+    def shutdown(self) -> None:
+        for uid in list(self.runs):
+            self.kill(self.runs[uid])
+            self.remove(uid, delete=False)
+
+
+# ---------------------------------------------------------------------- helpers
+def _key(pod: dict[str, Any]) -> tuple[str, str]:
+    return pod["metadata"]["namespace"], pod["metadata"]["name"]
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command, args and env values ($$ escapes)."""
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("$(", i) and ")" in text[i:]:
+            end = text.index(")", i)
+            name = text[i + 2 : end]
+            out.append(env.get(name, text[i : end + 1]))
+            i = end + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _may_start(container: Container, policy: str) -> bool:
+    return "terminated" not in container.state or policy == "Always"
+
+
+def _phase(containers: list[Container], policy: str) -> str:
+    if any(c.running for c in containers):
+        return "Running"
+    terminated = [c.state["terminated"] for c in containers if "terminated" in c.state]
+    if len(terminated) == len(containers):
+        return "Succeeded" if all(t["exitCode"] == 0 for t in terminated) else "Failed"
+    if any(c.last_state for c in containers) or any(c.started_at for c in containers):
+        return "Running"  # between restarts
+    return "Pending"
+
+
+def _signal(container: Container, sig: int) -> None:
+    if container.running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(container.process.pid, sig)
+
+
+def _oom_killed(group: Path | None) -> bool:
+    if group is None:
+        return False
+    try:
+        text = (group / "memory.oom_control").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and int(value) > 0:
+            return True
+    return False
+
+
+def _remove_cgroup(group: Path | None) -> None:
+    if group is not None and group.is_dir():
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+def _termination_message(container: Container, code: int) -> str:
+    message = container.termination.read_text(errors="replace")[:MAX_MESSAGE]
+    policy = container.spec.get("terminationMessagePolicy", "File")
+    if not message and code != 0 and policy == "FallbackToLogsOnError":
+        lines = container.log.read_text(errors="replace").splitlines()[-80:]
+        message = "\n".join(lines)[-2048:]
+    return message
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a process kubelet of the test cluster")
+    parser.add_argument("--api", required=True)
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--index", type=int, required=True, help="pods get 127.0.INDEX.x")
+    parser.add_argument("--cpu", default="4")
+    parser.add_argument("--memory", default="8Gi")
+    parser.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu to advertise")
+    parser.add_argument("--label", action="append", default=[], help="KEY=VALUE")
+    parser.add_argument("--taint", action="append", default=[], help="KEY=VALUE:EFFECT")
+    parser.add_argument("--state", required=True, type=Path)
+    args = parser.parse_args()
+    capacity = {"cpu": args.cpu, "memory": args.memory, "pods": "110"}
+    if args.gpus:
+        capacity["nvidia.com/gpu"] = str(args.gpus)
+    labels = dict(item.split("=", 1) for item in args.label)
+    taints = []
+    for item in args.taint:
+        pair, _, effect = item.rpartition(":")
+        key, _, value = pair.partition("=")
+        taints.append({"key": key, "value": value, "effect": effect})
+    kubelet = Kubelet(Api(args.api), args.node, args.index, capacity, args.state, labels, taints)
+
+    def stop(*_: object) -> None:
+        kubelet.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    kubelet.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""The test cluster's pods are real processes: environment, volumes, cluster DNS,
+read-only root, memory limits (a real OOM kill), exit codes and termination messages,
+restart policies, graceful deletion, and a scheduler that fits requests and selectors.
+Everything goes through the emulated API server; kubectl reads what the kubelets wrote."""
+
+from __future__ import annotations
+
+import base64
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from testcluster import ProcessCluster, wait_for
+
+NS = "default"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[ProcessCluster]:
+    nodes = [
+        {"labels": {"pool": "cpu"}},
+        {"labels": {"pool": "gpu"}, "gpus": 2, "taints": ["gpu=true:NoSchedule"]},
+    ]
+    with ProcessCluster(tmp_path_factory.mktemp("cluster"), nodes) as running:
+        yield running
+
+
+def pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
+    container = {
+        "name": "main",
+        "image": spec.pop("image", "python:3.11-slim"),
+        "command": ["python", "-c", textwrap.dedent(script)],
+        **spec.pop("container", {}),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": spec.pop("labels", {})},
+        "spec": {"restartPolicy": "Never", "containers": [container], **spec},
+    }
+
+
+def terminated(p: dict[str, Any]) -> dict[str, Any]:
+    return p["status"]["containerStatuses"][0]["state"]["terminated"]
+
+
+def test_environment_volumes_dns_read_only_root_and_termination_message(cluster):
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "job", "namespace": NS},
+            "data": {"job.yaml": "steps: 3\n"},
+        }
+    )
+    secret = base64.b64encode(b"s3cret").decode()
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "creds", "namespace": NS},
+            "data": {"KEY": secret},
+        }
+    )
+    script = """
+        import json, os, socket
+        facts = {
+            "job": open("/etc/rlft/job.yaml").read(),
+            "key": os.environ["KEY"],
+            "ip": os.environ["POD_IP"],
+            "name": os.environ["POD_NAME"],
+            "hostname": socket.gethostname(),
+            "resolved": socket.gethostbyname("w-0.workers.default.svc"),
+            "resolved_long": socket.gethostbyname("w-0.workers.default.svc.cluster.local"),
+            "args": os.environ["ECHO"],
+        }
+        open("/scratch/ok", "w").write("written")
+        try:
+            open("/etc/forbidden", "w")
+        except OSError as error:
+            facts["root"] = error.strerror
+        print(json.dumps(facts))
+        open("/dev/termination-log", "w").write("the trainer's own verdict")
+        raise SystemExit(3)
+    """
+    manifest = pod(
+        "facts",
+        script,
+        hostname="w-0",
+        subdomain="workers",
+        container={
+            "env": [
+                {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "KEY"}}},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "ECHO", "value": "name=$(POD_NAME) $$literal"},
+            ],
+            "volumeMounts": [
+                {"name": "job", "mountPath": "/etc/rlft", "readOnly": True},
+                {"name": "scratch", "mountPath": "/scratch"},
+            ],
+            "securityContext": {"readOnlyRootFilesystem": True},
+        },
+        volumes=[
+            {"name": "job", "configMap": {"name": "job"}},
+            {"name": "scratch", "emptyDir": {}},
+        ],
+    )
+    cluster.apply(manifest)
+    done = cluster.wait_pod(NS, "facts", "Failed")
+    state = terminated(done)
+    assert (state["exitCode"], state["reason"]) == (3, "Error")
+    assert state["message"] == "the trainer's own verdict"
+    facts = json.loads(cluster.logs(NS, "facts").strip().splitlines()[-1])
+    ip = done["status"]["podIP"]
+    assert (
+        ip.startswith("127.0.") and facts["ip"] == ip == facts["resolved"] == facts["resolved_long"]
+    )
+    assert facts["job"] == "steps: 3\n" and facts["key"] == "s3cret"
+    assert facts["hostname"] == "w-0" and facts["name"] == "facts"
+    assert facts["args"] == "name=facts $literal"
+    assert facts["root"] == "Read-only file system"
+    # kubectl reads what the kubelet reported
+    out = cluster.kubectl("get", "pod", "facts", "-o", "jsonpath={.status.phase}").stdout
+    assert out == "Failed"
+
+
+def test_pods_on_two_nodes_reach_each_other_through_a_service(cluster):
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": NS},
+            "spec": {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"port": 8000}]},
+        }
+    )
+    server = pod(
+        "web",
+        """
+        import http.server, os
+        class Hello(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers()
+                self.wfile.write(os.environ["HOSTNAME"].encode())
+        http.server.HTTPServer((os.environ["POD_IP"], 8000), Hello).serve_forever()
+        """,
+        labels={"app": "web"},
+        nodeSelector={"pool": "cpu"},
+        container={
+            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        },
+    )
+    client = pod(
+        "client",
+        """
+        import time, urllib.request
+        for _ in range(100):
+            try:
+                answer = urllib.request.urlopen("http://web.default.svc:8000", timeout=2)
+                print(answer.read().decode())
+                break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise SystemExit("web.default.svc never answered")
+        """,
+        nodeSelector={"pool": "gpu"},
+        tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    )
+    cluster.apply(server)
+    cluster.wait_pod(NS, "web", "Running")
+    cluster.apply(client)
+    cluster.wait_pod(NS, "client", "Succeeded")
+    assert cluster.logs(NS, "client").strip() == "web"
+    nodes = {cluster.pod(NS, n)["spec"]["nodeName"] for n in ("web", "client")}
+    assert nodes == {"node-a", "node-b"}
+    cluster.kubectl("delete", "pod", "web", "--wait=false")
+    cluster.wait_pod(NS, "web", gone=True, timeout=40)
+
+
+def test_a_container_over_its_memory_limit_is_oom_killed(cluster):
+    hog = pod(
+        "hog",
+        """
+        blocks = []
+        for _ in range(64):
+            blocks.append(bytearray(16 * 2**20))
+        """,
+        container={"resources": {"limits": {"memory": "64Mi"}}},
+    )
+    cluster.apply(hog)
+    state = terminated(cluster.wait_pod(NS, "hog", "Failed"))
+    assert (state["exitCode"], state["reason"]) == (137, "OOMKilled")
+
+
+def test_deletion_sends_sigterm_and_waits_then_kills(cluster, tmp_path):
+    marker = tmp_path / "drained"
+    polite = pod(
+        "polite",
+        """
+        import signal, time
+        def drain(*_):
+            open("/host/drained", "w").write("checkpoint committed")
+            raise SystemExit(0)
+        signal.signal(signal.SIGTERM, drain)
+        print("serving", flush=True)
+        time.sleep(3600)
+        """,
+        terminationGracePeriodSeconds=30,
+        container={"volumeMounts": [{"name": "host", "mountPath": "/host"}]},
+        volumes=[{"name": "host", "hostPath": {"path": str(tmp_path)}}],
+    )
+    stubborn = pod(
+        "stubborn",
+        """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("serving", flush=True)
+        time.sleep(3600)
+        """,
+        terminationGracePeriodSeconds=2,
+    )
+    cluster.apply(polite)
+    cluster.apply(stubborn)
+    for name in ("polite", "stubborn"):
+        cluster.wait_pod(NS, name, "Running")
+        wait_for(lambda n=name: "serving" in cluster.logs(NS, n), f"{name} to start")
+    cluster.kubectl("delete", "pod", "polite", "stubborn", "--wait=false")
+    terminating = cluster.pod(NS, "stubborn")
+    assert terminating is not None and terminating["metadata"]["deletionTimestamp"]
+    cluster.wait_pod(NS, "polite", gone=True)
+    assert marker.read_text() == "checkpoint committed"
+    cluster.wait_pod(NS, "stubborn", gone=True, timeout=30)
+
+
+def test_restart_policy_on_failure_restarts_and_counts(cluster, tmp_path):
+    flaky = pod(
+        "flaky",
+        """
+        import os
+        if not os.path.exists("/host/ran"):
+            open("/host/ran", "w").write("1")
+            raise SystemExit(1)
+        print("second run")
+        """,
+        restartPolicy="OnFailure",
+        container={"volumeMounts": [{"name": "host", "mountPath": "/host"}]},
+        volumes=[{"name": "host", "hostPath": {"path": str(tmp_path)}}],
+    )
+    cluster.apply(flaky)
+    done = cluster.wait_pod(NS, "flaky", "Succeeded", timeout=30)
+    status = done["status"]["containerStatuses"][0]
+    assert status["restartCount"] == 1
+    assert status["lastState"]["terminated"]["exitCode"] == 1
+    assert "second run" in cluster.logs(NS, "flaky")
+
+
+def test_scheduler_fits_requests_and_reports_what_does_not_fit(cluster):
+    cluster.apply(
+        pod("too-big", "print(1)", container={"resources": {"requests": {"memory": "64Gi"}}})
+    )
+    gpu_job = pod(
+        "gpu-job",
+        "import os; print(os.environ['HOSTNAME'])",
+        tolerations=[{"key": "gpu", "operator": "Exists"}],
+        container={"resources": {"limits": {"nvidia.com/gpu": 2}}},
+    )
+    cluster.apply(gpu_job)
+    assert cluster.wait_pod(NS, "gpu-job", "Succeeded")["spec"]["nodeName"] == "node-b"
+
+    def unschedulable() -> str | None:
+        conditions = (cluster.pod(NS, "too-big").get("status") or {}).get("conditions") or []
+        found = [c for c in conditions if c.get("reason") == "Unschedulable"]
+        return found[0]["message"] if found else None
+
+    message = wait_for(unschedulable, "too-big to be reported unschedulable")
+    assert message.startswith("0/2 nodes are available") and "Insufficient memory" in message
+    assert not cluster.pod(NS, "too-big")["spec"].get("nodeName")
+    cluster.kubectl("delete", "pod", "too-big", "--wait=false")
+    cluster.wait_pod(NS, "too-big", gone=True)
+
+
+def test_a_missing_secret_or_image_leaves_the_pod_waiting_with_the_reason(cluster):
+    needs = pod(
+        "needs-secret",
+        "import os; print(os.environ['TOKEN'])",
+        container={
+            "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "late", "key": "t"}}}]
+        },
+    )
+    cluster.apply(needs)
+    cluster.apply(pod("no-image", "print(1)", image="registry.example/nothing:1"))
+
+    def waiting(name: str) -> dict[str, Any] | None:
+        statuses = (cluster.pod(NS, name).get("status") or {}).get("containerStatuses") or []
+        return statuses[0]["state"].get("waiting") if statuses else None
+
+    state = wait_for(lambda: waiting("needs-secret"), "needs-secret to wait")
+    assert state == {"reason": "CreateContainerConfigError", "message": 'secret "late" not found'}
+    assert wait_for(lambda: waiting("no-image"), "no-image to wait")["reason"] == "ErrImagePull"
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "late", "namespace": NS},
+            "data": {"t": base64.b64encode(b"now").decode()},
+        }
+    )
+    cluster.wait_pod(NS, "needs-secret", "Succeeded")
+    assert cluster.logs(NS, "needs-secret").strip() == "now"
+    cluster.kubectl("delete", "pod", "no-image", "--wait=false")
+    cluster.wait_pod(NS, "no-image", gone=True)
+
+
+def test_the_readme_lists_what_is_emulated():
+    text = (Path(__file__).parent / "README.md").read_text()
+    for topic in ("API server", "scheduler", "DNS", "CNI", "probes", "not a real cluster"):
+        assert topic in text, topic

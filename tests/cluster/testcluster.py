@@ -1,0 +1,159 @@
+"""The test cluster on one machine: the emulated API server, a scheduler and one process
+kubelet per simulated node, each its own process, with the real kubectl. Pods run as
+real processes (see README.md for what is emulated). Not a real cluster.
+
+    with ProcessCluster(tmp_path, nodes=2) as cluster:
+        cluster.apply(pod_manifest)
+        cluster.wait_pod("default", "hello", phase="Succeeded")
+        print(cluster.logs("default", "hello"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "operator"))
+
+from cluster import EmulatedApiServer, wait_for  # noqa: E402  (tests/operator/cluster.py)
+from kube_api import Api  # noqa: E402
+
+
+class Node:
+    """One process kubelet."""
+
+    def __init__(self, cluster: ProcessCluster, name: str, index: int, **options: Any):
+        self.name, self.index = name, index
+        self.state = cluster.workdir / "nodes" / name
+        self.state.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable,
+            str(HERE / "kubelet.py"),
+            "--api",
+            cluster.api_server.url,
+            "--node",
+            name,
+            "--index",
+            str(index),
+            "--state",
+            str(self.state),
+            "--cpu",
+            str(options.get("cpu", "4")),
+            "--memory",
+            str(options.get("memory", "8Gi")),
+            "--gpus",
+            str(options.get("gpus", 0)),
+        ]
+        command += [f"--label={k}={v}" for k, v in (options.get("labels") or {}).items()]
+        command += [f"--taint={t}" for t in options.get("taints") or []]
+        self.log = (self.state / "kubelet.log").open("w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        """Stop the kubelet; its pods' processes end with it."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.kill_leftovers()
+        self.log.close()
+
+    def kill_leftovers(self) -> None:
+        """Process groups of containers the kubelet started and did not reap (it was
+        killed itself): killed by the ids it recorded."""
+        for pid_file in (self.state / "pids").glob("*") if (self.state / "pids").is_dir() else []:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(pid_file.name), signal.SIGKILL)
+            pid_file.unlink(missing_ok=True)
+
+
+class ProcessCluster:
+    def __init__(self, workdir: Path, nodes: int | list[dict[str, Any]] = 2):
+        self.workdir = workdir
+        self.api_server = EmulatedApiServer(workdir / "api", graceful_pods=True)
+        self.api = Api(self.api_server.url)
+        self.nodes: list[Node] = []
+        self.scheduler_log = (workdir / "scheduler.log").open("w")
+        self.scheduler = subprocess.Popen(
+            [sys.executable, str(HERE / "scheduler.py"), "--api", self.api_server.url],
+            stdout=self.scheduler_log,
+            stderr=subprocess.STDOUT,
+        )
+        specs = [{} for _ in range(nodes)] if isinstance(nodes, int) else nodes
+        try:
+            for i, options in enumerate(specs):
+                self.add_node(options.pop("name", f"node-{chr(ord('a') + i)}"), **options)
+        except BaseException:
+            self.stop()
+            raise
+
+    def add_node(self, name: str, **options: Any) -> Node:
+        node = Node(self, name, 10 + len(self.nodes), **options)
+        self.nodes.append(node)
+        wait_for(lambda: self.node_ready(name), f"node {name} to be Ready", timeout=30)
+        return node
+
+    def node_ready(self, name: str) -> bool:
+        node = self.api.get("nodes", None, name)
+        conditions = ((node or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    # ------------------------------------------------------------ for the tests
+    def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return self.api_server.kubectl(*args, **kw)
+
+    def apply(self, document: dict[str, Any] | str, *args: str) -> Any:
+        return self.api_server.apply(document, *args)
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.api.get("pods", namespace, name)
+
+    def wait_pod(
+        self, namespace: str, name: str, phase: str | None = None, timeout: float = 60, **more: Any
+    ) -> dict[str, Any]:
+        """Until the pod reaches `phase` (or, with `gone=True`, no longer exists)."""
+        if more.get("gone"):
+            wait_for(lambda: self.pod(namespace, name) is None, f"pod {name} to go", timeout)
+            return {}
+
+        def reached() -> dict[str, Any] | None:
+            pod = self.pod(namespace, name)
+            return pod if pod and (pod.get("status") or {}).get("phase") == phase else None
+
+        try:
+            return wait_for(reached, f"pod {namespace}/{name} to be {phase}", timeout)
+        except AssertionError as error:
+            raise AssertionError(f"{error}\nlogs:\n{self.logs(namespace, name)}") from None
+
+    def logs(self, namespace: str, name: str, container: str = "main") -> str:
+        """The container's log (every run of it), from the node that runs the pod."""
+        for node in self.nodes:
+            for folder in (node.state / "pods").glob(f"{namespace}_{name}_*"):
+                path = folder / f"{container}.log"
+                if path.exists():
+                    return path.read_text(errors="replace")
+        return ""
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        if self.scheduler.poll() is None:
+            self.scheduler.terminate()
+            self.scheduler.wait(timeout=10)
+        self.scheduler_log.close()
+        self.api_server.stop()
+
+    def __enter__(self) -> ProcessCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
