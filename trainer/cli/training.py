@@ -1,16 +1,18 @@
-"""`rlft train` and `rlft verify`: the commands that run the trainer (and their torchrun
-worker entry point, `python -m rlft.trainer.cli.training`)."""
+"""`rlft train` and `rlft verify`: the commands that run the trainer. Started by torchrun
+(`--nproc N` here, or the operator's trainer pods), `rlft train` is one rank of the job."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from rlft.trainer.config import RLFineTune, load_job
+from rlft.trainer.config import RLFineTune
 from rlft.trainer.exit_codes import ExitCode
 
-WORKER = "rlft.trainer.cli.training"
+WORKER = "rlft.trainer.cli.main"
+"""What `--nproc N` has torchrun start: `rlft train` itself, which joins the group."""
 
 
 def _job(path: str) -> RLFineTune | None:
@@ -60,12 +62,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         print("rlft: --nproc must be ≥ 1", file=sys.stderr)
         return ExitCode.INVALID_CONFIG
+    if launched_by_torchrun():
+        # A rank of a job whose ranks torchrun started (on Kubernetes: every worker of
+        # every trainer pod): join the group it described, whatever --nproc says.
+        return _run_as_rank(job, args)
     if args.nproc == 1:
         return _run(job, args)
     from rlft.trainer.distributed.launch import run_workers
 
     out = _out(job, args)
-    forwarded = [args.job, "--out", str(out)]
+    forwarded = ["train", args.job, "--out", str(out)]
     if args.resume is not None:
         forwarded += ["--resume", str(args.resume)]
     if args.max_steps is not None:
@@ -74,6 +80,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         forwarded.append("--overwrite")
     code = run_workers(args.nproc, WORKER, forwarded)
     return ExitCode.OK if code == 0 else ExitCode.FAILURE
+
+
+def launched_by_torchrun(environ: dict[str, str] | None = None) -> bool:
+    """torchrun (the elastic agent) sets these for each worker it starts."""
+    environ = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in environ and "RANK" in environ and "WORLD_SIZE" in environ
+
+
+def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
+    from rlft.trainer.distributed.runtime import exit_worker, init_from_env, shutdown
+
+    dist = init_from_env()
+    print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
+    try:
+        code = _run(job, args, dist)
+    finally:
+        shutdown()
+    exit_worker(code)
 
 
 def _which(value: str) -> str | int:
@@ -144,28 +168,3 @@ def add_training_commands(commands: argparse._SubParsersAction) -> None:
         help=argparse.SUPPRESS,  # plants a known bug to show that verify catches it
     )
     verify.set_defaults(handler=cmd_verify)
-
-
-def worker_main(argv: list[str]) -> int:
-    """One torchrun rank of `rlft train --nproc N`."""
-    from rlft.trainer.distributed.runtime import init_from_env, shutdown
-
-    parser = argparse.ArgumentParser(prog="rlft train (worker)")
-    parser.add_argument("job")
-    parser.add_argument("--out")
-    parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--resume", type=_which)
-    args = parser.parse_args(argv)
-    job = load_job(args.job)
-    dist = init_from_env()
-    try:
-        return _run(job, args, dist)
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    from rlft.trainer.distributed.runtime import exit_worker
-
-    exit_worker(worker_main(sys.argv[1:]))
