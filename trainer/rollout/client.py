@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,17 @@ from rlft.trainer.rollout.protocol import (
     WeightsRequest,
     completion_from_json,
 )
+
+
+def _answers(url: str) -> bool:
+    """Whether an HTTP server answers `url` at all (any status)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
 
 
 class NoInstanceError(RuntimeError):
@@ -199,6 +211,23 @@ class RolloutClient:
         with self._lock:
             instance.policy_version = answer["policy_version"]
         return True
+
+    def wait_reachable(self, timeout_s: float, log: Callable[[str], None] | None = None) -> None:
+        """Block until every instance's server answers /healthz at all (503 too: it may
+        have no weights yet); fail naming the first one that does not."""
+        deadline = time.monotonic() + timeout_s
+        for index, instance in enumerate(self.instances):
+            told = False
+            while not _answers(f"{instance.url}/healthz"):
+                if time.monotonic() > deadline:
+                    raise NoInstanceError(
+                        f"rollout instance {index} ({instance.url}) did not answer /healthz "
+                        f"within {timeout_s:.0f} s: check that its pod is running"
+                    )
+                if not told and log is not None:
+                    log(f"rlft: waiting for rollout instance {index} at {instance.url}")
+                    told = True
+                time.sleep(0.5)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every instance answers /healthz (weights loaded)."""

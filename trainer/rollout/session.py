@@ -32,6 +32,8 @@ class Cursor(Protocol):
     def set_streams(self, streams: dict[str, Any]) -> None: ...
 
 
+URLS_ENV = "RLFT_ROLLOUT_URLS"
+"""On Kubernetes: the rollout instances the operator created (comma-separated URLs)."""
 CPUS_ENV = "RLFT_ROLLOUT_CPUS"
 """Local runs: pin rollout servers to CPUs, e.g. `1` or `1;2` (one set per instance)."""
 
@@ -47,7 +49,14 @@ def local_engine(rollout) -> str:
     return "vllm" if vllm_python() is not None else "transformers"
 
 
+def operator_instances() -> list[str]:
+    """The rollout instances the operator created for this job (none when run locally)."""
+    return [u.strip() for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
+
+
 def uses_servers(rollout) -> bool:
+    if operator_instances():
+        return True
     if rollout.local != "auto":
         return rollout.local == "servers"
     engine = local_engine(rollout)
@@ -93,20 +102,51 @@ class RolloutSession:
             )
             return cls(pipeline)
         stops = engine.stop_ids.tolist()
-        session = cls._with_servers(job, producer, stops, model, cursor, out, log)
+        urls = operator_instances()
+        if urls:  # on Kubernetes: the instances the operator created, never our own
+            session = cls._with_instances(job, producer, stops, model, cursor, urls, log)
+            what = "operator-created"
+        else:
+            session = cls._with_servers(job, producer, stops, model, cursor, out, log)
+            urls, what = session.servers.urls, session.servers.engine
         log(
-            f"rlft: {rollout.instances} rollout server(s) ({session.servers.engine}) at "
-            f"{', '.join(session.servers.urls)}; maxStaleness {rollout.max_staleness}, "
+            f"rlft: {len(urls)} rollout server(s) ({what}) at "
+            f"{', '.join(urls)}; maxStaleness {rollout.max_staleness}, "
             f"weights by {rollout.publication} via {session.publisher.store.storage.uri}"
         )
+        return session
+
+    @classmethod
+    def _with_instances(cls, job, producer, stop_ids, model, cursor, urls, log) -> RolloutSession:
+        """Rollout instances started by someone else (the operator): wait until they
+        answer, load the current weights into them through the store, then sample."""
+        from rlft.trainer.rollout.client import RolloutClient
+        from rlft.trainer.weights.store import WeightStore
+
+        rollout = job.spec.rollout
+        if not rollout.weights_uri:
+            raise ValueError(
+                "spec.rollout.weightsUri: rollout instances started elsewhere need a location "
+                "both they and the trainer reach (the operator renders one under "
+                "spec.checkpoint.uri)"
+            )
+        session = cls(None)  # type: ignore[arg-type]
+        try:
+            session.client = RolloutClient(urls, rollout.request_timeout_seconds)
+            session.client.wait_reachable(rollout.request_timeout_seconds, log)
+            store = WeightStore.at(rollout.weights_uri)
+            session._connect(job, producer, stop_ids, cursor, store)
+            session.publisher.publish_now(model, cursor.policy_version)
+            session.client.wait_ready(rollout.request_timeout_seconds)
+        except BaseException:
+            session.close()
+            raise
         return session
 
     @classmethod
     def _with_servers(cls, job, producer, stop_ids, model, cursor, out, log) -> RolloutSession:
         from rlft.trainer.rollout.client import RolloutClient
         from rlft.trainer.rollout.local import LocalServers
-        from rlft.trainer.rollout.publisher import WeightPublisher
-        from rlft.trainer.rollout.remote import RemoteEngine
         from rlft.trainer.weights.store import WeightStore, config_json, serialize
 
         rollout = job.spec.rollout
@@ -119,32 +159,38 @@ class RolloutSession:
         servers = LocalServers(rollout.instances, engine, uri, _cpus_from_env(), base, warn=log)
         session = cls(None, servers=servers)  # type: ignore[arg-type]
         try:
-            client = RolloutClient(servers.start(), rollout.request_timeout_seconds)
-            session.client = client
-            client.wait_ready(servers.startup_timeout_s)
-            timeout = rollout.request_timeout_seconds
-            publisher = WeightPublisher(client, store, rollout.publication, timeout)
-            publisher.mark_acked(version)
-            session.publisher = publisher
-            remote = RemoteEngine(client, stop_ids, rollout.request_prompts)
-            session.remote = remote
-            # The threaded pipeline draws ahead of the trainer from its own copies of the
-            # streams; step_done points the cursor's (checkpointed) RNGs at the oldest
-            # batch not yet trained on.
-            session.pipeline = RolloutPipeline(
-                producer(remote),
-                cursor.rng,
-                cursor.generator,
-                rollout.max_staleness,
-                job.spec.algorithm.group_size,
-                threaded=True,
-                wait_published=publisher.wait,
-                tokens=lambda: remote.tokens,
-            )
+            session.client = RolloutClient(servers.start(), rollout.request_timeout_seconds)
+            session.client.wait_ready(servers.startup_timeout_s)
+            session._connect(job, producer, stop_ids, cursor, store)
+            session.publisher.mark_acked(version)  # the servers started from the store
         except BaseException:
             session.close()
             raise
         return session
+
+    def _connect(self, job, producer, stop_ids, cursor, store) -> None:
+        """The publisher and the threaded pipeline over this session's client."""
+        from rlft.trainer.rollout.publisher import WeightPublisher
+        from rlft.trainer.rollout.remote import RemoteEngine
+
+        rollout = job.spec.rollout
+        timeout = rollout.request_timeout_seconds
+        self.publisher = WeightPublisher(self.client, store, rollout.publication, timeout)
+        remote = RemoteEngine(self.client, stop_ids, rollout.request_prompts)
+        self.remote = remote
+        # The threaded pipeline draws ahead of the trainer from its own copies of the
+        # streams; step_done points the cursor's (checkpointed) RNGs at the oldest batch
+        # not yet trained on.
+        self.pipeline = RolloutPipeline(
+            producer(remote),
+            cursor.rng,
+            cursor.generator,
+            rollout.max_staleness,
+            job.spec.algorithm.group_size,
+            threaded=True,
+            wait_published=self.publisher.wait,
+            tokens=lambda: remote.tokens,
+        )
 
     def step_done(self, model: torch.nn.Module, cursor: Cursor) -> None:
         """After an optimizer step: ship the weights of the cursor's version (servers),

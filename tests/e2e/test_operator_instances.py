@@ -1,0 +1,53 @@
+"""On Kubernetes the trainer samples from the rollout instances the operator created
+(RLFT_ROLLOUT_URLS), never starting its own: it waits for them, loads the current
+weights into them through the weight store, and names an instance that never answers."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from rollout_fixtures import ThreadServer
+from tiny_jobs import arithmetic_rl_spec, write_parity_job
+
+from rlft.trainer.config import load_job
+from rlft.trainer.rollout.client import NoInstanceError
+from rlft.trainer.run.job import run_job
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def instance():
+    server = ThreadServer()
+    yield server
+    server.stop()
+
+
+def _job(tmp_path, **rollout):
+    spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4}, steps=3)
+    spec["rollout"] |= {"weightsUri": (tmp_path / "weights").as_uri(), **rollout}
+    return load_job(write_parity_job(tmp_path, spec))
+
+
+def test_the_trainer_uses_the_instances_it_is_given(tmp_path, monkeypatch, instance, capsys):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("RLFT_ROLLOUT_URLS", instance.url)
+    summary = run_job(_job(tmp_path), tmp_path / "out")
+    assert summary["steps"] == 3
+    out = capsys.readouterr().out
+    assert f"1 rollout server(s) (operator-created) at {instance.url}" in out
+    # The instance started empty; it now serves the trainer's newest weights.
+    assert instance.server.host.policy_version == summary["policy_version"]
+    assert not list((tmp_path / "out").glob("rollout-*.log"))  # no local servers started
+
+
+def test_an_instance_that_never_answers_is_named(tmp_path, monkeypatch):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("RLFT_ROLLOUT_URLS", dead)
+    job = _job(tmp_path, requestTimeoutSeconds=2)
+    with pytest.raises(NoInstanceError, match=rf"rollout instance 0 \({dead}\) did not answer"):
+        run_job(job, tmp_path / "out")
