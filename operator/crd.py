@@ -137,6 +137,35 @@ def _immutable_rule() -> dict[str, str]:
     }
 
 
+def _kubernetes_rules() -> list[dict[str, str]]:
+    """What only a cluster needs (locally a folder does): every pod must reach the
+    checkpoints, the published weights and the final model, and they must outlive pods."""
+    uri = "(has(self.spec.checkpoint) && has(self.spec.checkpoint.uri) ? "
+    uri += "self.spec.checkpoint.uri : '')"
+    weights = "(has(self.spec.rollout) && has(self.spec.rollout.weightsUri) ? "
+    weights += "self.spec.rollout.weightsUri : 's3://')"
+    return [
+        {
+            "rule": f"{uri}.startsWith('s3://')",
+            "message": (
+                "spec.checkpoint.uri: set an s3:// location. On Kubernetes the checkpoints, "
+                "the weights the rollout pods load and the final model must outlive the pods "
+                "and be reachable from all of them (a file:// location or the default local "
+                "folder belongs to one pod)"
+            ),
+            "fieldPath": ".spec.checkpoint.uri",
+        },
+        {
+            "rule": f"{weights}.startsWith('s3://')",
+            "message": (
+                "spec.rollout.weightsUri: the rollout pods cannot see a file:// location; "
+                "leave it unset (weights go under spec.checkpoint.uri) or use s3://"
+            ),
+            "fieldPath": ".spec.rollout.weightsUri",
+        },
+    ]
+
+
 def _describe(node: dict[str, Any], description: str | None) -> None:
     text = description or node.get("description")
     if text:
@@ -335,7 +364,7 @@ def build_crd() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
-        "x-kubernetes-validations": [_immutable_rule()],
+        "x-kubernetes-validations": [_immutable_rule(), *_kubernetes_rules()],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

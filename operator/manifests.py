@@ -84,10 +84,34 @@ def _metadata(
     }
 
 
-def config_map(job: RLFineTune, body: dict[str, Any]) -> dict[str, Any]:
-    """The rendered job file (defaults filled in). Holds no secret: credentials are referenced
-    by Secret name only and reach the pods as secretKeyRef environment variables."""
-    document = dump_job(job)
+def weights_uri(job: RLFineTune) -> str | None:
+    """Where trainer rank 0 publishes weights for the rollout pods: the job's own
+    `rollout.weightsUri`, else a `weights/` prefix under the checkpoint location."""
+    uri = job.spec.rollout.weights_uri or job.spec.checkpoint.uri
+    if uri is None or job.spec.rollout.weights_uri:
+        return uri
+    return uri.rstrip("/") + "/weights"
+
+
+def rendered(job: RLFineTune, s: Settings) -> RLFineTune:
+    """The job as its pods read it: what only the operator knows filled in (the address
+    and port of /status and /metrics it polls and scrapes, the weights location)."""
+    spec = job.spec
+    telemetry = spec.telemetry.model_copy(
+        update={"enabled": True, "host": "0.0.0.0", "port": s.status_port}
+    )
+    rollout = spec.rollout.model_copy(update={"weights_uri": weights_uri(job)})
+    return job.model_copy(
+        update={"spec": spec.model_copy(update={"telemetry": telemetry, "rollout": rollout})}
+    )
+
+
+def config_map(job: RLFineTune, body: dict[str, Any], s: Settings | None = None) -> dict[str, Any]:
+    """The rendered job file (defaults and what the operator knows filled in). Holds no
+    secret: credentials are referenced by Secret name only and reach the pods as
+    secretKeyRef environment variables."""
+    s = s or Settings()
+    document = dump_job(rendered(job, s))
     document["metadata"] = {"name": job.metadata.name, "namespace": body["metadata"]["namespace"]}
     text = yaml.safe_dump(document, sort_keys=False, allow_unicode=True)
     return {
@@ -439,7 +463,7 @@ class Desired:
 
 def desired(job: RLFineTune, body: dict[str, Any], s: Settings, resume: str) -> Desired:
     """All children of a job; `resume` is the trainer's --resume argument for new pods."""
-    cm = config_map(job, body)
+    cm = config_map(job, body, s)
     services = [trainer_service(job, body, s), rollout_service(job, body, s)]
     pods = {**trainer_pods(job, body, s, resume), **rollout_pods(job, body, s)}
     return Desired(

@@ -16,6 +16,7 @@ from chart_render import ROOT
 from crd_validation import validate
 from example_jobs import EXAMPLES, parsed_examples
 from example_jobs import document as _document
+from jobs import on_cluster
 
 from rlft.operator import manifests as M
 
@@ -37,7 +38,7 @@ def test_the_examples_cover_what_users_start_from():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_validates_against_the_crd_schema(path):
-    document = _document(path)
+    document = on_cluster(_document(path))  # local examples get an s3:// location first
     assert document["apiVersion"] == "rlft.dev/v1alpha1" and document["kind"] == "RLFineTune"
     _, problems, warnings = validate(document, SCHEMA)
     assert problems == [] and warnings == [], [str(p) for p in problems]

@@ -12,6 +12,7 @@ import yaml
 from crd_validation import validate
 from hypothesis import given
 from hypothesis import strategies as st
+from jobs import on_cluster
 from pydantic import BaseModel, ValidationError
 
 from rlft.operator import crd
@@ -193,13 +194,31 @@ def test_data_rule_agrees_with_pydantic(source, jsonl):
 # ------------------------------------------------------- whole manifests
 
 
-def _example() -> dict:
+def _local_example() -> dict:
     return read_yaml((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+
+
+def _example() -> dict:
+    return on_cluster(_local_example())
 
 
 def test_example_is_valid():
     _, problems, _ = validate(_example(), SCHEMA)
     assert problems == []
+
+
+@pytest.mark.parametrize("uri", [None, "file:///shared/ckpt", "/data/ckpt"])
+def test_a_job_whose_pods_cannot_share_a_location_is_refused_naming_the_field(uri):
+    doc = _local_example()
+    if uri is not None:
+        doc["spec"]["checkpoint"] = {"uri": uri}
+    _, problems, _ = validate(doc, SCHEMA)
+    assert [p.field for p in problems] == ["spec.checkpoint.uri"], problems
+    assert "s3://" in problems[0].message
+    weights = _example()
+    weights["spec"]["rollout"]["weightsUri"] = "file:///shared/weights"
+    _, problems, _ = validate(weights, SCHEMA)
+    assert [p.field for p in problems] == ["spec.rollout.weightsUri"], problems
 
 
 @pytest.mark.parametrize(

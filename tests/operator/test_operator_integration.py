@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 from cluster import ROOT, EmulatedApiServer, OperatorProcess, wait_for
-from jobs import job_doc
+from jobs import job_doc, on_cluster
+
+from rlft.trainer.config import read_yaml
 
 CRDS = [ROOT / "crds" / "rlfinetune.yaml", ROOT / "crds" / "kopf-peering.yaml"]
 
@@ -176,9 +178,11 @@ def _started(api, ns, job, wanted: int) -> dict[str, dict]:
 
 def test_apply_the_example_and_see_children_and_status(api, operator):
     ns = _namespace(api, "apply")
-    api.kubectl(
-        "apply", "--validate=false", "-n", ns, "-f", str(ROOT / "examples" / "tiny-grpo.yaml")
-    )
+    example = ROOT / "examples" / "tiny-grpo.yaml"
+    refused = api.kubectl("apply", "--validate=false", "-n", ns, "-f", str(example), check=False)
+    assert refused.returncode != 0 and "spec.checkpoint.uri" in refused.stderr
+    assert api.get("configmaps", "-n", ns, "-l", "rlft.dev/job=tiny-grpo")["items"] == []
+    api.apply(on_cluster(read_yaml(example.read_text())), "-n", ns)
     pods = _started(api, ns, "tiny-grpo", 2)
     assert sorted(pods) == ["tiny-grpo-rollout-0", "tiny-grpo-trainer-0"]
     services = api.get("services", "-n", ns, "-l", "rlft.dev/job=tiny-grpo")["items"]
