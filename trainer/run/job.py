@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from rlft.trainer.checkpoint import storage_from_spec
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.exit_codes import ExitCode
@@ -35,6 +36,8 @@ from rlft.trainer.run.state import Cursor
 from rlft.trainer.run.supervisor import RunEnded, Supervisor
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml")
+OUTPUTS = "outputs"
+"""The prefix under the checkpoint location that holds a finished run's outputs."""
 
 
 class OutputExistsError(Exception):
@@ -180,13 +183,36 @@ def _finish(
         "last_checkpoint_step": run.checkpoints.stats.last_step,
         "wall_time_s": round(seconds, 2),
     }
+    outputs = outputs_uri(spec.checkpoint.uri)
+    if outputs is not None:
+        summary["outputs_uri"] = outputs
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if outputs is not None:
+        _publish_outputs(run)
+        run.reporter.log(f"rlft: model, metrics.jsonl and summary.json copied to {outputs}")
     run.reporter.log(
         f"rlft: held-out accuracy {eval_start:.3f} → {eval_final:.3f} after {steps} "
         f"{spec.algorithm.name} steps ({summary['wall_time_s']:.0f} s); "
         f"model saved to {out / 'model'}"
     )
     return summary
+
+
+def outputs_uri(checkpoint_uri: str | None) -> str | None:
+    """Where a run with a checkpoint location keeps what outlives it (on Kubernetes the
+    pods' own folders do not): `<spec.checkpoint.uri>/outputs`."""
+    return None if checkpoint_uri is None else f"{checkpoint_uri.rstrip('/')}/{OUTPUTS}"
+
+
+def _publish_outputs(run: Run) -> None:
+    """Rank 0: the final model (Hugging Face folder), metrics.jsonl and summary.json
+    under the checkpoint location, the summary last (its presence says the rest is there)."""
+    storage = storage_from_spec(run.spec.checkpoint, run.out / "checkpoints")
+    model = run.out / "model"
+    for path in sorted(p for p in model.rglob("*") if p.is_file()):
+        storage.put_file(f"{OUTPUTS}/model/{path.relative_to(model).as_posix()}", path)
+    for name in ("metrics.jsonl", "summary.json"):
+        storage.put_file(f"{OUTPUTS}/{name}", run.out / name)
 
 
 def _announce(run: Run, parts: JobParts, resumed: bool) -> None:
