@@ -11,18 +11,22 @@ file) on the host. Standard library only: it runs before any environment is chos
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+_libc = ctypes.CDLL(None, use_errno=True)
 
-def _mount(*args: str) -> None:
-    result = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"podinit: mount {' '.join(args)}: {result.stderr.strip()}")
+
+def _mount(source: str | None, target: str, flags: int) -> None:
+    result = _libc.mount(source.encode() if source else None, target.encode(), None, flags, None)
+    if result != 0:
+        error = ctypes.get_errno()
+        raise SystemExit(f"podinit: mount {source} on {target}: {os.strerror(error)}")
 
 
 def _mount_point(target: Path, is_file: bool) -> None:
@@ -40,14 +44,18 @@ def main(spec_path: str) -> None:
     if spec.get("cgroup"):
         Path(spec["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
     socket.sethostname(spec["hostname"])
-    for mount in spec["mounts"]:
-        source, target = Path(mount["source"]), Path(mount["target"])
-        _mount_point(target, source.is_file())
-        _mount("--bind", str(source), str(target))
+    # Every source is opened before anything is mounted: a volume mounted over /tmp would
+    # otherwise hide the sources of later volumes that live under /tmp.
+    sources = [os.open(m["source"], os.O_PATH) for m in spec["mounts"]]
+    for mount, fd in zip(spec["mounts"], sources, strict=True):
+        target = Path(mount["target"])
+        _mount_point(target, Path(mount["source"]).is_file())
+        _mount(f"/proc/self/fd/{fd}", str(target), MS_BIND)
         if mount.get("readOnly"):
-            _mount("-o", "remount,bind,ro", str(target))
+            _mount(None, str(target), MS_REMOUNT | MS_BIND | MS_RDONLY)
+        os.close(fd)
     if spec.get("readOnlyRootFilesystem"):
-        _mount("-o", "remount,bind,ro", "/")
+        _mount(None, "/", MS_REMOUNT | MS_BIND | MS_RDONLY)
     os.chdir(spec.get("workingDir") or "/")
     argv = spec["argv"]
     try:

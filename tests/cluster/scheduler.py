@@ -77,6 +77,7 @@ def schedule_once(api: Api, reported: dict[str, str]) -> None:
         if name in used and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
             for resource, amount in pod_requests(pod).items():
                 used[name][resource] = used[name].get(resource, 0.0) + amount
+            used[name]["pods"] = used[name].get("pods", 0.0) + 1
     pending = [
         p
         for p in pods
@@ -91,12 +92,14 @@ def schedule_once(api: Api, reported: dict[str, str]) -> None:
             reason = why_not(pod, node, used[node_name])
             if reason is None:
                 cpu = quantity(node["status"]["allocatable"].get("cpu", 0))
-                fits.append((used[node_name].get("cpu", 0.0) / max(cpu, 1e-9), node_name))
+                load = used[node_name].get("cpu", 0.0) / max(cpu, 1e-9)
+                fits.append((load, used[node_name].get("pods", 0.0), node_name))
             else:
                 reasons[reason] = reasons.get(reason, 0) + 1
         if fits:
-            chosen = min(fits)[1]
+            chosen = min(fits)[-1]
             api.patch("pods", ns, name, {"spec": {"nodeName": chosen}})
+            used[chosen]["pods"] = used[chosen].get("pods", 0.0) + 1
             for resource, amount in pod_requests(pod).items():
                 used[chosen][resource] = used[chosen].get(resource, 0.0) + amount
             reported.pop(pod["metadata"]["uid"], None)

@@ -78,6 +78,7 @@ def test_environment_volumes_dns_read_only_root_and_termination_message(cluster)
             "args": os.environ["ECHO"],
         }
         open("/scratch/ok", "w").write("written")
+        facts["tmp"] = os.listdir("/tmp")
         try:
             open("/etc/forbidden", "w")
         except OSError as error:
@@ -99,6 +100,9 @@ def test_environment_volumes_dns_read_only_root_and_termination_message(cluster)
                 {"name": "ECHO", "value": "name=$(POD_NAME) $$literal"},
             ],
             "volumeMounts": [
+                # First: an emptyDir over /tmp hides the host's /tmp, where the kubelet
+                # keeps the sources of the volumes that follow.
+                {"name": "tmp", "mountPath": "/tmp"},
                 {"name": "job", "mountPath": "/etc/rlft", "readOnly": True},
                 {"name": "scratch", "mountPath": "/scratch"},
             ],
@@ -107,6 +111,7 @@ def test_environment_volumes_dns_read_only_root_and_termination_message(cluster)
         volumes=[
             {"name": "job", "configMap": {"name": "job"}},
             {"name": "scratch", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
         ],
     )
     cluster.apply(manifest)
@@ -123,6 +128,7 @@ def test_environment_volumes_dns_read_only_root_and_termination_message(cluster)
     assert facts["hostname"] == "w-0" and facts["name"] == "facts"
     assert facts["args"] == "name=facts $literal"
     assert facts["root"] == "Read-only file system"
+    assert facts["tmp"] == []  # the pod's own /tmp
     # kubectl reads what the kubelet reported
     out = cluster.kubectl("get", "pod", "facts", "-o", "jsonpath={.status.phase}").stdout
     assert out == "Failed"

@@ -1,0 +1,149 @@
+"""`kubectl apply` of an RLFineTune on the test cluster: the real operator plans the pods,
+the process kubelets run them (torchrun, `rlft train`, `rlft rollout`), SeaweedFS is the
+cluster's object store with credentials from a Secret. Nothing plays the trainer."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from seaweedfs import ACCESS_KEY, SECRET_KEY
+from testcluster import ProcessCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "operator"))
+
+from cluster import OperatorProcess  # noqa: E402
+from tiny_jobs import TINY_INIT  # noqa: E402
+
+NS = "ml"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, seaweed) -> Iterator[ProcessCluster]:
+    running = ProcessCluster(tmp_path_factory.mktemp("jobs-cluster"), nodes=2)
+    operator = None
+    try:
+        for crd in ("rlfinetune.yaml", "kopf-peering.yaml"):
+            running.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds" / crd))
+        running.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
+        secret = {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_ENDPOINT_URL": seaweed.endpoint,
+        }
+        running.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "s3-creds", "namespace": NS},
+                "data": {k: base64.b64encode(v.encode()).decode() for k, v in secret.items()},
+            }
+        )
+        operator = OperatorProcess(
+            running.api_server,
+            "--all-namespaces",
+            "--peering", "rlft-cluster-tests",
+            "--priority", "100",
+            "--poll-seconds", "1",
+            "--trainer-status-port", str(_free_port()),
+            "--grace-seconds", "20",
+        )  # fmt: skip
+        running.operator = operator
+        yield running
+    finally:
+        if operator is not None:
+            operator.stop()
+        running.stop()
+
+
+def grpo_job(name: str, bucket: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "rlft.dev/v1alpha1",
+        "kind": "RLFineTune",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "model": {"init": TINY_INIT, "tokenizer": {"kind": "byte"}},
+            "data": {"arithmetic": {"digits": 2, "evalSize": 40}},
+            "algorithm": {
+                "name": "grpo",
+                "groupSize": 4,
+                "sft": {"steps": 20, "batchSize": 16, "learningRate": 0.003},
+            },
+            "trainer": {
+                "steps": 6,
+                "promptsPerStep": 4,
+                "microBatchSize": 8,
+                "replicas": {"min": 2, "max": 2},
+            },
+            "rollout": {"instances": 1, "engine": "transformers", "sampling": {"maxNewTokens": 4}},
+            "checkpoint": {
+                "uri": f"s3://{bucket}/{name}",
+                "intervalSteps": 2,
+                "credentialsSecret": "s3-creds",
+                "addressingStyle": "path",
+            },
+            "eval": {"maxProblems": 20},
+        },
+    }
+
+
+def rlft(cluster: ProcessCluster, name: str) -> dict[str, Any] | None:
+    result = cluster.kubectl("get", "rlft", name, "-n", NS, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def test_a_grpo_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed):
+    bucket = "cluster-grpo"
+    seaweed.create_bucket(bucket)
+    name = "tiny"
+    cluster.apply(grpo_job(name, bucket))
+    seen_steps: list[int] = []
+    seen_checkpoint = []
+    deadline = time.monotonic() + 600
+    phase = None
+    while time.monotonic() < deadline:
+        job = rlft(cluster, name) or {}
+        status = job.get("status") or {}
+        phase = status.get("phase")
+        if status.get("step") is not None:
+            seen_steps.append(status["step"])
+        if status.get("lastCheckpoint"):
+            seen_checkpoint.append(status["lastCheckpoint"])
+        if phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(1)
+    logs = {
+        pod: cluster.logs(NS, f"{name}-{pod}") for pod in ("trainer-0", "trainer-1", "rollout-0")
+    }
+    assert phase == "Succeeded", json.dumps(rlft(cluster, name), indent=1) + "\n".join(
+        f"--- {pod}\n{text[-3000:]}" for pod, text in logs.items()
+    )
+    trainer_logs = logs["trainer-0"] + logs["trainer-1"]
+    assert "rank 0 of world size 2" in trainer_logs and "rank 1 of world size 2" in trainer_logs
+    assert seen_steps and max(seen_steps) > min(seen_steps), seen_steps
+    assert seen_checkpoint, "kubectl get rlft never showed a checkpoint"
+    client = seaweed.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{name}/")["Contents"]]
+    shards = {k.rsplit("/", 1)[-1] for k in keys if k.endswith(".distcp")}
+    assert {"__0_0.distcp", "__1_0.distcp"} <= shards, keys
+    assert f"{name}/outputs/summary.json" in keys and f"{name}/outputs/model/config.json" in keys
+    summary = json.loads(
+        client.get_object(Bucket=bucket, Key=f"{name}/outputs/summary.json")["Body"].read()
+    )
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    assert yaml.safe_load(json.dumps(summary))["policy_version"] >= 1
