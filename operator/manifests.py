@@ -25,6 +25,7 @@ import yaml
 
 from rlft.operator import names as N
 from rlft.trainer.config import RLFineTune, dump_job
+from rlft.trainer.config.algorithm import SOURCES
 
 CONFIG_DIR = "/etc/rlft"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
@@ -159,8 +160,15 @@ def _namespace(body: dict[str, Any]) -> str:
     return body["metadata"]["namespace"]
 
 
+def samples(job: RLFineTune) -> bool:
+    """Whether the job's algorithm trains on rollouts (DPO and SFT need no rollout pods)."""
+    return SOURCES[job.spec.algorithm.name] == "rollouts"
+
+
 def rollout_urls(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[str]:
     """One stable URL per rollout instance (its DNS name under the rollout Service)."""
+    if not samples(job):
+        return []
     svc, ns = N.rollout_service(job.metadata.name), _namespace(body)
     port = s.rollout_port
     return [f"http://rollout-{i}.{svc}.{ns}.svc:{port}" for i in range(job.spec.rollout.instances)]
@@ -372,6 +380,8 @@ def rollout_command(job: RLFineTune, s: Settings, instance: int, ray: bool) -> l
 
 
 def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str, dict[str, Any]]:
+    if not samples(job):
+        return {}
     rollout = job.spec.rollout
     name = job.metadata.name
     svc = N.rollout_service(name)

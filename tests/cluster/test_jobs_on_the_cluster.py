@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from seaweedfs import ACCESS_KEY, SECRET_KEY
-from testcluster import ProcessCluster
+from testcluster import ProcessCluster, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
@@ -71,7 +70,9 @@ def cluster(tmp_path_factory, seaweed) -> Iterator[ProcessCluster]:
         running.stop()
 
 
-def grpo_job(name: str, bucket: str) -> dict[str, Any]:
+def tiny_job(
+    name: str, bucket: str, algorithm: dict[str, Any], rollout: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "apiVersion": "rlft.dev/v1alpha1",
         "kind": "RLFineTune",
@@ -80,9 +81,9 @@ def grpo_job(name: str, bucket: str) -> dict[str, Any]:
             "model": {"init": TINY_INIT, "tokenizer": {"kind": "byte"}},
             "data": {"arithmetic": {"digits": 2, "evalSize": 40}},
             "algorithm": {
-                "name": "grpo",
                 "groupSize": 4,
                 "sft": {"steps": 20, "batchSize": 16, "learningRate": 0.003},
+                **algorithm,
             },
             "trainer": {
                 "steps": 6,
@@ -90,7 +91,12 @@ def grpo_job(name: str, bucket: str) -> dict[str, Any]:
                 "microBatchSize": 8,
                 "replicas": {"min": 2, "max": 2},
             },
-            "rollout": {"instances": 1, "engine": "transformers", "sampling": {"maxNewTokens": 4}},
+            "rollout": {
+                "instances": 1,
+                "engine": "transformers",
+                "sampling": {"maxNewTokens": 4},
+                **(rollout or {}),
+            },
             "checkpoint": {
                 "uri": f"s3://{bucket}/{name}",
                 "intervalSteps": 2,
@@ -102,16 +108,29 @@ def grpo_job(name: str, bucket: str) -> dict[str, Any]:
     }
 
 
+def finished(cluster: ProcessCluster, name: str) -> dict[str, Any] | None:
+    job = rlft(cluster, name) or {}
+    return job if (job.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+
 def rlft(cluster: ProcessCluster, name: str) -> dict[str, Any] | None:
     result = cluster.kubectl("get", "rlft", name, "-n", NS, "-o", "json", check=False)
     return json.loads(result.stdout) if result.returncode == 0 else None
 
 
-def test_a_grpo_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed):
-    bucket = "cluster-grpo"
+ALGORITHMS = {
+    "grpo": {"name": "grpo"},
+    "ppo": {"name": "ppo"},
+    "dpo": {"name": "dpo", "dpo": {"pairsPerStep": 4}},
+}
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_a_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed, algorithm):
+    bucket = f"cluster-{algorithm}"
     seaweed.create_bucket(bucket)
-    name = "tiny"
-    cluster.apply(grpo_job(name, bucket))
+    name = f"tiny-{algorithm}"
+    cluster.apply(tiny_job(name, bucket, ALGORITHMS[algorithm]))
     seen_steps: list[int] = []
     seen_checkpoint = []
     deadline = time.monotonic() + 600
@@ -146,4 +165,28 @@ def test_a_grpo_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed):
         client.get_object(Bucket=bucket, Key=f"{name}/outputs/summary.json")["Body"].read()
     )
     assert summary["world_size"] == 2 and summary["steps"] == 6
-    assert yaml.safe_load(json.dumps(summary))["policy_version"] >= 1
+    assert summary["algorithm"] == algorithm and summary["policy_version"] >= 1
+    rollout_pod_ran = bool(logs["rollout-0"])
+    assert rollout_pod_ran == (algorithm != "dpo")  # DPO samples nothing: no rollout pods
+
+
+def test_a_grpo_job_with_its_rollout_instance_on_vllm_succeeds(cluster, seaweed):
+    """The rollout pod's image maps to `.venv-vllm`: `rlft rollout` serves with vLLM."""
+    bucket, name = "cluster-vllm", "tiny-vllm"
+    seaweed.create_bucket(bucket)
+    rollout = {"engine": "vllm", "image": "ghcr.io/rlft/rollout-vllm:latest"}
+    cluster.apply(tiny_job(name, bucket, ALGORITHMS["grpo"], rollout))
+    job = wait_for(
+        lambda: (
+            (rlft(cluster, name) or {}).get("status", {}).get("phase") in ("Succeeded", "Failed")
+            and rlft(cluster, name)
+        ),
+        f"{name} to finish",
+        timeout=600,
+        every=2,
+    )
+    rollout_log = cluster.logs(NS, f"{name}-rollout-0")
+    assert job["status"]["phase"] == "Succeeded", (
+        rollout_log[-3000:] + cluster.logs(NS, f"{name}-trainer-0")[-3000:]
+    )
+    assert "(vllm)" in rollout_log

@@ -57,4 +57,4 @@ class Preference:
         return loss, sums | expert_sums(fwd)
 
 
-ENTRY = register(Algorithm("dpo", lambda spec, *_: Preference(spec), "pairs", reference=True))
+ENTRY = register(Algorithm("dpo", lambda spec, *_: Preference(spec), reference=True))

@@ -37,7 +37,6 @@ def _register(name: str, advantages) -> Algorithm:
             lambda spec, temperature, max_new_tokens: PolicyGradient(
                 spec, temperature, max_new_tokens
             ),
-            "rollouts",
             _outcome_shape(advantages),
         )
     )

@@ -64,7 +64,6 @@ ENTRY = register(
     Algorithm(
         "ppo",
         lambda spec, temperature, max_new_tokens: PPO(spec, temperature, max_new_tokens),
-        "rollouts",
         _token_rewards,
         critic=True,
     )

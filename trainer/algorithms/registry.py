@@ -5,7 +5,7 @@ batch builder and `rlft verify` read the entry; nothing else branches on a name.
 
     entry = algorithm(spec.name)
     objective = entry.objective(spec, temperature, max_new_tokens)
-    entry.source             # "rollouts" | "pairs" | "examples"
+    entry.source             # "rollouts" | "pairs" | "examples" (from config.algorithm)
     entry.needs_reference(spec), entry.critic
     entry.shape(spec, batch, rewards, token_kl)   # rollouts only: advantages or rewards
 """
@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from rlft.trainer.algorithms.batch import SequenceBatch
-from rlft.trainer.config.algorithm import AlgorithmSpec
+from rlft.trainer.config.algorithm import SOURCES, AlgorithmSpec, BatchSource
 
-Source = Literal["rollouts", "pairs", "examples"]
 Shape = Callable[[AlgorithmSpec, SequenceBatch, torch.Tensor, torch.Tensor], SequenceBatch]
 """(spec, packed rollouts, shaped reward per sequence, masked per-token KL) → the batch
 with what the objective reads (`advantages`, or `token_rewards` for GAE)."""
@@ -32,14 +31,18 @@ class Algorithm:
     name: str
     objective: Callable[[AlgorithmSpec, float, int], Any]
     """(spec, sampling temperature, maxNewTokens) → the objective the learner runs."""
-    source: Source
-    """What feeds a step: scored rollouts, preference pairs, or supervised examples."""
     shape: Shape | None = None
     """How scored rollouts become a training batch (rollout algorithms only)."""
     reference: bool = False
     """Needs the frozen reference whatever the KL coefficient (DPO)."""
     critic: bool = False
     """Trains a critic beside the policy (PPO)."""
+
+    @property
+    def source(self) -> BatchSource:
+        """What feeds a step: scored rollouts, preference pairs, or supervised examples
+        (declared torch-free in `config.algorithm.SOURCES`, for the operator too)."""
+        return SOURCES[self.name]
 
     def needs_reference(self, spec: AlgorithmSpec) -> bool:
         return self.reference or spec.kl.coef > 0
@@ -51,6 +54,8 @@ _REGISTRY: dict[str, Algorithm] = {}
 def register(entry: Algorithm) -> Algorithm:
     if entry.name in _REGISTRY:
         raise ValueError(f"algorithm {entry.name!r} is registered twice")
+    if entry.name not in SOURCES:
+        raise ValueError(f"algorithm {entry.name!r} has no source in config.algorithm.SOURCES")
     if (entry.source == "rollouts") != (entry.shape is not None):
         raise ValueError(f"{entry.name}: rollout algorithms, and only they, shape batches")
     _REGISTRY[entry.name] = entry

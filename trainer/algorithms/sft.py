@@ -30,4 +30,4 @@ class Supervised:
         return loss, {"loss": loss.item()} | expert_sums(fwd)
 
 
-ENTRY = register(Algorithm("sft", lambda spec, *_: Supervised(spec), "examples"))
+ENTRY = register(Algorithm("sft", lambda spec, *_: Supervised(spec)))

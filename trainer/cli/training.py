@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from rlft.trainer.config import RLFineTune
@@ -95,8 +96,13 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
     try:
         code = _run(job, args, dist)
-    finally:
-        shutdown()
+    except BaseException:
+        # No goodbye barrier: the other ranks may be waiting in a collective this rank
+        # will never join. Ending the process breaks their connections, and torchrun
+        # stops the group with the failure.
+        traceback.print_exc()
+        exit_worker(ExitCode.FAILURE)
+    shutdown()
     exit_worker(code)
 
 

@@ -15,6 +15,19 @@ from pydantic import Field, model_validator
 from rlft.trainer.config.base import Section
 
 AlgorithmName = Literal["grpo", "rloo", "reinforce++", "ppo", "dpo", "sft"]
+BatchSource = Literal["rollouts", "pairs", "examples"]
+
+SOURCES: dict[str, BatchSource] = {
+    "grpo": "rollouts",
+    "rloo": "rollouts",
+    "reinforce++": "rollouts",
+    "ppo": "rollouts",
+    "dpo": "pairs",
+    "sft": "examples",
+}
+"""What feeds each algorithm's steps: scored rollouts, preference pairs or supervised
+examples. Torch-free, so the operator knows which jobs need rollout pods; the algorithm
+registry reads it (`rlft.trainer.algorithms.registry`)."""
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "constant"]
 
 

@@ -141,10 +141,11 @@ class Learner:
             self.critic_optimizer.zero_grad(set_to_none=True)
 
     def freeze_reference(self) -> None:
-        """The frozen reference: a copy of the current policy (collective when sharded)."""
+        """The frozen reference: a copy of the current policy (collective when sharded).
+        Ranks other than 0 hold only their shards, so every rank builds the copy from
+        the model's config and the full state."""
         state = self.full_policy_state()
-        self.reference = copy.deepcopy(self.engine_model).eval()
-        self.reference.load_state_dict(state)
+        self.reference = _same_model(self.engine_model, state).eval()
         for parameter in self.reference.parameters():
             parameter.requires_grad_(False)
 
@@ -175,3 +176,15 @@ class Learner:
         return get_model_state_dict(
             self.models.policy, options=StateDictOptions(full_state_dict=True)
         )
+
+
+def _same_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A new, unsharded model of `model`'s architecture holding `state`."""
+    if not isinstance(next(iter(state.values()), None), torch.Tensor):
+        raise ValueError("the policy state is empty")
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(iter(state.values())).dtype
+    copy_ = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    copy_.load_state_dict(state)
+    return copy_
