@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench lint format clean prometheus vllm
+.PHONY: setup run test bench lint format clean prometheus vllm cluster-demo
 
 setup: $(STAMP) prometheus
 
@@ -56,6 +56,11 @@ run: setup
 
 test: setup vllm
 	$(PY) -m pytest -q
+
+# The test cluster on this machine (emulated API server, process kubelets, SeaweedFS, the
+# real operator) with the example job applied; prints how to watch it with kubectl.
+cluster-demo: setup
+	$(PY) tests/cluster/demo.py
 
 bench: setup
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

