@@ -4,14 +4,17 @@ cluster's object store with credentials from a Secret. Nothing plays the trainer
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_fixtures import Prometheus, start_prometheus, stop_prometheus
 from seaweedfs import ACCESS_KEY, SECRET_KEY
 from testcluster import ProcessCluster, wait_for
 
@@ -33,6 +36,56 @@ def cluster(tmp_path_factory, seaweed) -> Iterator[ProcessCluster]:
         }
         running.install_operator(NS, credentials, secret="s3-creds")
         yield running
+
+
+def pod_targets(cluster: ProcessCluster) -> list[dict[str, Any]]:
+    """What a PodMonitor selects: the job pods' `status` and `http` ports, from the API
+    server (Debian's Prometheus has no Kubernetes discovery built in, so the test finds
+    the pods and hands Prometheus a file_sd file)."""
+    groups = []
+    for pod in cluster.api.list("pods", NS):
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or "rlft.dev/job" not in (pod["metadata"].get("labels") or {}):
+            continue
+        for container in pod["spec"]["containers"]:
+            for port in container.get("ports") or []:
+                if port.get("name") in ("status", "http"):
+                    groups.append(
+                        {
+                            "targets": [f"{ip}:{port['containerPort']}"],
+                            "labels": {"pod": pod["metadata"]["name"]},
+                        }
+                    )
+    return groups
+
+
+@pytest.fixture(scope="module")
+def prometheus(cluster, tmp_path_factory) -> Iterator[Prometheus]:
+    """A real Prometheus scraping the job pods' /metrics every second."""
+    folder = tmp_path_factory.mktemp("prometheus")
+    targets = folder / "pods.json"
+    targets.write_text("[]")
+    scrape = {
+        "job_name": "rlft-pods",
+        "scrape_interval": "1s",
+        "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}],
+    }
+    server = start_prometheus(folder, [], [], [scrape])
+    stop = threading.Event()
+
+    def discover() -> None:
+        while not stop.wait(0.5):
+            with contextlib.suppress(OSError, ValueError):
+                fresh = folder / "pods.json.tmp"
+                fresh.write_text(json.dumps(pod_targets(cluster)))
+                fresh.replace(targets)
+
+    thread = threading.Thread(target=discover, daemon=True)
+    thread.start()
+    yield server
+    stop.set()
+    thread.join(timeout=5)
+    stop_prometheus(server)
 
 
 def tiny_job(
@@ -91,7 +144,7 @@ ALGORITHMS = {
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
-def test_a_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed, algorithm):
+def test_a_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed, prometheus, algorithm):
     bucket = f"cluster-{algorithm}"
     seaweed.create_bucket(bucket)
     name = f"tiny-{algorithm}"
@@ -133,6 +186,15 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed, algor
     assert summary["algorithm"] == algorithm and summary["policy_version"] >= 1
     rollout_pod_ran = bool(logs["rollout-0"])
     assert rollout_pod_ran == (algorithm != "dpo")  # DPO samples nothing: no rollout pods
+    # The real Prometheus scraped the trainer's and the rollout pod's /metrics.
+    window = "max_over_time({}[10m])"
+    steps = prometheus.query(window.format(f'rlft_train_step{{pod=~"{name}-trainer-.*"}}'))
+    assert steps and max(float(s["value"][1]) for s in steps) >= 1, steps
+    if rollout_pod_ran:
+        served = prometheus.query(
+            window.format(f'rlft_rollout_requests_total{{pod="{name}-rollout-0"}}')
+        )
+        assert served and float(served[0]["value"][1]) > 0, served
 
 
 def test_a_grpo_job_with_its_rollout_instance_on_vllm_succeeds(cluster, seaweed):

@@ -60,14 +60,22 @@ class Prometheus:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def _start(tmp: Path, targets: list[str], rule_files: list[Path]) -> Prometheus:
+def start_prometheus(
+    tmp: Path,
+    targets: list[str],
+    rule_files: list[Path],
+    scrape_configs: list[dict] | None = None,
+) -> Prometheus:
+    """A server scraping `targets` (or what `scrape_configs` describe) every second; the
+    caller stops it (`stop_prometheus`)."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail(HOW_TO_INSTALL)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": "rlft-trainer", "static_configs": [{"targets": targets}]}],
+        "scrape_configs": scrape_configs
+        or [{"job_name": "rlft-trainer", "static_configs": [{"targets": targets}]}],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
@@ -105,15 +113,19 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[list[str], list[Path]], Pro
     def start(targets: list[str], rule_files: list[Path]) -> Prometheus:
         folder = tmp_path / f"prometheus-{len(started)}"
         folder.mkdir()
-        server = _start(folder, targets, rule_files)
+        server = start_prometheus(folder, targets, rule_files)
         started.append(server)
         return server
 
     yield start
     for server in started:
-        server.process.terminate()
-        try:
-            server.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+        stop_prometheus(server)
+
+
+def stop_prometheus(server: Prometheus) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
