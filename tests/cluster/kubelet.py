@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from cluster_dns import hosts_file  # noqa: E402
@@ -291,6 +292,7 @@ class Kubelet:
             "argv": argv,
             "env": env,
             "terminationMessage": spec.get("terminationMessagePath", TERMINATION_LOG),
+            "keepVisible": [str(REPO), str(environment)],
         }
         spec_file = run.folder / f"{container.name}.sandbox.json"
         spec_file.write_text(json.dumps(sandbox))

@@ -29,6 +29,14 @@ def _mount(source: str | None, target: str, flags: int) -> None:
         raise SystemExit(f"podinit: mount {source} on {target}: {os.strerror(error)}")
 
 
+def _identity(path: str | int) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 def _mount_point(target: Path, is_file: bool) -> None:
     if target.exists():
         return
@@ -47,12 +55,20 @@ def main(spec_path: str) -> None:
     # Every source is opened before anything is mounted: a volume mounted over /tmp would
     # otherwise hide the sources of later volumes that live under /tmp.
     sources = [os.open(m["source"], os.O_PATH) for m in spec["mounts"]]
+    keep = [(path, os.open(path, os.O_PATH)) for path in spec.get("keepVisible", [])]
     for mount, fd in zip(spec["mounts"], sources, strict=True):
         target = Path(mount["target"])
         _mount_point(target, Path(mount["source"]).is_file())
         _mount(f"/proc/self/fd/{fd}", str(target), MS_BIND)
         if mount.get("readOnly"):
             _mount(None, str(target), MS_REMOUNT | MS_BIND | MS_RDONLY)
+        os.close(fd)
+    for path, fd in keep:
+        # The image's environment (and the source tree an editable install points to)
+        # must stay reachable when a volume covers a folder above it (/tmp, say).
+        if _identity(path) != _identity(fd):
+            Path(path).mkdir(parents=True, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, MS_BIND)
         os.close(fd)
     if spec.get("readOnlyRootFilesystem"):
         _mount(None, "/", MS_REMOUNT | MS_BIND | MS_RDONLY)

@@ -17,6 +17,7 @@ import pytest
 from prometheus_fixtures import Prometheus, start_prometheus, stop_prometheus
 from seaweedfs import ACCESS_KEY, SECRET_KEY
 from testcluster import ProcessCluster, wait_for
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
@@ -144,7 +145,9 @@ ALGORITHMS = {
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
-def test_a_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed, prometheus, algorithm):
+def test_a_job_with_two_trainer_pods_trains_and_succeeds(
+    cluster, seaweed, prometheus, algorithm, tmp_path
+):
     bucket = f"cluster-{algorithm}"
     seaweed.create_bucket(bucket)
     name = f"tiny-{algorithm}"
@@ -184,6 +187,15 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(cluster, seaweed, prome
     )
     assert summary["world_size"] == 2 and summary["steps"] == 6
     assert summary["algorithm"] == algorithm and summary["policy_version"] >= 1
+    # The final model, read back from the object store, loads with transformers.
+    model_dir = tmp_path / "model"
+    for key in keys:
+        if key.startswith(f"{name}/outputs/model/"):
+            target = model_dir / key.removeprefix(f"{name}/outputs/model/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, key, str(target))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert model.config.hidden_size == TINY_INIT["hiddenSize"]
     rollout_pod_ran = bool(logs["rollout-0"])
     assert rollout_pod_ran == (algorithm != "dpo")  # DPO samples nothing: no rollout pods
     # The real Prometheus scraped the trainer's and the rollout pod's /metrics.

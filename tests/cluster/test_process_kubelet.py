@@ -187,6 +187,21 @@ def test_pods_on_two_nodes_reach_each_other_through_a_service(cluster):
     cluster.wait_pod(NS, "web", gone=True, timeout=40)
 
 
+def test_a_volume_over_the_folder_holding_the_image_environment_hides_nothing(cluster):
+    """An emptyDir over the repository's parent (CI clones under /tmp, under a pod's
+    /tmp emptyDir) still leaves the image's environment and the source tree reachable."""
+    parent = str(Path(__file__).resolve().parents[3])
+    covered = pod(
+        "covered",
+        f"import os, rlft.trainer; print(os.listdir({parent!r}) != [], rlft.trainer.__name__)",
+        container={"volumeMounts": [{"name": "cover", "mountPath": parent}]},
+        volumes=[{"name": "cover", "emptyDir": {}}],
+    )
+    cluster.apply(covered)
+    cluster.wait_pod(NS, "covered", "Succeeded")
+    assert cluster.logs(NS, "covered").split() == ["True", "rlft.trainer"]
+
+
 def test_a_container_over_its_memory_limit_is_oom_killed(cluster):
     hog = pod(
         "hog",

@@ -59,7 +59,11 @@ class Checkpointing:
         return self.checkpointer.stats
 
     def resume(self, which: str | int, learner) -> Cursor | None:
-        """Restore the newest checkpoint `which` selects; None when there is none."""
+        """Restore the newest checkpoint `which` selects; None when there is none.
+        Rank 0's `which` counts for every rank: pods of one gang may have been started
+        with different --resume arguments (a replaced pod, survivors restarted in place),
+        and all ranks must load the same checkpoint."""
+        which = self.dist.broadcast(which)
         try:
             resumed = self._load(which, learner, restore_rng=True)
         except NoCheckpointError:
