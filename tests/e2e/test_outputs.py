@@ -11,6 +11,7 @@ from checkpoint_fixtures import s3_options
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 from transformers import AutoModelForCausalLM
 
+from rlft.trainer.cli.main import main as rlft
 from rlft.trainer.config import load_job
 from rlft.trainer.run.job import run_job
 from rlft.trainer.storage.backends import open_storage
@@ -18,7 +19,16 @@ from rlft.trainer.storage.backends import open_storage
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_outputs_are_kept_under_the_checkpoint_location(tmp_path, monkeypatch, bucket, s3_env):
+def _same_weights(a, b) -> None:
+    for (name, value), (_, expected) in zip(
+        a.state_dict().items(), b.state_dict().items(), strict=True
+    ):
+        assert torch.equal(value, expected), name
+
+
+def test_outputs_are_kept_under_the_checkpoint_location(
+    tmp_path, monkeypatch, bucket, s3_env, capsys
+):
     uri = f"s3://{bucket}/runs/kept"
     spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4}, steps=3)
     spec["checkpoint"] = {"uri": uri, "endpointUrl": s3_env.endpoint, "addressingStyle": "path"}
@@ -37,7 +47,17 @@ def test_outputs_are_kept_under_the_checkpoint_location(tmp_path, monkeypatch, b
     assert (kept / "metrics.jsonl").read_text() == (out / "metrics.jsonl").read_text()
     model = AutoModelForCausalLM.from_pretrained(kept / "model")
     local = AutoModelForCausalLM.from_pretrained(out / "model")
-    for (name, value), (_, expected) in zip(
-        model.state_dict().items(), local.state_dict().items(), strict=True
-    ):
-        assert torch.equal(value, expected), name
+    _same_weights(model, local)
+
+    # `rlft export` of the location gives the final model, not the latest checkpoint...
+    flags = ["--endpoint-url", s3_env.endpoint, "--addressing-style", "path"]
+    assert rlft(["export", uri, str(tmp_path / "final"), *flags]) == 0
+    assert "exported the final model (outputs/model/)" in capsys.readouterr().out
+    _same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "final"), local)
+    # ...unless asked for the checkpoint; and without a summary (publication cut short)
+    # the outputs are not trusted and the latest checkpoint is used.
+    assert rlft(["export", uri, str(tmp_path / "ckpt"), "--latest-checkpoint", *flags]) == 0
+    assert "exported step-000003" in capsys.readouterr().out
+    storage.delete_prefix("outputs/summary.json")
+    assert rlft(["export", uri, str(tmp_path / "partial"), *flags]) == 0
+    assert "exported step-000003" in capsys.readouterr().out

@@ -96,10 +96,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rlft.trainer.checkpoint.export import export_hf
+    from rlft.trainer.checkpoint.export import FINAL_MODEL, export_final, export_hf, split_location
 
+    out, s3 = Path(args.out_dir), _options(args)
+    final = split_location(args.checkpoint)[1] == "auto" and not args.latest_checkpoint
     try:
-        manifest = export_hf(args.checkpoint, Path(args.out_dir), s3=_options(args))
+        if final and export_final(args.checkpoint, out, s3=s3):
+            print(f"exported the final model ({FINAL_MODEL}) to {args.out_dir}")
+            return ExitCode.OK
+        manifest = export_hf(args.checkpoint, out, s3=s3)
     except FAILURES as error:
         print(f"rlft: {error}", file=sys.stderr)
         return ExitCode.FAILURE

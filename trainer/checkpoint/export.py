@@ -1,5 +1,6 @@
-"""`rlft export`: a checkpoint as a Hugging Face folder (config, safetensors, tokenizer)
-that transformers and vLLM load. Needs nothing but the checkpoint: the saver stores the
+"""`rlft export`: a Hugging Face folder (config, safetensors, tokenizer) that transformers
+and vLLM load, from a finished run's final model (`outputs/model/` under the checkpoint
+location) or from a checkpoint. A checkpoint needs nothing else: the saver stores the
 model's config and tokenizer files under `hf/` in every checkpoint."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -16,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import CheckpointError
 from rlft.trainer.checkpoint.loader import LocalCopy
-from rlft.trainer.checkpoint.manifest import HF_DIR, Manifest, Which, parse_step_dir
+from rlft.trainer.checkpoint.manifest import HF_DIR, OUTPUTS, Manifest, Which, parse_step_dir
 from rlft.trainer.checkpoint.state import apply_tensor_state, tensor_state
 from rlft.trainer.storage.backends import S3Options, Storage, open_storage
 
@@ -65,19 +67,14 @@ def export_hf(
 
     base, chosen = split_location(location)
     which = chosen if which is None else which
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise CheckpointError(f"{out_dir} exists and is not empty: choose a new folder")
     storage = storage or open_storage(base, s3)
     catalog = Catalog(storage)
     local = LocalCopy(storage, None, 0, 1)
-    work = Path(
-        tempfile.mkdtemp(
-            prefix=".rlft-export-", dir=out_dir.parent if out_dir.parent.exists() else None
-        )
-    )
-    try:
+    chosen_manifest: list[Manifest] = []
+
+    def fill(work: Path) -> None:
         manifest = catalog.choose(which, check=lambda m: local.fetch(m) + _hf_problems(m))
+        chosen_manifest.append(manifest)
         assert local.path is not None
         hf = local.path / HF_DIR
         config = AutoConfig.from_pretrained(hf, local_files_only=True)
@@ -93,13 +90,53 @@ def export_hf(
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, target)
         model.save_pretrained(work)
+
+    try:
+        _into_new_folder(Path(out_dir), fill)
+    finally:
+        local.cleanup()
+    return chosen_manifest[0]
+
+
+FINAL_MODEL = f"{OUTPUTS}/model/"
+FINISHED = f"{OUTPUTS}/summary.json"
+
+
+def export_final(location: str, out_dir: Path, *, s3: S3Options | None = None) -> bool:
+    """Copy a finished run's final model (`<location>/outputs/model/`, published by rank 0
+    after the last step) to `out_dir`; False when the location holds no finished run.
+    The summary is published last, so its presence says the model is complete."""
+    storage = open_storage(location, s3)
+    if not storage.exists(FINISHED):
+        return False
+    files = [info.key for info in storage.list(FINAL_MODEL)]
+    if f"{FINAL_MODEL}config.json" not in files:
+        return False
+
+    def fill(work: Path) -> None:
+        for key in files:
+            target = work / key.removeprefix(FINAL_MODEL)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            storage.get_file(key, target)
+
+    _into_new_folder(Path(out_dir), fill)
+    return True
+
+
+def _into_new_folder(out_dir: Path, fill: Callable[[Path], None]) -> None:
+    """Run `fill` on a scratch folder beside `out_dir`, then rename it into place: a
+    failure leaves nothing behind, and an existing non-empty `out_dir` is refused."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CheckpointError(f"{out_dir} exists and is not empty: choose a new folder")
+    parent = out_dir.parent if out_dir.parent.exists() else None
+    work = Path(tempfile.mkdtemp(prefix=".rlft-export-", dir=parent))
+    try:
+        fill(work)
         if out_dir.exists():
             out_dir.rmdir()
         work.rename(out_dir)
     finally:
-        local.cleanup()
         shutil.rmtree(work, ignore_errors=True)
-    return manifest
 
 
 def _hf_problems(manifest: Manifest) -> list[str]:

@@ -31,6 +31,8 @@ LATEST = "latest"
 EXTRA = "extra.json"
 RNG = "rng.json"
 HF_DIR = "hf"
+OUTPUTS = "outputs"
+"""Beside the step folders: a finished run's final model, metrics.jsonl and summary.json."""
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 

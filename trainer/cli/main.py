@@ -71,9 +71,18 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     ck.add_storage_options(verify)
     verify.set_defaults(handler=ck.cmd_verify)
 
-    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    export = commands.add_parser(
+        "export", help="write a run's final model or a checkpoint as a Hugging Face folder"
+    )
     export.add_argument(
-        "checkpoint", help="a checkpoint folder (.../step-000120) or a location (its latest)"
+        "checkpoint",
+        help="a checkpoint location (its finished run's final model, else its latest "
+        "checkpoint) or one checkpoint folder (.../step-000120)",
+    )
+    export.add_argument(
+        "--latest-checkpoint",
+        action="store_true",
+        help="export the location's latest checkpoint even when a final model is there",
     )
     export.add_argument("out_dir", help="new folder for config, safetensors and tokenizer")
     ck.add_storage_options(export)

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from rlft.trainer.checkpoint import storage_from_spec
+from rlft.trainer.checkpoint.manifest import OUTPUTS
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.exit_codes import ExitCode
@@ -36,8 +37,6 @@ from rlft.trainer.run.state import Cursor
 from rlft.trainer.run.supervisor import RunEnded, Supervisor
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml")
-OUTPUTS = "outputs"
-"""The prefix under the checkpoint location that holds a finished run's outputs."""
 
 
 class OutputExistsError(Exception):
