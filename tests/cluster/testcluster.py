@@ -121,8 +121,8 @@ class ProcessCluster:
     def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         return self.api_server.kubectl(*args, **kw)
 
-    def apply(self, document: dict[str, Any] | str, *args: str) -> Any:
-        return self.api_server.apply(document, *args)
+    def apply(self, document: dict[str, Any] | str, *args: str, check: bool = True) -> Any:
+        return self.api_server.apply(document, *args, check=check)
 
     def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.api.get("pods", namespace, name)
@@ -144,14 +144,37 @@ class ProcessCluster:
         except AssertionError as error:
             raise AssertionError(f"{error}\nlogs:\n{self.logs(namespace, name)}") from None
 
+    def pod_folder(self, namespace: str, name: str) -> Path | None:
+        """The kubelet's folder of the pod of that name: the current one while it exists,
+        else the newest (a replaced pod has the same name and a new uid)."""
+        pod = self.pod(namespace, name)
+        folders = [
+            folder
+            for node in self.nodes
+            for folder in (node.state / "pods").glob(f"{namespace}_{name}_*")
+        ]
+        if pod is not None:
+            current = [f for f in folders if f.name.endswith(pod["metadata"]["uid"][:8])]
+            folders = current or folders
+        return max(folders, key=lambda f: f.stat().st_mtime, default=None)
+
     def logs(self, namespace: str, name: str, container: str = "main") -> str:
         """The container's log (every run of it), from the node that runs the pod."""
-        for node in self.nodes:
-            for folder in (node.state / "pods").glob(f"{namespace}_{name}_*"):
-                path = folder / f"{container}.log"
-                if path.exists():
-                    return path.read_text(errors="replace")
-        return ""
+        folder = self.pod_folder(namespace, name)
+        path = folder / f"{container}.log" if folder else None
+        return path.read_text(errors="replace") if path and path.exists() else ""
+
+    def container_pid(self, namespace: str, name: str, container: str = "main") -> int:
+        """The process id of the container's first process (its process group's id)."""
+        folder = self.pod_folder(namespace, name)
+        if folder is None or not (folder / f"{container}.pid").exists():
+            raise AssertionError(f"pod {namespace}/{name} has no running {container} container")
+        return int((folder / f"{container}.pid").read_text())
+
+    def kill_container(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> None:
+        """Fault injection: `sig` to every process of the container (as the OOM killer or
+        a crashed runtime would), by the process group the kubelet started it in."""
+        os.killpg(self.container_pid(namespace, name), sig)
 
     def install_operator(
         self, namespace: str, credentials: dict[str, str], secret: str = "s3-creds"

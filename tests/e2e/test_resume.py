@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import torch
 import yaml
 from checkpoint_fixtures import s3_options
+from prometheus_fixtures import free_port
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
@@ -184,3 +186,81 @@ def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
     assert records(tmp_path / "killed") == records(tmp_path / "whole")
     final, expected = parameters(tmp_path / "killed"), parameters(tmp_path / "whole")
     assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+
+def _agent(folder: Path, out: str, resume: str, port: int) -> subprocess.Popen:
+    """One trainer pod's elastic agent, as the operator writes it: c10d rendezvous with
+    a peer, one worker running `rlft train` as a rank, its own --out and --resume."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(folder),
+        OMP_NUM_THREADS="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"),
+        *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=gang"),
+        *("-m", "rlft.trainer.cli.main", "train", "job.yaml", "--out", out, f"--resume={resume}"),
+    ]
+    return subprocess.Popen(
+        command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_a_gang_started_with_different_resume_arguments_loads_one_checkpoint(tmp_path):
+    """A replaced trainer pod may start with --resume=4 (say) while the survivor restarts
+    with auto (→ step 6): rank 0's choice counts for both, so the run equals one that
+    resumed from that checkpoint on every rank (a mixed load would silently train a model
+    made of two checkpoints' shards)."""
+    spec = arithmetic_rl_spec(
+        {"name": "grpo", "groupSize": 4},
+        STEPS,
+        checkpoint={"uri": (tmp_path / "shared").as_uri(), "intervalSteps": 2, "keepLast": 3},
+    )
+    write_parity_job(tmp_path, spec, "gang")
+    first = start(tmp_path, "first", "--max-steps", "6")
+    assert first.wait(timeout=600) == 0, first.stdout.read()
+    shutil.copytree(tmp_path / "shared", tmp_path / "shared-copy")
+
+    port = free_port()
+    gang = [_agent(tmp_path, "pod-a", "4", port), _agent(tmp_path, "pod-b", "auto", port)]
+    outputs = [agent.communicate(timeout=600)[0] for agent in gang]
+    assert [agent.returncode for agent in gang] == [0, 0], "\n".join(outputs)
+    main = 0 if (tmp_path / "pod-a" / "model").exists() else 1
+    chosen = 4 if main == 0 else 6
+    assert f"resumed from the checkpoint of step {chosen}" in outputs[main], outputs[main]
+
+    # The same resume on both ranks, from the untouched copy of the checkpoints.
+    shutil.rmtree(tmp_path / "shared")
+    shutil.copytree(tmp_path / "shared-copy", tmp_path / "shared")
+    same = start(tmp_path, "same", "--nproc", "2", f"--resume={chosen}")
+    assert same.wait(timeout=600) == 0, same.stdout.read()
+    final = parameters(tmp_path / ("pod-a" if main == 0 else "pod-b"))
+    expected = parameters(tmp_path / "same")
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
+
+
+def test_latest_healthy_without_any_checkpoint_starts_the_job_again(tmp_path) -> None:
+    """The operator restarts every failed gang with --resume=latest-healthy; a failure
+    before the first checkpoint must not turn into 'no checkpoint' (exit 2) forever."""
+    write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    attempt = start(tmp_path, "attempt", "--resume", "never")
+    wait_for_file = time.monotonic() + 120
+    while not (tmp_path / "attempt" / "job.yaml").exists():  # killed in the warm start
+        assert time.monotonic() < wait_for_file and attempt.poll() is None
+        time.sleep(0.05)
+    attempt.kill()
+    attempt.wait()
+    assert not (tmp_path / "attempt" / "checkpoints").exists() or not any(
+        (tmp_path / "attempt" / "checkpoints").rglob("manifest.json")
+    )
+    again = start(tmp_path, "attempt", "--resume", "latest-healthy")
+    output = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, output
+    assert "no checkpoint at all; starting from the beginning" in output
+    assert [r["step"] for r in records(tmp_path / "attempt")] == list(range(1, STEPS + 1))
+    # A step the user names is still required to exist.
+    named = start(tmp_path, "attempt", "--resume", "99")
+    output = named.communicate(timeout=600)[0]
+    assert named.returncode == 2 and "99" in output, output

@@ -7,6 +7,7 @@ from typing import Any
 
 from rlft.operator import names as N
 from rlft.operator.observe import PodView, pod_view
+from rlft.trainer import termination
 
 _uids = itertools.count(1)
 
@@ -28,7 +29,12 @@ def raw_pod(
     created: str = "2026-01-01T00:00:00Z",
     deleting: bool = False,
     pod_ip: str | None = None,
+    verdict: termination.Verdict | None = None,
 ) -> dict[str, Any]:
+    """`verdict`: what the container's process wrote to its termination message (the
+    message is then that, as the kubelet reports it, not `message`)."""
+    if verdict is not None:
+        message = termination.encode(verdict)
     status: dict[str, Any] = {"phase": phase, "conditions": []}
     if scheduled or phase in ("Running", "Succeeded", "Failed"):
         status["conditions"].append({"type": "PodScheduled", "status": "True"})

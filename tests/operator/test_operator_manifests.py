@@ -121,7 +121,7 @@ def test_trainer_pods_run_elastic_torchrun():
         assert "--rdzv-endpoint=trainer-0.tiny-grpo-trainer.ml.svc:29400" in command
         assert "--rdzv-id=0f0e-uid" in command
         assert any(a.startswith("--rdzv-conf=") and "last_call_timeout=5" in a for a in command)
-        assert "--max-restarts=10" in command
+        assert "--max-restarts=0" in command  # the operator restarts, counts, backs off
         assert command[-1] == "--resume=latest-healthy"
         env = {e["name"]: e for e in main["env"]}
         assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"

@@ -19,6 +19,8 @@ from rlft.operator import failures as P
 from rlft.operator.observe import PodView, TrainerReport
 from rlft.operator.reconcile import Decision, Observed, parse_time, reconcile
 from rlft.operator.status import RLFineTuneStatus
+from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.termination import Verdict
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 RESTARTS = {"maxRestarts": 3, "windowMinutes": 60, "backoffSeconds": 10}
@@ -234,10 +236,25 @@ def test_permanent_error_fails_fast():
     w.step()
     w.run_all()
     w.step()
-    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=2, message="spec.x: unknown field")
+    # torchrun's agent exits 1; the worker's verdict in the termination message says 2.
+    verdict = Verdict(ExitCode.INVALID_CONFIG, "spec.x: unknown field")
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1, verdict=verdict)
     w.step()
     assert w.status.phase == "Failed" and w.status.last_failure.reason == P.INVALID_CONFIG
     assert w.status.restarts == 0 and "spec.x" in w.status.last_failure.message
+    assert w.status.last_failure.exit_code == ExitCode.INVALID_CONFIG
+
+
+def test_log_text_is_never_copied_into_the_status():
+    w = _world()
+    w.step()
+    w.run_all()
+    w.step()
+    log = "Traceback (most recent call last):\n  token=hunter2 in some frame\nRuntimeError: x"
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1, message=log)
+    w.step()
+    assert w.status.last_failure.reason == P.ERROR and w.status.last_failure.message == ""
+    assert "hunter2" not in w.status.model_dump_json()
 
 
 def _checkpoint(step: int) -> dict[str, Any]:
@@ -343,10 +360,41 @@ def test_success_frees_the_rollout_pods():
     w.step()
     w.run_all()
     w.step()
-    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0)
+    done = Verdict(0, completed=True, step=12, last_checkpoint=12, checkpoint_uri="s3://b/r/s")
+    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0, verdict=done)
     d = w.step()
     assert w.status.phase == "Succeeded" and d.delete_pods == ["tiny-grpo-rollout-0"]
+    assert w.status.step == 12 and w.status.last_checkpoint.step == 12  # mirrored at the end
     assert w.step().create == []
+
+
+def test_only_rank_0_reporting_completion_makes_the_job_succeed():
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    # Rank 1 is done while rank 0 still publishes the outputs: the job waits.
+    w.set("tiny-grpo-trainer-1", phase="Succeeded", exit_code=0, verdict=Verdict(0, rank=1))
+    d = w.step()
+    assert w.status.phase == "Running" and d.delete_pods == [] and d.create == []
+    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0, verdict=Verdict(0, completed=True))
+    w.step()
+    assert w.status.phase == "Succeeded"
+
+
+def test_trainers_that_all_exit_0_without_completion_are_restarted():
+    """E.g. stopped after an emergency checkpoint: not a success, a gang restart."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    for rank in (0, 1):
+        name = f"tiny-grpo-trainer-{rank}"
+        w.set(name, phase="Succeeded", exit_code=0, verdict=Verdict(0, rank=rank))
+    d = w.step()
+    assert w.status.phase == "Restarting" and w.status.restarts == 1
+    assert sorted(d.delete_pods) == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+    assert "before rank 0 reported" in w.status.last_failure.message
 
 
 def test_image_pull_warns_then_fails_after_the_timeout():

@@ -9,6 +9,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from rlft.trainer import termination
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.exit_codes import ExitCode
 
@@ -31,9 +32,16 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     from rlft.trainer.run.job import OutputExistsError, run_job
     from rlft.trainer.storage.errors import StorageError
 
+    rank = dist.rank if dist is not None else 0
     try:
         summary = run_job(
-            job, _out(job, args), args.max_steps, args.overwrite, dist=dist, resume=args.resume
+            job,
+            _out(job, args),
+            args.max_steps,
+            args.overwrite,
+            dist=dist,
+            resume=args.resume,
+            restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
         )
     except (
         OutputExistsError,
@@ -44,12 +52,38 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         NoCheckpointError,
         BadUriError,
     ) as error:
-        print(f"rlft: {error}", file=sys.stderr)
-        return ExitCode.INVALID_CONFIG
+        return _failed(ExitCode.INVALID_CONFIG, error, rank)
     except (CheckpointError, StorageError) as error:  # storage trouble: worth retrying
-        print(f"rlft: {error}", file=sys.stderr)
-        return ExitCode.FAILURE
-    return summary.get("exit_code", ExitCode.OK)
+        return _failed(ExitCode.FAILURE, error, rank)
+    code = summary.get("exit_code", ExitCode.OK)
+    termination.write(_verdict(job, summary, code, rank))
+    return code
+
+
+def _verdict(job: RLFineTune, summary: dict, code: int, rank: int) -> termination.Verdict:
+    """What the pod reports: rank 0's summary (written once the outputs are published)
+    says the job is complete, with its last step and checkpoint for the status mirror."""
+    from rlft.trainer.checkpoint.manifest import step_dir
+
+    last = summary.get("last_checkpoint_step")
+    location = job.spec.checkpoint.uri
+    uri = f"{location.rstrip('/')}/{step_dir(last)}" if location and last is not None else None
+    return termination.Verdict(
+        code,
+        summary.get("ended", ""),
+        rank,
+        completed="steps" in summary,
+        step=summary.get("steps"),
+        last_checkpoint=last,
+        checkpoint_uri=uri,
+    )
+
+
+def _failed(code: int, error: BaseException, rank: int) -> int:
+    """Report an error the trainer understands: on stderr, and as the pod's verdict."""
+    print(f"rlft: {error}", file=sys.stderr)
+    termination.write(termination.Verdict(code, str(error), rank))
+    return code
 
 
 def _out(job: RLFineTune, args: argparse.Namespace) -> Path:
@@ -96,11 +130,13 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
     try:
         code = _run(job, args, dist)
-    except BaseException:
+    except BaseException as error:
         # No goodbye barrier: the other ranks may be waiting in a collective this rank
         # will never join. Ending the process breaks their connections, and torchrun
         # stops the group with the failure.
         traceback.print_exc()
+        message = f"{type(error).__name__}: {error}"
+        termination.write(termination.Verdict(ExitCode.FAILURE, message, dist.rank))
         exit_worker(ExitCode.FAILURE)
     shutdown()
     exit_worker(code)

@@ -16,5 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--expert-parallel", type=int, default=1)
     parser.add_argument("--ray-address", help="Ray head of a multi-node instance (vLLM)")
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="nodes of a multi-node instance, awaited in Ray"
+    )
+    parser.add_argument(
+        "--ray-timeout", type=float, default=600.0, help="seconds to wait for the Ray nodes"
+    )
     parser.add_argument("--weights-uri", help="publication location to catch up from")
     parser.add_argument("--ready-file", help="write {port, pid} here once listening")

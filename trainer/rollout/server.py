@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from rlft.trainer import termination
 from rlft.trainer.rollout.arguments import add_arguments
 from rlft.trainer.rollout.protocol import (
     GenerateRequest,
@@ -31,6 +32,7 @@ from rlft.trainer.rollout.protocol import (
     WeightsRequest,
     completion_to_json,
 )
+from rlft.trainer.rollout.ray_cluster import RayClusterError
 
 MAX_BODY = 64 << 20
 
@@ -283,7 +285,12 @@ def run(args: argparse.Namespace) -> int:
         job = load_job(args.job)
     kind = args.engine or (job.spec.rollout.engine if job is not None else "transformers")
     if args.ray_address:
-        os.environ.setdefault("RAY_ADDRESS", args.ray_address)
+        try:
+            _join_ray_cluster(args, kind)
+        except RayClusterError as error:
+            print(f"rlft rollout: {error}", file=sys.stderr, flush=True)
+            termination.write(termination.Verdict(error.exit_code, str(error)))
+            return error.exit_code
     server = start_server(kind, args.host, args.port, args.tensor_parallel, args.expert_parallel)
     initial = _initial_weights(args, job)
     if initial is not None:
@@ -305,6 +312,16 @@ def run(args: argparse.Namespace) -> int:
         server.server_close()
         server.host.close()
     return 0
+
+
+def _join_ray_cluster(args: argparse.Namespace, kind: str) -> None:
+    """An instance spanning nodes: its Ray cluster formed, and an engine that runs on it
+    (vLLM's Ray executor finds the cluster through RAY_ADDRESS)."""
+    from rlft.trainer.rollout.ray_cluster import check_engine_runs_on_ray, wait_for_nodes
+
+    wait_for_nodes(args.ray_address, args.nodes, args.instance, args.ray_timeout)
+    check_engine_runs_on_ray(kind, args.nodes)
+    os.environ["RAY_ADDRESS"] = args.ray_address
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,14 @@ def _check_head_size(folder: Path) -> None:
         )
 
 
+def _executor(in_process: bool) -> str | None:
+    """Ray when the server joined its instance's Ray cluster (several nodes, see
+    ray_cluster.py); else in this process, or vLLM's own worker processes."""
+    if os.environ.get("RAY_ADDRESS"):
+        return "ray"
+    return "uni" if in_process else None
+
+
 class VllmEngine:
     name = "vllm"
 
@@ -121,7 +129,7 @@ class VllmEngine:
             enforce_eager=True,
             tensor_parallel_size=tensor_parallel,
             enable_expert_parallel=expert_parallel > 1,
-            distributed_executor_backend="uni" if self.in_process else None,
+            distributed_executor_backend=_executor(self.in_process),
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,
             seed=0,

@@ -67,9 +67,20 @@ class Checkpointing:
         try:
             resumed = self._load(which, learner, restore_rng=True)
         except NoCheckpointError:
-            if which not in ("auto",):
-                raise
-            return None
+            if which == "auto":
+                return None
+            if which != "latest-healthy":
+                raise  # a step the user named: not there is an error
+            # The operator restarts every failed gang with latest-healthy; a failure
+            # before the first healthy checkpoint must still recover.
+            warn = self.supervisor.log
+            self.supervisor.event("resume", "no healthy checkpoint", "warning")
+            warn("rlft: warning: no healthy checkpoint; resuming from the newest one")
+            try:
+                resumed = self._load("auto", learner, restore_rng=True)
+            except NoCheckpointError:
+                warn("rlft: warning: no checkpoint at all; starting from the beginning")
+                return None
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}))
         return Cursor.from_json(resumed.extra["cursor"])
 

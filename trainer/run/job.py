@@ -70,6 +70,7 @@ def run_job(
     reporter: Reporter | None = None,
     dist: Dist | None = None,
     resume: str | int | None = None,
+    restarted: bool = False,
 ) -> dict:
     """Run the whole job; rank 0 writes metrics.jsonl, summary.json and model/ to `out`.
 
@@ -77,6 +78,10 @@ def run_job(
     checkpoint when there is one, `latest-healthy` from the newest healthy one, a step
     number from that step, `never` starts afresh. `overwrite` starts afresh too, after
     removing the previous run's files and local checkpoints.
+
+    A restart (`restarted`: torchrun started this worker again; or `latest-healthy`, the
+    operator's restarts) that finds no checkpoint starts the job again over the files
+    its earlier attempt left in `out`, instead of refusing to clobber them.
     """
     dist = dist or Dist()
     reporter = _reporter_for(dist, reporter)
@@ -93,7 +98,12 @@ def run_job(
     try:
         if resume == "never" or not _resume(run, parts, resume):
             if existing and not overwrite:
-                prepare_output(out, overwrite=False)  # raises: a run is there, nothing to resume
+                # Rank 0's view decides for every rank (each may have other arguments).
+                again = dist.broadcast(restarted or resume == "latest-healthy")
+                if not again:
+                    prepare_output(out, overwrite=False)  # raises: a run is there, no checkpoint
+                elif dist.is_main:
+                    prepare_output(out, overwrite=True)
             _announce(run, parts, resumed=False)
             _start_main_phase(run, parts.policy.config)
         spec = job.spec

@@ -29,6 +29,7 @@ class Supervisor:
     def __init__(self, job, dist: Dist, log):
         spec = job.spec
         self.dist = dist
+        self.log = log
         self.telemetry = Telemetry.start(spec.telemetry, log=log) if dist.is_main else None
         if self.telemetry is not None:
             self.telemetry.configure(

@@ -1,0 +1,33 @@
+"""The verdict a process leaves in its termination message, read back by the operator."""
+
+from __future__ import annotations
+
+from rlft.trainer import termination
+from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.termination import Verdict
+
+
+def test_each_rank_keeps_one_line_and_the_most_telling_verdict_wins(tmp_path):
+    env = {termination.ENV: str(tmp_path / "termination-log")}
+    termination.write(Verdict(ExitCode.FAILURE, "first attempt", rank=1), env)
+    termination.write(Verdict(ExitCode.OK, rank=1), env)  # an in-pod restart replaces it
+    termination.write(Verdict(ExitCode.OK, completed=True, step=7, last_checkpoint=6), env)
+    text = (tmp_path / "termination-log").read_text()
+    assert len(text.splitlines()) == 2 and "first attempt" not in text
+    assert termination.read(text) == Verdict(0, completed=True, step=7, last_checkpoint=6)
+    termination.write(Verdict(ExitCode.INVALID_CONFIG, "spec.data: bad", rank=1), env)
+    verdict = termination.read((tmp_path / "termination-log").read_text())
+    assert verdict.exit_code == ExitCode.INVALID_CONFIG and verdict.message == "spec.data: bad"
+
+
+def test_log_text_and_damaged_lines_are_no_verdict():
+    assert termination.read("Traceback...\nRuntimeError: boom\n") is None
+    assert termination.read('{"rlftVerdict": 1, "exit_code": "x"}\n{"rlftVerdict": 1') is None
+    assert termination.read("") is None
+
+
+def test_messages_are_capped_and_nothing_is_written_without_the_variable(tmp_path):
+    line = termination.encode(Verdict(1, "x" * 10_000))
+    assert len(line) < 1000 and termination.read(line).message == "x" * termination.MAX_MESSAGE
+    termination.write(Verdict(1, "lost"), {})
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,111 @@
+"""The verdict a trainer or rollout process leaves in its container's termination message.
+
+The exit code alone does not reach the operator: torchrun's agent exits 1 whichever code
+its worker returned, and a pod's log tail is no place to look for facts (nor to copy into
+a status anyone may read). So each process that ends with a verdict writes one JSON line
+per rank to `$RLFT_TERMINATION_LOG` (the operator sets it to the container's
+`terminationMessagePath`), and the operator's failure policy reads it back from the
+container status: the trainer's own exit code and message, and whether rank 0 finished
+the job, with the last step and checkpoint for the status mirror.
+
+No torch here: the operator imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from rlft.trainer.exit_codes import ExitCode
+
+ENV = "RLFT_TERMINATION_LOG"
+MARK = "rlftVerdict"
+MAX_MESSAGE = 600
+"""Per line: Kubernetes keeps at most 4096 bytes of a termination message."""
+
+# Which verdict a pod with several ranks shows: the most telling one first.
+_SEVERITY = {
+    ExitCode.INVALID_CONFIG: 0,
+    ExitCode.COLLAPSED: 1,
+    ExitCode.FAILURE: 2,
+    ExitCode.OK: 3,
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    exit_code: int
+    message: str = ""
+    """The process's own words (an error it raised), never its log."""
+    rank: int = 0
+    completed: bool = False
+    """Rank 0 finished the whole job (outputs published)."""
+    step: int | None = None
+    last_checkpoint: int | None = None
+    """Step of the last committed checkpoint, at `checkpoint_uri`."""
+    checkpoint_uri: str | None = None
+
+
+def write(verdict: Verdict, environ: dict[str, str] | None = None) -> None:
+    """Record `verdict` as this rank's line, replacing an earlier one of the same rank
+    (an in-pod restart); other ranks' lines are kept. Best effort: never raises."""
+    path = (os.environ if environ is None else environ).get(ENV)
+    if not path:
+        return
+    with contextlib.suppress(OSError), open(path, "a+") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        file.seek(0)
+        kept = [v for v in _parse_lines(file.read()) if v.get("rank") != verdict.rank]
+        file.seek(0)
+        file.truncate()
+        file.write("".join(json.dumps(v, sort_keys=True) + "\n" for v in kept))
+        file.write(encode(verdict))
+
+
+def encode(verdict: Verdict) -> str:
+    """One line of a termination message."""
+    fields = {MARK: 1, **asdict(verdict), "message": verdict.message[:MAX_MESSAGE]}
+    return json.dumps(fields, sort_keys=True) + "\n"
+
+
+def read(message: str) -> Verdict | None:
+    """The pod's verdict from its termination message; None when it holds none (a
+    process killed before it could write, or log text from FallbackToLogsOnError)."""
+    verdicts = []
+    for fields in _parse_lines(message):
+        try:
+            verdicts.append(
+                Verdict(
+                    exit_code=int(fields["exit_code"]),
+                    message=str(fields.get("message") or "")[:MAX_MESSAGE],
+                    rank=int(fields.get("rank") or 0),
+                    completed=bool(fields.get("completed")),
+                    step=_int(fields.get("step")),
+                    last_checkpoint=_int(fields.get("last_checkpoint")),
+                    checkpoint_uri=fields.get("checkpoint_uri") or None,
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+    if not verdicts:
+        return None
+    return min(verdicts, key=lambda v: (_SEVERITY.get(v.exit_code, 2), not v.completed))
+
+
+def _parse_lines(text: str) -> list[dict]:
+    found = []
+    for raw in text.splitlines():
+        if MARK not in raw:
+            continue
+        with contextlib.suppress(ValueError):
+            fields = json.loads(raw)
+            if isinstance(fields, dict) and fields.get(MARK) == 1:
+                found.append(fields)
+    return found
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
