@@ -203,15 +203,21 @@ def _agent(folder: Path, out: str, resume: str, port: int) -> subprocess.Popen:
         *("-m", "rlft.trainer.cli.main", "train", "job.yaml", "--out", out, f"--resume={resume}"),
     ]
     return subprocess.Popen(
-        command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=folder,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the agent and its worker, stopped together by the test
     )
 
 
 def test_a_gang_started_with_different_resume_arguments_loads_one_checkpoint(tmp_path):
     """A replaced trainer pod may start with --resume=4 (say) while the survivor restarts
     with auto (→ step 6): rank 0's choice counts for both, so the run equals one that
-    resumed from that checkpoint on every rank (a mixed load would silently train a model
-    made of two checkpoints' shards)."""
+    resumed from that checkpoint on every rank (ranks that chose differently would
+    deadlock in the load's collectives, or train a model made of two checkpoints)."""
     spec = arithmetic_rl_spec(
         {"name": "grpo", "groupSize": 4},
         STEPS,
@@ -224,7 +230,14 @@ def test_a_gang_started_with_different_resume_arguments_loads_one_checkpoint(tmp
 
     port = free_port()
     gang = [_agent(tmp_path, "pod-a", "4", port), _agent(tmp_path, "pod-b", "auto", port)]
-    outputs = [agent.communicate(timeout=600)[0] for agent in gang]
+    try:
+        # Ranks that chose different checkpoints deadlock in the load's collectives.
+        outputs = [agent.communicate(timeout=240)[0] for agent in gang]
+    finally:
+        for agent in gang:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
     assert [agent.returncode for agent in gang] == [0, 0], "\n".join(outputs)
     main = 0 if (tmp_path / "pod-a" / "model").exists() else 1
     chosen = 4 if main == 0 else 6
