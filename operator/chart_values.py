@@ -87,8 +87,8 @@ class OperatorOptions(Values):
     trainer_status_port: int = Field(options.TRAINER_STATUS_PORT, ge=1024, le=65535)
     """Port of the trainers' /status and /metrics (the operator polls it)."""
     grace_seconds: int = Field(options.GRACE_SECONDS, ge=0, le=86400)
-    """terminationGracePeriodSeconds of the job pods: time for the emergency checkpoint
-    after SIGTERM (suspend, preemption, drain)."""
+    """terminationGracePeriodSeconds of the rollout pods. Trainer pods get their job's
+    spec.checkpoint.gracePeriodSeconds (the emergency checkpoint's time) plus a margin."""
     metrics_port: int = Field(options.metrics_port(), ge=1024, le=65535)
     """Port of the operator's /metrics (also its liveness and readiness probe)."""
     verbose: bool = False

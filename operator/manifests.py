@@ -56,7 +56,7 @@ class Settings:
     ray_port: int = 6379
     """Port of a multi-node rollout instance's Ray head."""
     grace_seconds: int = 300
-    """terminationGracePeriodSeconds: time for the emergency checkpoint after SIGTERM."""
+    """terminationGracePeriodSeconds of rollout pods (trainer pods: their job's own grace)."""
     last_call_timeout: int = 5
     """torchrun rendezvous: seconds to wait for more nodes once `min` have joined."""
     run_as_user: int = 1000
@@ -255,6 +255,7 @@ def _pod(
     ports: list[tuple[str, int]],
     resources: dict[str, Any],
     extra_labels: dict[str, str] | None = None,
+    grace_seconds: int | None = None,
 ) -> dict[str, Any]:
     scheduling = job.spec.scheduling
     metadata = _metadata(body, name, role, index)
@@ -279,7 +280,7 @@ def _pod(
     spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the operator restarts, so it can count and back off
         "hostname": hostname,
-        "terminationGracePeriodSeconds": s.grace_seconds,
+        "terminationGracePeriodSeconds": grace_seconds or s.grace_seconds,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": {
@@ -307,6 +308,15 @@ def _pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
+SHUTDOWN_MARGIN_SECONDS = 15
+"""Trainer pods' grace past the job's own: the agent exits after its workers."""
+
+
+def trainer_grace_seconds(job: RLFineTune) -> int:
+    """spec.checkpoint.gracePeriodSeconds: the trainer's time for its emergency checkpoint."""
+    return math.ceil(job.spec.checkpoint.grace_period_seconds)
+
+
 def torchrun_command(job: RLFineTune, body: dict[str, Any], s: Settings, resume: str) -> list[str]:
     """The trainer pod's command: an elastic torchrun agent joining the job's rendezvous."""
     spec = job.spec
@@ -326,6 +336,9 @@ def torchrun_command(job: RLFineTune, body: dict[str, Any], s: Settings, resume:
         # (a permanent error) and its restarts would escape the restart budget. Elastic
         # membership changes (a node back) still restart the workers in place.
         "--max-restarts=0",
+        # SIGTERM reaches the workers through the agent, which SIGKILLs them after this
+        # (30 s by default): the emergency checkpoint gets the job's whole grace.
+        f"--shutdown-timeout={trainer_grace_seconds(job)}",
         "--no-python",
         "rlft",
         "train",
@@ -357,6 +370,7 @@ def trainer_pods(
             command=command,
             ports=[("rdzv", s.rdzv_port), ("status", s.status_port)],
             resources=resources,
+            grace_seconds=trainer_grace_seconds(job) + SHUTDOWN_MARGIN_SECONDS,
         )
         # The elastic agent needs this, or restarted workers hang in gloo/NCCL (docs/build.md).
         pod["spec"]["containers"][0]["env"].append(

@@ -70,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace-seconds",
         type=int,
         default=GRACE_SECONDS,
-        help="terminationGracePeriodSeconds of pods (emergency checkpoint time)",
+        help="terminationGracePeriodSeconds of rollout pods (trainer pods get their job's "
+        "spec.checkpoint.gracePeriodSeconds plus a margin)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

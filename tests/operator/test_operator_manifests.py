@@ -122,6 +122,10 @@ def test_trainer_pods_run_elastic_torchrun():
         assert "--rdzv-id=0f0e-uid" in command
         assert any(a.startswith("--rdzv-conf=") and "last_call_timeout=5" in a for a in command)
         assert "--max-restarts=0" in command  # the operator restarts, counts, backs off
+        # The job's grace reaches the pod and torchrun (which SIGKILLs after its timeout).
+        grace = parsed(job_doc(**SHAPES["gpu-elastic"]))[0].spec.checkpoint.grace_period_seconds
+        assert f"--shutdown-timeout={grace:.0f}" in command
+        assert spec["terminationGracePeriodSeconds"] == grace + M.SHUTDOWN_MARGIN_SECONDS
         assert command[-1] == "--resume=latest-healthy"
         env = {e["name"]: e for e in main["env"]}
         assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
