@@ -18,7 +18,8 @@ Kinds (seen as → response):
 - ConfigError: CreateContainerConfigError (e.g. a missing Secret) → wait with a warning,
   fail after schedulingTimeout.
 
-Restarts are counted per failed pod inside a sliding window (restartPolicy.windowMinutes);
+A retryable failure of a trainer pod restarts the whole trainer gang (reconcile.py): its
+other ranks cannot go on without it. Restarts are counted per failure inside a sliding window (restartPolicy.windowMinutes);
 one more than maxRestarts fails the job. The n-th restart in the window waits
 backoffSeconds × 2^(n-1), capped at MAX_BACKOFF_SECONDS.
 """

@@ -135,6 +135,8 @@ class _Run:
         self.d.events.append(Event(kind, reason, message))
 
     def delete(self, pod: PodView) -> None:
+        # Gone by the operator's hand: no loss.
+        self.st.gang_pods = [e for e in self.st.gang_pods if _uid(e) != pod.uid]
         if pod.name not in self.deleted and not pod.deleting:
             self.deleted.add(pod.name)
             self.d.delete_pods.append(pod.name)
@@ -328,7 +330,10 @@ class _Run:
         current = parse_time(st.next_restart_at)
         if current is None or next_at > current:
             st.next_restart_at = rfc3339(next_at)
-        scope = "the trainer gang" if f.group else f"pod {f.pod}"
+        # A trainer is one rank of a gang whose other ranks cannot go on without it (the
+        # rendezvous lives on trainer-0; torchrun restarts nothing): restart them all.
+        gang = f.group or f.role == N.ROLE_TRAINER
+        scope = "the trainer gang" if gang else f"pod {f.pod}"
         action = (
             f"restart {scope} in {budget.delay:g} s (restart {len(budget.history)} of "
             f"{self.spec.restart_policy.max_restarts} in the window)"
@@ -339,7 +344,7 @@ class _Run:
             st.resume = "latest-healthy"
             st.phase = "Restarting"
             st.message = f"restarting after {f.kind}"
-        if f.group:
+        if gang:
             self.restart_gang()
         elif f.pod in self.pods:
             self.delete(self.pods[f.pod])
@@ -356,6 +361,7 @@ class _Run:
 
     def restart_gang(self) -> None:
         self.group_restart = True
+        self.st.gang_pods = []
         for pod in self.pods.values():
             if pod.role == N.ROLE_TRAINER:
                 self.handled.add(pod.uid)  # their SIGTERM exits are not new failures
@@ -462,6 +468,37 @@ class _Run:
                 st, "Ready", "False", "PodsNotRunning", f"{all_running} of {want} pods running", now
             )
 
+    def lost_trainers(self) -> None:
+        """A trainer pod that vanished (deleted, evicted, its node gone) while the rest of
+        its gang lives: the survivors' ranks are broken, so the gang restarts."""
+        st = self.st
+        if self.group_restart:
+            return
+        trainers = {p.uid: p for p in self.pods.values() if p.role == N.ROLE_TRAINER}
+        gone = [entry for entry in st.gang_pods if _uid(entry) not in trainers]
+        st.gang_pods = [entry for entry in st.gang_pods if _uid(entry) in trainers]
+        known = {_uid(entry) for entry in st.gang_pods}
+        # Pods the operator deleted (a restarted gang's, still seen running for a while)
+        # are handled: their going is no loss.
+        st.gang_pods += [
+            f"{p.name}/{u}" for u, p in trainers.items()
+            if p.running and u not in known and u not in self.handled
+        ]  # fmt: skip
+        if not gone or st.phase not in ("Running", "Restarting"):
+            return
+        name, _, uid = gone[0].rpartition("/")
+        self.respond(
+            P.Failure(
+                kind=P.ERROR,
+                pod=name,
+                uid=uid,
+                role=N.ROLE_TRAINER,
+                message=f"trainer pod {name} of the running gang is gone (deleted, evicted "
+                "or its node lost)",
+                group=True,
+            )
+        )
+
     def stopped_early(self, exited: list[PodView]) -> None:
         """Every trainer exited 0 but rank 0 did not report completion (they stopped
         after an emergency checkpoint, say): a retryable failure of the gang."""
@@ -560,6 +597,7 @@ class _Run:
         for pod in self.pods.values():
             if pod.uid in self.handled and pod.phase in ("Failed", "Succeeded", "Unknown"):
                 self.delete(pod)  # counted failures leave their slot for the replacement
+        self.lost_trainers()
         self.ensure_children()
         self.update_phase()
         return self.finish()
@@ -581,6 +619,10 @@ def reconcile(
     """Decide what to do for one job. `body` is the raw custom resource (metadata: name,
     namespace, uid, generation); `status` its parsed status."""
     return _Run(job, body, status, observed, now, settings or M.Settings()).run()
+
+
+def _uid(gang_entry: str) -> str:
+    return gang_entry.rpartition("/")[2]
 
 
 def _completed(pod: PodView) -> bool:

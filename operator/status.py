@@ -113,6 +113,9 @@ class RLFineTuneStatus(_Status):
     """No pod is recreated before this time (exponential backoff)."""
     handled_pods: list[str] = Field(default_factory=list)
     """UIDs of failed pods already counted, so a failure is never counted twice."""
+    gang_pods: list[str] = Field(default_factory=list)
+    """`name/uid` of the current trainer gang's pods once seen running: one that vanishes
+    (deleted, evicted, its node lost) breaks the others, so the gang restarts."""
     waiting_since: str | None = None
     """When the operator started waiting for the trainer gang to be scheduled."""
     resume: str = "auto"

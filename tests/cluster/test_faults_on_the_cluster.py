@@ -48,7 +48,7 @@ def test_a_trainer_killed_before_the_first_checkpoint_restarts_from_the_start(cl
     bucket, name = "faults-early", "early-kill"
     seaweed.create_bucket(bucket)
     job = _faulty_job(name, bucket)
-    job["spec"]["algorithm"]["sft"]["steps"] = 200  # a warm start long enough to hit
+    job["spec"]["algorithm"]["sft"]["steps"] = 120  # a warm start long enough to hit
     cluster.apply(job)
     pod = f"{name}-trainer-0"
     wait_for(lambda: "[" in cluster.logs(NS, pod), "the warm start to be under way", 180)
@@ -96,3 +96,37 @@ def test_a_trainer_rank_killed_mid_step_resumes_from_the_last_checkpoint(cluster
         "RendezvousTimeout",
     )
     print(f"recovered {time.monotonic() - killed_at:.1f} s after the kill; resumed at {resumed}")
+
+
+def test_a_preempted_trainer_pod_checkpoints_in_its_grace_and_the_job_resumes_from_it(
+    cluster, seaweed
+):
+    """`kubectl delete pod` of trainer-0 mid-run (what a preemption or a drain does): the
+    kubelet sends SIGTERM, the ranks write an emergency checkpoint inside the grace and
+    exit 0 without completing; the operator restarts the gang, which resumes from that
+    checkpoint, and the job completes."""
+    bucket, name = "faults-preempt", "preempted"
+    seaweed.create_bucket(bucket)
+    job = _faulty_job(name, bucket, steps=40)
+    job["spec"]["checkpoint"]["intervalSteps"] = 1000  # only the emergency one can be used
+    cluster.apply(job)
+    pod = f"{name}-trainer-0"
+    first_uid = wait_for(lambda: cluster.pod(NS, pod), f"{pod} to exist", 60)["metadata"]["uid"]
+
+    def stepping() -> int | None:
+        return ((rlft(cluster, name) or {}).get("status") or {}).get("step")
+
+    wait_for(lambda: (stepping() or 0) >= 3, "a few RL steps", timeout=300, every=0.5)
+    pods = [pod, f"{name}-trainer-1"]
+    first_folders = [cluster.pod_folder(NS, p) for p in pods]  # rank 0 may be either
+    cluster.kubectl("delete", "pod", pod, "-n", NS, "--wait=false")
+    done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
+    status = done["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    first_logs = "".join((f / "main.log").read_text(errors="replace") for f in first_folders)
+    stopped = first_logs.split("stopped after the emergency checkpoint of step ")
+    assert len(stopped) > 1, first_logs[-3000:]
+    step = int(stopped[1].split(";")[0].split()[0])
+    assert cluster.pod(NS, pod)["metadata"]["uid"] != first_uid
+    again = "".join(cluster.logs(NS, p) for p in pods)
+    assert f"resumed from the checkpoint of step {step}" in again, again[-3000:]

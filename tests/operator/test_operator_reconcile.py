@@ -169,7 +169,9 @@ def test_scheduling_timeout_sets_scheduled_false_once():
         (dict(phase="Failed", exit_code=1), P.ERROR),
     ],
 )
-def test_retryable_failure_recreates_the_pod_after_backoff(kwargs, kind):
+def test_retryable_failure_restarts_the_trainer_gang_after_backoff(kwargs, kind):
+    """One rank's failure breaks the others (torchrun restarts nothing, the rendezvous
+    lives on trainer-0): every trainer pod is replaced, the rollout pods stay."""
     w = _world(trainer={"replicas": {"min": 1, "max": 2}})
     w.step()
     w.run_all()
@@ -177,7 +179,7 @@ def test_retryable_failure_recreates_the_pod_after_backoff(kwargs, kind):
     old_uid = w.pods["tiny-grpo-trainer-1"].uid
     w.set("tiny-grpo-trainer-1", **kwargs)
     d = w.step()
-    assert d.delete_pods == ["tiny-grpo-trainer-1"]
+    assert sorted(d.delete_pods) == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
     assert w.status.restarts == 1 and w.status.last_failure.reason == kind
     assert w.status.last_failure.pod == "tiny-grpo-trainer-1"
     assert w.status.phase == "Restarting" and "Restarting" in w.events
@@ -186,7 +188,8 @@ def test_retryable_failure_recreates_the_pod_after_backoff(kwargs, kind):
     assert w.step().create == []  # backoff: 10 s
     w.tick(1)
     d = w.step()
-    assert [m["metadata"]["name"] for m in d.create] == ["tiny-grpo-trainer-1"]
+    created = [m["metadata"]["name"] for m in d.create]
+    assert created == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
     assert "--resume=latest-healthy" in d.create[0]["spec"]["containers"][0]["command"]
     assert w.pods["tiny-grpo-trainer-1"].uid != old_uid
     w.run_all()
@@ -500,3 +503,22 @@ def test_no_sequence_breaks_the_invariants(actions, on_collapse, replicas_max):
     slots = [(p.role, p.index) for p in w.pods.values()]
     assert len(slots) == len(set(slots))
     assert w.status.rollbacks <= 2
+
+
+def test_a_trainer_pod_that_vanishes_restarts_the_gang():
+    """Deleted by someone (a drain, a preemption) or gone with its node: the survivors'
+    ranks cannot go on, so they are replaced too, and it counts as a restart."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    w.pods.pop("tiny-grpo-trainer-0")
+    d = w.step()
+    assert d.delete_pods == ["tiny-grpo-trainer-1"] and w.status.restarts == 1
+    assert (
+        "trainer pod tiny-grpo-trainer-0 of the running gang is gone"
+        in w.status.last_failure.message
+    )
+    w.tick(10)
+    created = [m["metadata"]["name"] for m in w.step().create]
+    assert created == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
