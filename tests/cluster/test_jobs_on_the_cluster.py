@@ -70,6 +70,7 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     cluster.apply(job)
     seen_steps: list[int] = []
     seen_checkpoint = []
+    seen_rewards: list[float] = []
     deadline = time.monotonic() + 600
     phase = None
     while time.monotonic() < deadline:
@@ -78,6 +79,8 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
         phase = status.get("phase")
         if status.get("step") is not None:
             seen_steps.append(status["step"])
+        if status.get("reward") is not None:
+            seen_rewards.append(status["reward"])
         if status.get("lastCheckpoint"):
             seen_checkpoint.append(status["lastCheckpoint"])
         if phase in ("Succeeded", "Failed"):
@@ -93,6 +96,8 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     assert "rank 0 of world size 2" in trainer_logs and "rank 1 of world size 2" in trainer_logs
     assert seen_steps and max(seen_steps) > min(seen_steps), seen_steps
     assert seen_checkpoint, "kubectl get rlft never showed a checkpoint"
+    if learns:  # DPO steps have no reward; the tiny PPO job may end between two polls
+        assert seen_rewards and all(0 <= r <= 1 for r in seen_rewards), seen_rewards
     client = seaweed.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{name}/")["Contents"]]
     shards = {k.rsplit("/", 1)[-1] for k in keys if k.endswith(".distcp")}

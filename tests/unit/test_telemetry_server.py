@@ -20,7 +20,7 @@ from rlft.trainer.telemetry.hub import Telemetry
 from rlft.trainer.telemetry.status import StatusBoard
 
 STATUS_KEYS = {
-    "step", "policyVersion", "phase", "health", "lastCheckpoint", "lastHealthyCheckpoint",
+    "step", "policyVersion", "reward", "phase", "health", "lastCheckpoint", "lastHealthyCheckpoint",
     "rollbacks", "skippedUpdates", "events",
 }  # fmt: skip
 
@@ -42,7 +42,7 @@ def telemetry() -> Iterator[Telemetry]:
 
 def test_endpoints(telemetry: Telemetry):
     assert telemetry.server.host == "127.0.0.1" and telemetry.server.port > 0
-    telemetry.record({"step": 3, "policy_version": 3, "grad_norm": 1.25})
+    telemetry.record({"step": 3, "policy_version": 3, "grad_norm": 1.25, "reward_mean": 0.5})
     code, kind, body = get(telemetry.url + "/metrics")
     assert code == 200 and kind.startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
@@ -52,6 +52,7 @@ def test_endpoints(telemetry: Telemetry):
     assert code == 200 and kind == "application/json"
     assert set(status) == STATUS_KEYS
     assert (status["step"], status["policyVersion"], status["health"]) == (3, 3, "ok")
+    assert status["reward"] == 0.5  # the operator mirrors it into the RLFineTune's status
     assert status["lastCheckpoint"] is None and status["events"] == []
     assert get(telemetry.url + "/healthz")[:1] == (200,)
     assert get(telemetry.url + "/nope")[0] == 404

@@ -87,8 +87,11 @@ class Telemetry:
         """One step's record: metrics, and step/policy version in /status."""
         self.exporter.record(record)
         if "step" in record:
+            reward = record.get("reward_mean")
             self.board.progress(
-                int(record["step"]), int(record.get("policy_version", record["step"]))
+                int(record["step"]),
+                int(record.get("policy_version", record["step"])),
+                float(reward) if isinstance(reward, int | float) else None,
             )
 
     def checkpoint(

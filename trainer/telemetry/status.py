@@ -3,7 +3,7 @@
 A thread-safe board the loop writes to and the HTTP server reads from. The JSON shape
 is the contract with the operator:
 
-    {"step": int, "policyVersion": int, "phase": str,
+    {"step": int, "policyVersion": int, "reward": float | null, "phase": str,
      "health": "ok" | "warning" | "collapsed",
      "lastCheckpoint": {"step", "uri", "time"} | null,
      "lastHealthyCheckpoint": {"step", "uri", "time"} | null,
@@ -43,6 +43,7 @@ class StatusBoard:
         self._lock = threading.Lock()
         self._step = 0
         self._policy_version = 0
+        self._reward: float | None = None
         self._phase: str = "starting"
         self._health: str = "ok"
         self._last: dict | None = None
@@ -51,9 +52,11 @@ class StatusBoard:
         self._skipped = 0
         self._events: deque[dict] = deque(maxlen=max_events)
 
-    def progress(self, step: int, policy_version: int) -> None:
+    def progress(self, step: int, policy_version: int, reward: float | None = None) -> None:
+        """A finished step; `reward` is its mean reward (None for DPO and SFT steps)."""
         with self._lock:
             self._step, self._policy_version = int(step), int(policy_version)
+            self._reward = reward
 
     def set_phase(self, phase: str) -> None:
         if phase not in PHASES:
@@ -106,6 +109,7 @@ class StatusBoard:
             return {
                 "step": self._step,
                 "policyVersion": self._policy_version,
+                "reward": self._reward,
                 "phase": self._phase,
                 "health": self._health,
                 "lastCheckpoint": dict(self._last) if self._last else None,
