@@ -19,9 +19,9 @@ Kinds (seen as → response):
   fail after schedulingTimeout.
 
 A retryable failure of a trainer pod restarts the whole trainer gang (reconcile.py): its
-other ranks cannot go on without it. Restarts are counted per failure inside a sliding window (restartPolicy.windowMinutes);
-one more than maxRestarts fails the job. The n-th restart in the window waits
-backoffSeconds × 2^(n-1), capped at MAX_BACKOFF_SECONDS.
+other ranks cannot go on without it. Restarts are counted per failure inside a sliding
+window (restartPolicy.windowMinutes); one more than maxRestarts fails the job. The n-th
+restart in the window waits backoffSeconds × 2^(n-1), capped at MAX_BACKOFF_SECONDS.
 """
 
 from __future__ import annotations

@@ -507,6 +507,16 @@ class _Run:
             return
         self.handled.update(p.uid for p in fresh)
         first = fresh[0]
+        paused = next((p for p in fresh if p.verdict is not None and p.verdict.collapsed), None)
+        if paused is not None:  # the trainer's guard paused the run: the job is suspended
+            message = f"the trainer paused after a collapse: {paused.verdict.message}"
+            self.d.set_suspend = True
+            self._record(
+                P.Failure(P.COLLAPSED, paused.name, paused.uid, N.ROLE_TRAINER, 0, message),
+                "suspend the job",
+            )
+            self.event("Warning", "Collapsed", f"{message}; suspending the job")
+            return
         self.respond(
             P.Failure(
                 kind=P.ERROR,

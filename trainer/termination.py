@@ -43,6 +43,9 @@ class Verdict:
     rank: int = 0
     completed: bool = False
     """Rank 0 finished the whole job (outputs published)."""
+    collapsed: bool = False
+    """The trainer ended the run over a collapse: failing it (exit 3) or pausing it
+    (exit 0, stability.onCollapse or afterMaxRollbacks is suspend)."""
     step: int | None = None
     last_checkpoint: int | None = None
     """Step of the last committed checkpoint, at `checkpoint_uri`."""
@@ -83,6 +86,7 @@ def read(message: str) -> Verdict | None:
                     message=str(fields.get("message") or "")[:MAX_MESSAGE],
                     rank=int(fields.get("rank") or 0),
                     completed=bool(fields.get("completed")),
+                    collapsed=bool(fields.get("collapsed")),
                     step=_int(fields.get("step")),
                     last_checkpoint=_int(fields.get("last_checkpoint")),
                     checkpoint_uri=fields.get("checkpoint_uri") or None,

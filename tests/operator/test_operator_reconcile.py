@@ -522,3 +522,16 @@ def test_a_trainer_pod_that_vanishes_restarts_the_gang():
     w.tick(10)
     created = [m["metadata"]["name"] for m in w.step().create]
     assert created == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+
+
+def test_a_run_the_trainer_paused_after_a_collapse_is_suspended_not_restarted():
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    paused = Verdict(0, "collapse at step 9 (reward collapse); paused", collapsed=True)
+    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0, verdict=paused)
+    w.set("tiny-grpo-trainer-1", phase="Succeeded", exit_code=0, verdict=Verdict(0, rank=1))
+    d = w.step()
+    assert d.set_suspend and w.status.restarts == 0 and d.create == []
+    assert w.status.last_failure.reason == P.COLLAPSED and "paused" in w.status.last_failure.message

@@ -73,6 +73,7 @@ def _verdict(job: RLFineTune, summary: dict, code: int, rank: int) -> terminatio
         summary.get("ended", ""),
         rank,
         completed="steps" in summary,
+        collapsed="ended" in summary,  # only the guard ends a run early (RunEnded)
         step=summary.get("steps"),
         last_checkpoint=last,
         checkpoint_uri=uri,
