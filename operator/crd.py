@@ -48,7 +48,7 @@ _KEPT_KEYWORDS = (
 )
 
 # Phases during which the identity of a run (what it trains, on what, from where) is frozen.
-RUNNING_PHASES = ("Running", "Restarting", "RollingBack")
+RUNNING_PHASES = ("Running", "Restarting")
 
 
 def _opt(path: str, field: str, default: str) -> str:

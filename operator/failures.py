@@ -11,8 +11,9 @@ Kinds (seen as → response):
   restart the whole trainer gang from the latest healthy checkpoint, with backoff.
 - Error: any other non-zero exit → recreate the pod, with backoff.
 - InvalidConfig: exit code 2 (trainer/exit_codes.py) → fail the job: permanent.
-- Collapsed: exit code 3, or /status health=collapsed → spec.stability.onCollapse: roll
-  back, suspend, fail or alert.
+- Collapsed: exit code 3 (the trainer's stability guard ended the run; it rolls back in
+  process itself) → fail the job. A guard that paused the run and /status
+  health=collapsed are reconcile.py's (suspend; a condition and an Event).
 - ImagePull: ErrImagePull/ImagePullBackOff → wait (the kubelet retries) with a warning,
   fail after schedulingTimeout; InvalidImageName → fail at once.
 - ConfigError: CreateContainerConfigError (e.g. a missing Secret) → wait with a warning,

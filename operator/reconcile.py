@@ -5,9 +5,13 @@ Phases:
 
     (new) → Pending ──replicas.min trainer pods running──→ Running ──rank 0 completed──→ Succeeded
     Running/Pending ──retryable failure──→ Restarting ──gang running again──→ Running
-    Running ──collapse, onCollapse=rollback──→ RollingBack ──gang running again──→ Running
     non-terminal ──spec.suspend──→ Suspended ──spec.suspend=false──→ Pending
-    non-terminal ──permanent error, too many restarts/rollbacks, onCollapse=fail──→ Failed
+    non-terminal ──permanent error, too many restarts, the trainer's guard ended it──→ Failed
+
+A collapse has one owner, the trainer: it rolls back in process (spec.stability). The
+operator shows /status health=collapsed as the Healthy condition and an Event, fails the
+job when the trainer's guard ended the run (exit 3), and suspends it when the guard paused
+it (a verdict with `collapsed`, exit 0).
 
 Invariants the property tests check: a pod name is never created while a pod of that name
 exists (names are per slot, so no slot ever has two pods); the restarts inside the window
@@ -195,9 +199,19 @@ class _Run:
             "warning": ("True", "Warning"),
             "collapsed": ("False", "Collapsed"),
         }[report.health]
-        set_condition(
+        changed = set_condition(
             st, "Healthy", level[0], level[1], f"trainer health: {report.health}", self.now
         )
+        if changed and report.health == "collapsed":  # one owner: the trainer acts on it
+            action = self.spec.stability.on_collapse
+            self.event(
+                "Warning",
+                "Collapsed",
+                f"trainer /status reports health=collapsed at step {report.step}; the trainer "
+                f"responds in process (stability.onCollapse={action})",
+            )
+        if report.rollbacks is not None:  # the trainer's count, kept in its checkpoints
+            st.rollbacks = max(st.rollbacks, report.rollbacks)
 
     def mirror_verdict(self, verdict: Verdict) -> None:
         """The finished trainer's last step and checkpoint: /status may not have been
@@ -244,69 +258,19 @@ class _Run:
             self.respond(failure)
             if self.st.phase == "Failed" or self.d.set_suspend:
                 return
-        report = self.observed.report
-        if (
-            report is not None
-            and report.health == "collapsed"
-            and report.pod_uid not in self.handled
-        ):
-            self.handled.add(report.pod_uid)
-            pod = next((p for p in self.pods.values() if p.uid == report.pod_uid), None)
-            self.respond(
-                P.Failure(
-                    kind=P.COLLAPSED,
-                    pod=pod.name if pod else "",
-                    uid=report.pod_uid,
-                    role=N.ROLE_TRAINER,
-                    message=f"trainer /status reports health=collapsed at step {report.step}",
-                ),
-                from_report=True,
-            )
 
-    def respond(self, f: P.Failure, from_report: bool = False) -> None:
+    def respond(self, f: P.Failure) -> None:
         st = self.st
         what = f"{f.kind} of pod {f.pod}" + (f" (exit code {f.exit_code})" if f.exit_code else "")
         if f.permanent:
             self.fail(f.kind, f"{what}: permanent error, not restarted", f)
             return
         if f.kind == P.COLLAPSED:
-            action = self.spec.stability.on_collapse
-            if action == "fail":
-                self.fail(P.COLLAPSED, f"{what}: stability.onCollapse is fail", f)
-                return
-            if action == "suspend":
-                self.d.set_suspend = True
-                self._record(f, "suspend the job (stability.onCollapse)")
-                self.event("Warning", "Collapsed", f"{what}: suspending the job")
-                return
-            if action == "rollback":
-                limit = self.spec.stability.max_rollbacks
-                if st.rollbacks + 1 > limit:
-                    self.fail(
-                        "TooManyRollbacks",
-                        f"{what}: {st.rollbacks} rollbacks done, maxRollbacks is {limit}",
-                        f,
-                    )
-                    return
-                st.rollbacks += 1
-                st.resume = "latest-healthy"
-                target = st.last_healthy_checkpoint
-                where = (
-                    f"checkpoint step {target.step}"
-                    if target
-                    else "the start (no healthy checkpoint yet)"
-                )
-                self._record(f, f"roll back to {where}")
-                self.event("Warning", "RollingBack", f"{what}: rolling back to {where}")
-                self.restart_gang()
-                st.phase = "RollingBack"
-                st.message = f"rolling back to {where} after a collapse"
-                return
-            # alert: say so; a trainer that exited anyway is restarted like any failure
-            self.event("Warning", "Collapsed", f"{what}: stability.onCollapse is alert")
-            if from_report:
-                self._record(f, "alert only")
-                return
+            # The trainer owns the response to a collapse (it rolls back in process, per
+            # spec.stability); exiting 3 means its policy ended the run.
+            why = f": {f.message}" if f.message else ""
+            self.fail(P.COLLAPSED, f"{what}: the trainer's stability guard ended the run{why}", f)
+            return
         budget = P.ask_restart(
             [t for t in (parse_time(x) for x in st.restart_history) if t is not None],
             self.now,

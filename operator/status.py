@@ -14,9 +14,7 @@ from typing import Literal
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-Phase = Literal[
-    "Pending", "Running", "Restarting", "RollingBack", "Suspended", "Succeeded", "Failed"
-]
+Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 TERMINAL_PHASES = ("Succeeded", "Failed")
 CONDITION_TYPES = ("Scheduled", "Ready", "Progressing", "Checkpointed", "Healthy")
@@ -84,7 +82,7 @@ class RLFineTuneStatus(_Status):
     """Observed state of the job, written by the operator."""
 
     phase: Phase | None = None
-    """Pending, Running, Restarting, RollingBack, Suspended, Succeeded or Failed."""
+    """Pending, Running, Restarting, Suspended, Succeeded or Failed."""
     message: str = Field("", max_length=1024)
     """One line on what the job is doing or why it stopped."""
     conditions: list[Condition] = Field(default_factory=list)

@@ -11,4 +11,5 @@ class ExitCode(IntEnum):
     INVALID_CONFIG = 2
     """The job file, its data or its model cannot be used: permanent, do not restart."""
     COLLAPSED = 3
-    """The collapse detector asks for a rollback to the last healthy checkpoint."""
+    """The stability guard ended the run after a collapse (it rolls back in process; this
+    is what its policy does once that is not possible or not allowed): permanent."""

@@ -288,54 +288,35 @@ def test_status_mirrors_the_trainer_report_and_keeps_the_checkpoint():
     assert w.status.last_checkpoint.step == 100
 
 
-@pytest.mark.parametrize("source", ["exit-code", "status"])
-def test_collapse_rolls_back_to_the_last_healthy_checkpoint(source):
+def test_a_collapse_in_status_is_shown_and_left_to_the_trainer():
+    """One owner: the trainer rolls back in process. The operator mirrors what it sees
+    (Healthy=False, one Event, the trainer's rollback count) and restarts nothing."""
     w = _world(stability={"onCollapse": "rollback", "maxRollbacks": 1})
     w.step()
     w.run_all()
-    uid = w.pods["tiny-grpo-trainer-0"].uid
-    w.report = TrainerReport(
-        pod_uid=uid,
-        step=200,
-        last_checkpoint=_checkpoint(200),
-        last_healthy_checkpoint=_checkpoint(150),
-        health="collapsed" if source == "status" else "ok",
-    )
-    if source == "exit-code":
-        w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=3)
-    d = w.step()
-    assert d.delete_pods == ["tiny-grpo-trainer-0"]
-    assert w.status.phase == "RollingBack" and w.status.rollbacks == 1
-    assert w.status.last_failure.action == "roll back to checkpoint step 150"
-    assert w.status.restarts == 0
-    w.report = None
-    d = w.step()
-    assert "--resume=latest-healthy" in d.create[0]["spec"]["containers"][0]["command"]
-    w.run_all()
-    w.step()
-    assert w.status.phase == "Running"
-    # the next collapse is one too many
-    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=3)
-    w.step()
-    assert w.status.phase == "Failed" and w.status.last_failure.reason == "TooManyRollbacks"
-
-
-@pytest.mark.parametrize(
-    ("action", "phase"), [("fail", "Failed"), ("suspend", "Suspended"), ("alert", "Running")]
-)
-def test_collapse_actions(action, phase):
-    w = _world(stability={"onCollapse": action})
-    w.step()
-    w.run_all()
     w.step()
     uid = w.pods["tiny-grpo-trainer-0"].uid
-    w.report = TrainerReport(pod_uid=uid, step=5, health="collapsed")
-    w.step()
-    w.step()
-    assert w.status.phase == phase
-    assert "Collapsed" in w.events or "Failed" in w.events
+    w.report = TrainerReport(pod_uid=uid, step=60, health="collapsed", rollbacks=1)
+    for _ in range(3):
+        d = w.step()
+        assert d.delete_pods == [] and d.create == []
+    assert w.status.phase == "Running" and w.status.restarts == 0 and w.status.rollbacks == 1
+    assert w.events.count("Collapsed") == 1
     healthy = {c.type: c for c in w.status.conditions}["Healthy"]
     assert healthy.status == "False" and healthy.reason == "Collapsed"
+
+
+def test_a_run_the_trainers_guard_ended_fails_the_job():
+    w = _world(stability={"onCollapse": "rollback", "maxRollbacks": 1})
+    w.step()
+    w.run_all()
+    w.step()
+    ended = Verdict(ExitCode.COLLAPSED, "collapse at step 9 (nan); failing", collapsed=True)
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1, verdict=ended)
+    d = w.step()
+    assert w.status.phase == "Failed" and w.status.last_failure.reason == P.COLLAPSED
+    assert "collapse at step 9" in w.status.message and w.status.restarts == 0
+    assert not any(m["kind"] == "Pod" for m in d.create)
 
 
 def test_suspend_and_resume():
