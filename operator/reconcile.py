@@ -249,7 +249,9 @@ class _Run:
 
     def handle_failures(self) -> None:
         for pod in sorted(self.pods.values(), key=lambda p: p.name):
-            if pod.uid in self.handled or pod.deleting:
+            # A pod being deleted is ours to judge only when the cluster says why (a
+            # preemption, an eviction: DisruptionTarget); then its gang restarts at once.
+            if pod.uid in self.handled or (pod.deleting and not pod.disruption):
                 continue
             failure = P.classify(pod)
             if failure is None:

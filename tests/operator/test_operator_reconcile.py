@@ -516,3 +516,26 @@ def test_a_run_the_trainer_paused_after_a_collapse_is_suspended_not_restarted():
     d = w.step()
     assert d.set_suspend and w.status.restarts == 0 and d.create == []
     assert w.status.last_failure.reason == P.COLLAPSED and "paused" in w.status.last_failure.message
+
+
+@pytest.mark.parametrize(
+    ("disruption", "kind"),
+    [("PreemptionByScheduler", P.PREEMPTED), ("EvictionByEvictionAPI", P.EVICTED)],
+)
+def test_a_preempted_or_evicted_trainer_pod_is_judged_while_it_is_being_deleted(disruption, kind):
+    """The pod carries a deletion timestamp and a DisruptionTarget condition. While it
+    runs (its emergency checkpoint, in the grace) nothing happens; once its container
+    ended it is judged (not skipped as one being deleted) and the gang restarts."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-1", phase="Running", deleting=True, disruption=disruption)
+    d = w.step()
+    assert d.delete_pods == [] and w.status.restarts == 0  # the grace is the pod's own
+    w.set(
+        "tiny-grpo-trainer-1", phase="Failed", exit_code=137, deleting=True, disruption=disruption
+    )
+    d = w.step()
+    assert w.status.last_failure.reason == kind and w.status.restarts == 1
+    assert d.delete_pods == ["tiny-grpo-trainer-0"]  # the other is already going
