@@ -48,7 +48,7 @@ def test_a_trainer_killed_before_the_first_checkpoint_restarts_from_the_start(cl
     bucket, name = "faults-early", "early-kill"
     seaweed.create_bucket(bucket)
     job = _faulty_job(name, bucket)
-    job["spec"]["algorithm"]["sft"]["steps"] = 120  # a warm start long enough to hit
+    job["spec"]["algorithm"]["sft"]["steps"] = 60  # a warm start long enough to hit
     cluster.apply(job)
     pod = f"{name}-trainer-0"
     wait_for(lambda: "[" in cluster.logs(NS, pod), "the warm start to be under way", 180)
@@ -107,7 +107,7 @@ def test_a_preempted_trainer_pod_checkpoints_in_its_grace_and_the_job_resumes_fr
     checkpoint, and the job completes."""
     bucket, name = "faults-preempt", "preempted"
     seaweed.create_bucket(bucket)
-    job = _faulty_job(name, bucket, steps=40)
+    job = _faulty_job(name, bucket, steps=24)
     job["spec"]["checkpoint"]["intervalSteps"] = 1000  # only the emergency one can be used
     cluster.apply(job)
     pod = f"{name}-trainer-0"
