@@ -88,10 +88,23 @@ def inject(cluster: ProcessCluster, fault: str, name: str) -> None:
         raise ValueError(fault)
 
 
-def first_new_step(cluster: ProcessCluster, name: str, old_uids: set[str], timeout: float):
-    """(seconds waited, first step) of rank 0's first step in a pod started after the fault."""
+def first_new_step(
+    cluster: ProcessCluster,
+    name: str,
+    old_uids: set[str],
+    old_folders: list[Path | None],
+    last_step: int,
+    timeout: float,
+):
+    """(seconds waited, first step, step resumed from, the old attempt's last step) for
+    rank 0's first step in a pod started after the fault. The old attempt may finish a
+    step after the fault (SIGTERM: it checkpoints it), read while its folders exist."""
     started = time.monotonic()
     while time.monotonic() - started < timeout:
+        for folder in old_folders:
+            for file in (folder / "volumes").rglob("metrics.jsonl") if folder else []:
+                steps = [step for x in _lines(file) if (step := _step(x)) is not None]
+                last_step = max([last_step, *steps])
         for pod in (f"{name}-trainer-0", f"{name}-trainer-1"):
             current = cluster.pod(NS, pod)
             if current is None or current["metadata"]["uid"] in old_uids:
@@ -100,9 +113,23 @@ def first_new_step(cluster: ProcessCluster, name: str, old_uids: set[str], timeo
             resumed = _resumed_step(cluster.logs(NS, pod))
             new = [r for r in rows if resumed is None or int(r["step"]) > resumed]
             if new:
-                return time.monotonic() - started, int(new[0]["step"]), resumed
+                return time.monotonic() - started, int(new[0]["step"]), resumed, last_step
         time.sleep(0.1)
     raise TimeoutError(f"{name}: no step after the fault in {timeout:.0f} s")
+
+
+def _lines(file: Path) -> list[str]:
+    try:
+        return [line for line in file.read_text().splitlines() if line.strip()]
+    except OSError:  # removed with its pod
+        return []
+
+
+def _step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError):  # a line still being written
+        return None
 
 
 def _resumed_step(log: str) -> int | None:
@@ -127,17 +154,10 @@ def measure(cluster: ProcessCluster, store: SeaweedServer, fault: str, k: int) -
     )
     before = trainer_uids(cluster, name)
     old_folders = [cluster.pod_folder(NS, f"{name}-trainer-{i}") for i in (0, 1)]
+    last_step = max(rank0_steps(cluster, name))
     inject(cluster, fault, name)
-    mttr, first, resumed = first_new_step(cluster, name, before, timeout=600)
-    # The old attempt's last step (after a SIGTERM it still finishes its step and
-    # checkpoints it), read from its pods' folders, which the kubelets keep.
-    last_step = max(
-        int(json.loads(line)["step"])
-        for folder in old_folders
-        if folder is not None
-        for file in (folder / "volumes").rglob("metrics.jsonl")
-        for line in file.read_text().splitlines()
-        if line.strip()
+    mttr, first, resumed, last_step = first_new_step(
+        cluster, name, before, old_folders, last_step, timeout=600
     )
     done = wait_for(
         lambda: (
