@@ -250,7 +250,7 @@ class _Run:
     def handle_failures(self) -> None:
         for pod in sorted(self.pods.values(), key=lambda p: p.name):
             # A pod being deleted is ours to judge only when the cluster says why (a
-            # preemption, an eviction: DisruptionTarget); then its gang restarts at once.
+            # preemption, an eviction: DisruptionTarget), once its container has ended.
             if pod.uid in self.handled or (pod.deleting and not pod.disruption):
                 continue
             failure = P.classify(pod)
