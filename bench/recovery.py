@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / p) for p in ("cluster", "integration", "")]
 
 from cluster_jobs import ALGORITHMS, NS, rlft, tiny_job  # noqa: E402
-from seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedServer  # noqa: E402
+from seaweedfs import SeaweedServer  # noqa: E402
 from testcluster import ProcessCluster, wait_for  # noqa: E402
 
 STEPS, INTERVAL = 40, 2
@@ -221,12 +221,7 @@ def main() -> int:
     rows = []
     try:
         with ProcessCluster(workdir / "cluster", nodes=2) as cluster:
-            credentials = {
-                "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_ENDPOINT_URL": store.endpoint,
-            }
-            cluster.install_operator(NS, credentials, secret="s3-creds")
+            cluster.install_operator(NS, store.credentials(), secret="s3-creds")
             print(
                 f"{'fault':24} {'MTTR s':>7} {'floor s':>8} {'ratio':>6} {'lost':>5} "
                 f"{'restarts':>8} {'rollbacks':>9}  phase"

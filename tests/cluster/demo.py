@@ -21,7 +21,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 import yaml  # noqa: E402
-from seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedServer  # noqa: E402
+from seaweedfs import SeaweedServer  # noqa: E402
 from testcluster import ProcessCluster  # noqa: E402
 
 NAMESPACE = "demo"
@@ -54,12 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     store.start()
     try:
         with ProcessCluster(workdir / "cluster", nodes=2) as cluster:
-            credentials = {
-                "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_ENDPOINT_URL": store.endpoint,
-            }
-            cluster.install_operator(NAMESPACE, credentials)
+            cluster.install_operator(NAMESPACE, store.credentials())
             store.create_bucket(BUCKET)
             cluster.apply(demo_job(args.steps))
             kubeconfig = cluster.api_server.kubeconfig

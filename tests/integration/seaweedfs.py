@@ -171,5 +171,13 @@ class SeaweedServer:
             ),
         )
 
+    def credentials(self) -> dict[str, str]:
+        """The S3 environment a client (a pod, through its Secret) needs for this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_ENDPOINT_URL": self.endpoint,
+        }
+
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
