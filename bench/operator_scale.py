@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "operator"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cluster import ROOT, EmulatedApiServer, OperatorProcess, wait_for
 from jobs import job_doc

@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE.parent / "operator"))
 
 from cluster import EmulatedApiServer, OperatorProcess, wait_for  # noqa: E402
 from kube_api import Api  # noqa: E402
+from processes import stop_process  # noqa: E402
 
 
 def free_port() -> int:
@@ -66,13 +67,7 @@ class Node:
 
     def stop(self) -> None:
         """Stop the kubelet; its pods' processes end with it."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout=30)
         self.kill_leftovers()
         self.log.close()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from processes import stop_process
 
 HOW_TO_INSTALL = (
     "the prometheus server binary is not installed: run `make setup` (it installs "
@@ -123,9 +124,4 @@ def prometheus(tmp_path: Path) -> Iterator[Callable[[list[str], list[Path]], Pro
 
 
 def stop_prometheus(server: Prometheus) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+    stop_process(server.process)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from processes import stop_process
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -154,13 +155,7 @@ class EmulatedApiServer:
         )
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self._log.close()
 
 
@@ -195,11 +190,5 @@ class OperatorProcess:
             return response.read().decode()
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout=20, sig=sig)
         self._log.close()
