@@ -160,7 +160,9 @@ def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
 
 
 def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
-    """The same, with checkpoints in a real SeaweedFS S3 bucket."""
+    """The same, with checkpoints in a real SeaweedFS S3 bucket, resumed in a new output
+    folder (as a replaced pod is): the checkpoint carries metrics.jsonl's history, so the
+    resumed run's file has every step once, with the prompts of the uninterrupted run."""
     job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
     spec = yaml.safe_load(job.read_text())
     spec["spec"]["checkpoint"] |= {
@@ -179,12 +181,15 @@ def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
     wait_for_step(tmp_path / "killed", 5, victim, storage)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    resumed = start(tmp_path, "killed")
+    resumed = start(tmp_path, "new-pod")
     output = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, output
-    assert f"s3://{bucket}/runs/killed" in output
-    assert records(tmp_path / "killed") == records(tmp_path / "whole")
-    final, expected = parameters(tmp_path / "killed"), parameters(tmp_path / "whole")
+    assert f"s3://{bucket}/runs/killed" in output and "resumed from the checkpoint" in output
+    history = records(tmp_path / "new-pod")
+    assert [r["step"] for r in history] == list(range(1, STEPS + 1))
+    assert len({r["data_digest"] for r in history}) == STEPS  # each step its own prompts
+    assert history == records(tmp_path / "whole")
+    final, expected = parameters(tmp_path / "new-pod"), parameters(tmp_path / "whole")
     assert all(torch.equal(final[name], expected[name]) for name in expected)
 
 

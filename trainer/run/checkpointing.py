@@ -2,14 +2,17 @@
 
 What a checkpoint of the main phase holds: the policy and its optimizer (sharded), PPO's
 critic and its optimizer, the frozen reference (KL, DPO), and the loop's cursor (step,
-policy version, the data and sampling random streams, results of the warm start). A run
-killed at any point resumes from the newest committed checkpoint and continues exactly
-as the uninterrupted run would have (bit for bit on the CPU at the same world size).
+policy version, the data and sampling random streams, results of the warm start), and
+rank 0's metrics.jsonl up to its step. A run killed at any point resumes from the newest
+committed checkpoint and continues exactly as the uninterrupted run would have (bit for
+bit on the CPU at the same world size); its metrics.jsonl is the checkpoint's history
+then the resumed steps, also in a new pod whose local files are gone.
 The warm start is not checkpointed: a run killed during it starts again (deterministic).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ class Checkpointing:
         spec = job.spec.checkpoint
         self.dist = dist
         self.supervisor = supervisor
+        self.metrics = out / "metrics.jsonl"
         self.stop = GracefulStop(spec.grace_period_seconds).install()
         self.checkpointer = checkpointer_from_spec(
             spec,
@@ -82,7 +86,19 @@ class Checkpointing:
                 warn("rlft: warning: no checkpoint at all; starting from the beginning")
                 return None
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}))
-        return Cursor.from_json(resumed.extra["cursor"])
+        cursor = Cursor.from_json(resumed.extra["cursor"])
+        if self.dist.is_main:
+            self._restore_history(resumed.extra.get("metrics"), cursor.step)
+        return cursor
+
+    def _restore_history(self, lines: list[str] | None, step: int) -> None:
+        """metrics.jsonl as it was at the checkpoint: its history (checkpoints from before
+        it was kept: the local file without the steps after the checkpoint, which the
+        resumed run writes again)."""
+        if lines is None:
+            local = self.metrics.read_text().splitlines() if self.metrics.exists() else []
+            lines = [line for line in local if json.loads(line)["step"] <= step]
+        self.metrics.write_text("".join(line + "\n" for line in lines))
 
     def _load(self, which, learner, restore_rng: bool):
         resumed = load_checkpoint(
@@ -138,7 +154,11 @@ class Checkpointing:
             cursor.step,
             learner.models.policy,
             learner.optimizer,
-            extra={"cursor": cursor.to_json(), "guard": self.supervisor.state_dict()},
+            extra={
+                "cursor": cursor.to_json(),
+                "guard": self.supervisor.state_dict(),
+                "metrics": self._history(),
+            },
             policy_version=cursor.policy_version,
             healthy=self.supervisor.healthy(),
             modules=_modules(learner),
@@ -146,6 +166,12 @@ class Checkpointing:
             emergency=wait and self.stop.requested,
             retry_seconds=self.stop.remaining() if self.stop.requested else None,
         )
+
+    def _history(self) -> list[str]:
+        """Rank 0's metrics.jsonl so far (written and flushed step by step)."""
+        if not self.dist.is_main or not self.metrics.exists():
+            return []
+        return [line for line in self.metrics.read_text().splitlines() if line.strip()]
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -253,6 +253,8 @@ def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:
     step_seconds = timings.published - timings.started
     record = {"step": step, "policy_version": run.cursor.policy_version, "lr": outcome.base["lr"]}
     record |= drawn.fields | update_metrics(outcome.result)
+    if drawn.data_digest is not None:
+        record["data_digest"] = drawn.data_digest
     record |= {
         "gen_time_s": timings.generated - timings.started,
         "train_time_s": timings.trained - timings.generated,

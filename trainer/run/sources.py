@@ -24,7 +24,7 @@ from rlft.trainer.rollout.batches import (
 )
 from rlft.trainer.rollout.engine import SamplingParams
 from rlft.trainer.rollout.pipeline import rollout_producer
-from rlft.trainer.run.step_metrics import rollout_metrics
+from rlft.trainer.run.step_metrics import data_digest, rollout_metrics
 
 if TYPE_CHECKING:
     from rlft.trainer.run.loop import Run
@@ -45,6 +45,8 @@ class Drawn:
     """The rollout pipeline's figures for the step."""
     phases: list[tuple[str, int, int]] = field(default_factory=list)
     """(phase, start ns, end ns) of the generation and scoring behind the batch."""
+    data_digest: str | None = None
+    """Which prompts the step trained on (`step_metrics.data_digest`), for the record."""
 
 
 class BatchSource(Protocol):
@@ -128,7 +130,8 @@ class PairSource(_Source):
         problems = [run.task.train_problem(rng) for _ in range(spec.algorithm.dpo.pairs_per_step)]
         encoder = run.encoder
         batch = preference_batch(problems, encoder.prompt, encoder.answer, encoder.pad_id, rng)
-        return Drawn(batch.with_fields(ref_logp=run.reference_logprobs(batch)))
+        digest = data_digest([problem.prompt for problem in problems])
+        return Drawn(batch.with_fields(ref_logp=run.reference_logprobs(batch)), data_digest=digest)
 
     def describe(self, record: dict[str, Any]) -> str:
         return (
@@ -209,7 +212,8 @@ class RolloutSource(_Source):
             spec.rollout.sampling.max_new_tokens,
             reference,
         )
-        return Drawn(batch, rollout_metrics(rollouts), waited, flow, rollouts.phases)
+        digest = data_digest(rollouts.prompt_ids)
+        return Drawn(batch, rollout_metrics(rollouts), waited, flow, rollouts.phases, digest)
 
     def step_done(self, run: Run) -> None:
         if self.session is not None:

@@ -3,9 +3,19 @@ rollouts, and from the summed statistics of the update."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 
 from rlft.trainer.learner.learner import StepResult
+
+
+def data_digest(prompts: list) -> str:
+    """A short fingerprint of the prompts a step trained on, in order (token ids or
+    encoded prompts): the kept history of a resumed run has the same sequence as an
+    uninterrupted run of the job, which is how "each prompt trained once" is checked."""
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
 
 
 def rollout_metrics(rollouts) -> dict[str, float]:
