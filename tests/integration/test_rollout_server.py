@@ -271,3 +271,42 @@ def test_weights_published_to_s3_reach_new_and_running_instances(
         health = http_json(f"{client.instances[0].url}/healthz", None, 10)
         assert health["policy_version"] == 2
         client.close()
+
+
+def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The publisher retries a version whose upload (or load) failed because the object
+    store was down, instead of ending the run; the instance serves it once the store
+    is back."""
+    from seaweedfs import SeaweedServer
+
+    from rlft.trainer.rollout.publisher import WeightPublisher
+    from rlft.trainer.weights.store import WeightStore
+
+    s3 = SeaweedServer(tmp_path / "weed", tmp_path / "weed.log")
+    s3.start()
+    try:
+        for key, value in s3.credentials().items():
+            monkeypatch.setenv(key, value)  # the trainer side and the server subprocess
+        s3.create_bucket("outage")
+        store = WeightStore.at("s3://outage/weights")
+        model, _ = tiny_model(seed=0)
+        publish(store, model, 0)
+        with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
+            client = RolloutClient(servers.start(), timeout_s=20)
+            client.wait_ready(120)
+            publisher = WeightPublisher(client, store, "store", timeout_s=120)
+            s3.stop()
+            redraw(model, 5)
+            publisher.publish(model, 1)
+            time.sleep(4)  # a few failed attempts
+            assert publisher.acked < 1
+            s3.start()
+            publisher.wait(1, timeout=90)
+            health = http_json(f"{client.instances[0].url}/healthz", None, 10)
+            assert health["policy_version"] == 1
+            publisher.close()
+            client.close()
+    finally:
+        s3.stop()

@@ -6,10 +6,15 @@ generate request (their weight load waits for it: updates are atomic per request
 Only the newest pending version is shipped: if the trainer is two versions ahead of a
 slow publication, the older one is skipped. `wait(version)` blocks until every live
 instance serves at least that version (the pipeline's start rule needs this).
+
+A failed shipment (the object store down, every instance refusing the load) is retried
+with backoff until `timeout_s`, or until a newer version is pending, which replaces it:
+an outage of the store stalls generation for its length instead of ending the run.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -19,7 +24,10 @@ import torch
 
 from rlft.trainer.rollout.client import RolloutClient
 from rlft.trainer.rollout.protocol import WeightsRequest
+from rlft.trainer.storage.retry import backoff_delays
 from rlft.trainer.weights.store import WeightStore, config_json, serialize, unique_tensors
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -114,17 +122,45 @@ class WeightPublisher:
                 self._pending = None
             started = time.perf_counter()
             try:
-                self._ship(version, snapshot, config)
+                shipped = self._ship_retrying(version, snapshot, config)
             except BaseException as error:  # surfaced to the trainer on its next call
                 with self._cond:
                     self._error = error
                     self._cond.notify_all()
                 return
+            if not shipped:
+                continue  # a newer version replaced it
             with self._cond:
                 self.last_publish_s = time.perf_counter() - started
                 self.published += 1
                 self._acked = max(self._acked, version)
                 self._cond.notify_all()
+
+    def _ship_retrying(self, version: int, snapshot, config: str) -> bool:
+        """Ship `version`, retried until `timeout_s`; False if a newer version became
+        pending first (it is shipped instead)."""
+        deadline = time.monotonic() + self.timeout_s
+        delays = backoff_delays(0.5, 10.0, jitter=0.2)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._ship(version, snapshot, config)
+                return True
+            except Exception as error:
+                delay = next(delays)
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning(
+                    "weights of version %d: publication failed (attempt %d): %s; retrying in %.1fs",
+                    version,
+                    attempt,
+                    error,
+                    delay,
+                )
+            with self._cond:
+                if self._cond.wait_for(lambda: self._pending is not None or self._closed, delay):
+                    return False
 
     def _ship(self, version: int, snapshot, config: str) -> None:
         if isinstance(snapshot, bytes):

@@ -35,6 +35,7 @@ from rlft.trainer.run.phases import (
 from rlft.trainer.run.progress import Reporter
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.run.supervisor import RunEnded, Supervisor
+from rlft.trainer.storage.retry import with_retries
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml")
 
@@ -162,8 +163,6 @@ def _resume(run: Run, parts: JobParts, which: str | int) -> bool:
     run.cursor = resumed
     run.set_policy_version(resumed.policy_version)
     _announce(run, parts, resumed=True)
-    if run.dist.is_main:
-        _truncate_metrics(run.out / "metrics.jsonl", resumed.step)
     return True
 
 
@@ -218,10 +217,18 @@ def _publish_outputs(run: Run) -> None:
     under the checkpoint location, the summary last (its presence says the rest is there)."""
     storage = storage_from_spec(run.spec.checkpoint, run.out / "checkpoints")
     model = run.out / "model"
-    for path in sorted(p for p in model.rglob("*") if p.is_file()):
-        storage.put_file(f"{OUTPUTS}/model/{path.relative_to(model).as_posix()}", path)
-    for name in ("metrics.jsonl", "summary.json"):
-        storage.put_file(f"{OUTPUTS}/{name}", run.out / name)
+    files = [
+        (f"{OUTPUTS}/model/{path.relative_to(model).as_posix()}", path)
+        for path in sorted(p for p in model.rglob("*") if p.is_file())
+    ] + [(f"{OUTPUTS}/{name}", run.out / name) for name in ("metrics.jsonl", "summary.json")]
+    # Retried through a store outage as checkpoint uploads are: the run is done by now.
+    deadline = time.monotonic() + run.spec.checkpoint.upload_retry_minutes * 60
+    for key, path in files:
+        with_retries(
+            lambda key=key, path=path: storage.put_file(key, path),
+            deadline_s=max(0.0, deadline - time.monotonic()),
+            cap=10.0,
+        )
 
 
 def _announce(run: Run, parts: JobParts, resumed: bool) -> None:
@@ -253,11 +260,3 @@ def _start_main_phase(run: Run, config) -> None:
     run.reporter.log(f"rlft: held-out accuracy before {spec.algorithm.name}: {eval_start:.3f}")
     prepare_main_phase(run, config)
     run.cursor.results["eval_accuracy_start"] = eval_start
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after the checkpoint: the resumed run writes them again."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
