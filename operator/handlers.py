@@ -355,6 +355,9 @@ async def _apply(key: Key, body: dict[str, Any], old: RLFineTuneStatus, d: Decis
     for pod in d.delete_pods:
         if await kube.delete("Pod", namespace, pod):
             metrics.children.labels(kind="Pod", action="delete").inc()
+    for pod in d.force_delete_pods:
+        if await kube.delete("Pod", namespace, pod, grace_seconds=0):
+            metrics.children.labels(kind="Pod", action="force-delete").inc()
     for manifest in d.create:
         if await kube.create(manifest):
             metrics.children.labels(kind=manifest["kind"], action="create").inc()

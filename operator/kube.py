@@ -135,10 +135,14 @@ class Kube:
             raise
         return True
 
-    async def delete(self, kind: str, namespace: str, name: str) -> bool:
-        """Delete; False if it was already gone."""
+    async def delete(
+        self, kind: str, namespace: str, name: str, grace_seconds: int | None = None
+    ) -> bool:
+        """Delete (with `grace_seconds` 0: force, as `kubectl delete --force` does, for a
+        pod whose kubelet is gone); False if it was already gone."""
+        body = None if grace_seconds is None else {"gracePeriodSeconds": grace_seconds}
         try:
-            await self._request("DELETE", _core_path(namespace, _PLURALS[kind], name))
+            await self._request("DELETE", _core_path(namespace, _PLURALS[kind], name), body)
         except ApiError as error:
             if error.status == 404:
                 return False

@@ -176,6 +176,25 @@ def rollout_urls(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[str
     return [f"http://rollout-{i}.{svc}.{ns}.svc:{port}" for i in range(job.spec.rollout.instances)]
 
 
+NODE_LOST_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
+
+def _node_lost_tolerations(scheduling: Any, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How long a pod waits for its node to report again (spec.scheduling.nodeLostSeconds)
+    before the taint manager evicts it, unless the job's own tolerations say."""
+    keys = {t.get("key") for t in own}
+    return [
+        {
+            "key": key,
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": scheduling.node_lost_seconds,
+        }
+        for key in NODE_LOST_TAINTS
+        if key not in keys
+    ]
+
+
 def _resources(spec_resources: Any, gpus: int) -> dict[str, Any]:
     requests = dict(spec_resources.requests)
     limits = dict(spec_resources.limits)
@@ -297,10 +316,8 @@ def _pod(
         spec["subdomain"] = subdomain
     if scheduling.node_selector:
         spec["nodeSelector"] = dict(scheduling.node_selector)
-    if scheduling.tolerations:
-        spec["tolerations"] = [
-            t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations
-        ]
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations]
+    spec["tolerations"] = tolerations + _node_lost_tolerations(scheduling, tolerations)
     if scheduling.affinity:
         spec["affinity"] = scheduling.affinity
     if scheduling.priority_class_name:

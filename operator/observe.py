@@ -28,6 +28,8 @@ class PodView:
     """The pod-level reason (Evicted, NodeLost, Preempting, …)."""
     scheduled: bool = False
     deleting: bool = False
+    deletion_deadline: str | None = None
+    """metadata.deletionTimestamp: when the pod's grace period ends."""
     created: str | None = None
     pod_ip: str | None = None
     exit_code: int | None = None
@@ -111,6 +113,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
         reason=status.get("reason") or "",
         scheduled=scheduled,
         deleting=bool(meta.get("deletionTimestamp")),
+        deletion_deadline=meta.get("deletionTimestamp"),
         created=meta.get("creationTimestamp"),
         pod_ip=status.get("podIP"),
         exit_code=exit_code,

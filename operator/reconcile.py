@@ -72,11 +72,18 @@ class Decision:
     status: Status
     create: list[dict[str, Any]] = field(default_factory=list)
     delete_pods: list[str] = field(default_factory=list)
+    force_delete_pods: list[str] = field(default_factory=list)
+    """Pods still Terminating STUCK_TERMINATING_SECONDS past their grace: their kubelet is
+    gone (a lost node), so only a force deletion frees the slot for a replacement."""
     events: list[Event] = field(default_factory=list)
     set_suspend: bool = False
     """Ask for spec.suspend=true (a collapse with onCollapse=suspend): the user resumes."""
     requeue_after: float | None = None
     """Reconcile again after this many seconds even if nothing changes."""
+
+
+STUCK_TERMINATING_SECONDS = 15.0
+"""How long past its grace period a Terminating pod may stay before it is force-deleted."""
 
 
 def set_condition(
@@ -325,6 +332,29 @@ class _Run:
             action=action,
         )
 
+    def hidden_oom(self) -> None:
+        """A rank OOM-killed is often judged second: its peers' broken collectives end
+        them first, and the gang restart that follows marks it handled. Its OOMKilled is
+        still the cause the user must act on, so it becomes the last failure (the
+        restart is counted once already) with one Event."""
+        last = self.st.last_failure
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            if pod.uid not in self.handled or pod.terminated_reason != P.OOM:
+                continue
+            if last is not None and (last.reason, last.pod) == (P.OOM, pod.name):
+                continue
+            message = (
+                f"pod {pod.name} was OOM-killed at its memory limit while the gang restarted "
+                f"after {last.reason if last else 'a failure'} of {last.pod if last else '?'}; "
+                "raise the role's resources.limits.memory if it recurs"
+            )
+            action = last.action if last is not None else "restart the trainer gang"
+            self._record(
+                P.Failure(P.OOM, pod.name, pod.uid, pod.role, pod.exit_code, message), action
+            )
+            self.event("Warning", P.OOM, message)
+            return
+
     def restart_gang(self) -> None:
         self.group_restart = True
         self.st.gang_pods = []
@@ -332,6 +362,26 @@ class _Run:
             if pod.role == N.ROLE_TRAINER:
                 self.handled.add(pod.uid)  # their SIGTERM exits are not new failures
                 self.delete(pod)
+
+    def force_stuck(self) -> None:
+        """A pod deleted gracefully that is still there well past its grace period has no
+        kubelet to finish the deletion (its node is lost): force-delete it, so that its
+        slot, whose name is fixed, can be filled again."""
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            deadline = parse_time(pod.deletion_deadline) if pod.deleting else None
+            if deadline is None:
+                continue
+            late = (self.now - deadline).total_seconds()
+            if late < STUCK_TERMINATING_SECONDS:
+                self.requeue(STUCK_TERMINATING_SECONDS - late)
+                continue
+            self.d.force_delete_pods.append(pod.name)
+            self.event(
+                "Warning",
+                "ForceDeleted",
+                f"pod {pod.name} still Terminating {late:.0f} s after its grace period "
+                "ended (its node stopped reporting?): force-deleted so it can be replaced",
+            )
 
     def waiting_problems(self) -> None:
         timeout = self.spec.scheduling.scheduling_timeout_seconds
@@ -570,9 +620,11 @@ class _Run:
         if st.phase == "Failed":
             self.terminal()
             return self.finish()
+        self.hidden_oom()
         for pod in self.pods.values():
             if pod.uid in self.handled and pod.phase in ("Failed", "Succeeded", "Unknown"):
                 self.delete(pod)  # counted failures leave their slot for the replacement
+        self.force_stuck()
         self.lost_trainers()
         self.ensure_children()
         self.update_phase()

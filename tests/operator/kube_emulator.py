@@ -41,7 +41,7 @@ import signal
 import sys
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,8 @@ ALL_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "up
 LOG_LIMIT = 200_000
 
 
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _now(later_s: float = 0) -> str:
+    return (datetime.now(UTC) + timedelta(seconds=later_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class ApiStatus(Exception):
@@ -858,7 +858,8 @@ class Emulator(kmock.KubernetesEmulator):
         grace = _grace(rt, obj, body, q) if self.graceful_pods else 0
         if grace and not meta.get("deletionTimestamp"):
             obj = copy.deepcopy(obj)
-            obj["metadata"]["deletionTimestamp"] = _now()
+            # As the real API server: the time the grace period ends, not the request's.
+            obj["metadata"]["deletionTimestamp"] = _now(later_s=grace)
             obj["metadata"]["deletionGracePeriodSeconds"] = grace
             self._bump(obj)
             self.store[key] = obj

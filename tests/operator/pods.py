@@ -28,6 +28,7 @@ def raw_pod(
     uid: str | None = None,
     created: str = "2026-01-01T00:00:00Z",
     deleting: bool = False,
+    grace_ends: str | None = None,
     pod_ip: str | None = None,
     verdict: termination.Verdict | None = None,
 ) -> dict[str, Any]:
@@ -83,8 +84,8 @@ def raw_pod(
         "creationTimestamp": created,
         "labels": {**N.labels("tiny-grpo", role, index)},
     }
-    if deleting:
-        meta["deletionTimestamp"] = created
+    if deleting:  # the API server sets it to when the grace period ends
+        meta["deletionTimestamp"] = grace_ends or created
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {}, "status": status}
 
 

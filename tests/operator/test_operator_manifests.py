@@ -143,6 +143,26 @@ def test_trainer_pods_run_elastic_torchrun():
         assert spec["restartPolicy"] == "Never"
 
 
+def test_every_pod_leaves_a_lost_node_after_node_lost_seconds():
+    """NoExecute tolerations of the unreachable and not-ready taints, for
+    spec.scheduling.nodeLostSeconds (not Kubernetes' 300 s), unless the job's own
+    tolerations name those keys."""
+    d = _desired("gpu-elastic")
+    for pod in d.pods.values():
+        lost = {t["key"]: t for t in pod["spec"]["tolerations"] if t["key"] in M.NODE_LOST_TAINTS}
+        assert set(lost) == set(M.NODE_LOST_TAINTS)
+        assert all(
+            t["effect"] == "NoExecute" and t["tolerationSeconds"] == 60 for t in lost.values()
+        )
+    own = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
+    job, body = parsed(job_doc(scheduling={"nodeLostSeconds": 5, "tolerations": [own]}))
+    pod = next(iter(M.desired(job, body, M.Settings(), "auto").pods.values()))
+    tolerations = pod["spec"]["tolerations"]
+    assert own in tolerations and len(tolerations) == 2
+    assert tolerations[1]["key"] == "node.kubernetes.io/not-ready"
+    assert tolerations[1]["tolerationSeconds"] == 5
+
+
 def test_credentials_come_from_the_secret_never_the_config_map():
     d = _desired("gpu-elastic")
     text = yaml.safe_dump(d.config_maps["tiny-grpo-config"])

@@ -17,7 +17,13 @@ from pods import view
 
 from rlft.operator import failures as P
 from rlft.operator.observe import PodView, TrainerReport
-from rlft.operator.reconcile import Decision, Observed, parse_time, reconcile
+from rlft.operator.reconcile import (
+    STUCK_TERMINATING_SECONDS,
+    Decision,
+    Observed,
+    parse_time,
+    reconcile,
+)
 from rlft.operator.status import RLFineTuneStatus
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.termination import Verdict
@@ -53,6 +59,8 @@ class World:
         self.status = d.status
         for name in d.delete_pods:
             self.pods.pop(name)
+        for name in d.force_delete_pods:
+            self.pods.pop(name)
         for manifest in d.create:
             name = manifest["metadata"]["name"]
             if manifest["kind"] == "Pod":
@@ -80,6 +88,8 @@ class World:
             assert manifest["metadata"]["name"] not in self.pods, "a pod created over another"
         for name in d.delete_pods:
             assert name in self.pods
+        for name in d.force_delete_pods:
+            assert self.pods[name].deleting, "only a pod already being deleted is forced"
         st = d.status
         limit = RESTARTS["maxRestarts"]
         recent = P.in_window([parse_time(t) for t in st.restart_history], self.now, 60)
@@ -539,3 +549,50 @@ def test_a_preempted_or_evicted_trainer_pod_is_judged_while_it_is_being_deleted(
     d = w.step()
     assert w.status.last_failure.reason == kind and w.status.restarts == 1
     assert d.delete_pods == ["tiny-grpo-trainer-0"]  # the other is already going
+
+
+def test_a_pod_stuck_terminating_past_its_grace_is_force_deleted_and_replaced():
+    """A lost node's pod, evicted by the taint manager, keeps its deletion timestamp for
+    ever (no kubelet finishes it) and holds its slot's name: once STUCK_TERMINATING_SECONDS
+    past its grace it is force-deleted (one Event), and the gang restarts without it."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    grace_ends = (w.now + timedelta(seconds=30)).isoformat()
+    evicted = {"deleting": True, "grace_ends": grace_ends, "disruption": "DeletionByTaintManager"}
+    w.set("tiny-grpo-trainer-1", phase="Running", **evicted)
+    w.tick(30 + STUCK_TERMINATING_SECONDS - 1)
+    d = w.step()
+    assert d.force_delete_pods == [] and d.requeue_after is not None and d.requeue_after <= 1
+    w.tick(1)
+    d = w.step()
+    assert d.force_delete_pods == ["tiny-grpo-trainer-1"] and "ForceDeleted" in w.events
+    d = w.step()  # the slot is empty now: the gang restarts
+    assert w.status.restarts == 1 and d.delete_pods == ["tiny-grpo-trainer-0"]
+
+
+def test_an_oom_kill_judged_after_its_peers_failure_still_names_the_cause():
+    """trainer-1 fails first (its collective broke when trainer-0's worker was OOM-killed);
+    the gang restart marks trainer-0 handled. When trainer-0 ends OOMKilled, that becomes
+    the last failure, with one Event, and the restart is not counted twice."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.set("tiny-grpo-trainer-1", phase="Failed", exit_code=1)
+    d = w.step()
+    assert "tiny-grpo-trainer-0" in d.delete_pods  # the survivor too: the gang restarts
+    assert w.status.restarts == 1 and w.status.last_failure.pod == "tiny-grpo-trainer-1"
+    # Deleted gracefully, the pod is still there, Terminating, when its container ends.
+    oom = {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}
+    w.pods["tiny-grpo-trainer-0"] = view("tiny-grpo-trainer-0", uid=uid, deleting=True, **oom)
+    w.step()
+    w.step()
+    assert w.status.restarts == 1
+    assert (w.status.last_failure.reason, w.status.last_failure.pod) == (
+        P.OOM,
+        "tiny-grpo-trainer-0",
+    )
+    assert w.events.count(P.OOM) == 1

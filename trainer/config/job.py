@@ -430,6 +430,11 @@ class SchedulingSpec(Section):
     """PriorityClass of the pods."""
     scheduling_timeout_seconds: int = Field(600, ge=1, le=604800)
     """If the trainer gang is not scheduled within this time, say so in a condition."""
+    node_lost_seconds: int = Field(60, ge=0, le=86400)
+    """How long a pod stays on a node that stopped reporting (unreachable or not ready)
+    before Kubernetes evicts it and the operator replaces it (the pods' NoExecute
+    tolerations; Kubernetes' own default is 300). A pod still Terminating past its
+    grace (its kubelet gone) is then force-deleted so its slot can be filled."""
 
 
 # ----------------------------------------------------------------------- top level
