@@ -180,6 +180,12 @@ class Kubelet:
                 run.hosts_text = hosts
             if pod["metadata"].get("deletionTimestamp"):
                 if self.terminate(run):
+                    # The final status first, as a kubelet's status manager sends it
+                    # before the last delete: how each container ended (OOMKilled, …).
+                    for container in run.containers:
+                        if container.process is not None:
+                            self._exited(run, container, "Never")
+                    self.report(run)
                     self.remove(uid)
                 continue
             self.drive(run)
@@ -233,7 +239,9 @@ class Kubelet:
         message = _termination_message(container, code)
         if message:
             terminated["message"] = message
+        (self.state / "pids" / str(container.process.pid)).unlink(missing_ok=True)
         container.process = None
+        kill_cgroup(container.cgroup)  # what outlived the first process
         _remove_cgroup(container.cgroup)
         container.cgroup = None
         restart = policy == "Always" or (policy == "OnFailure" and code != 0)
@@ -422,13 +430,16 @@ class Kubelet:
         raise ConfigError(f"volume {volume['name']!r}: {kinds} volumes are not supported here")
 
     def _cgroup(self, run: PodRun, container: Container) -> Path | None:
-        limit = memory_limit(container.spec)
-        if limit is None or not CGROUP_ROOT.is_dir():
+        """Every container's memory cgroup (with its limit when it has one): what its
+        processes are, for killing all of them, and what the OOM killer judges."""
+        if not CGROUP_ROOT.is_dir():
             return None
         ns, name = run.key
         group = self.cgroups / f"{ns}_{name}_{container.name}_{container.restarts}"
         group.mkdir(parents=True, exist_ok=True)
-        (group / "memory.limit_in_bytes").write_text(str(limit))
+        limit = memory_limit(container.spec)
+        if limit is not None:
+            (group / "memory.limit_in_bytes").write_text(str(limit))
         return group
 
     # ------------------------------------------------------------------ status
@@ -550,6 +561,27 @@ def _signal(container: Container, sig: int) -> None:
     if container.running:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(container.process.pid, sig)
+    if sig == signal.SIGKILL:
+        kill_cgroup(container.cgroup)
+
+
+def kill_cgroup(group: Path | None) -> None:
+    """SIGKILL every process in the container's cgroup, as a container runtime does when
+    it kills a container or its first process has exited: also those that left its
+    process group (torchrun starts its workers in sessions of their own)."""
+    if group is None or not group.is_dir():
+        return
+    for _ in range(50):
+        try:
+            pids = [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
 
 
 def _oom_killed(group: Path | None) -> bool:

@@ -3,6 +3,8 @@ requests (cpu, memory, nvidia.com/gpu, any other resource the node advertises), 
 labels match its nodeSelector and whose taints it tolerates; the least loaded such node
 wins. A pod that fits nowhere gets PodScheduled=False, reason Unschedulable, with the
 count of nodes and why, as kube-scheduler reports it. No affinity, preemption or gangs.
+The same process runs the node lifecycle controller and taint manager
+(node_lifecycle.py): lost nodes are marked and their pods evicted.
 
     python tests/cluster/scheduler.py --api URL
 """
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster_resources import pod_requests, quantity
 from kube_api import Api, ApiError
+from node_lifecycle import watch_nodes
 
 NODE_LOST_S = 10.0
 """A node whose last heartbeat is older than this takes no new pods."""
@@ -125,9 +128,13 @@ def main() -> None:
     api, reported = Api(args.api), {}
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    watched = 0.0
     while not stopping:
         try:
             schedule_once(api, reported)
+            if time.time() - watched >= 1.0:
+                watched = time.time()
+                watch_nodes(api, watched)
         except (ApiError, OSError) as error:
             print(f"scheduler: {error}", file=sys.stderr, flush=True)
         time.sleep(0.2)

@@ -7,47 +7,32 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from cluster_jobs import ALGORITHMS, NS, finished, rlft, tiny_job
-from testcluster import ProcessCluster, wait_for
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        children = (task / "children").read_text().split() if (task / "children").exists() else []
-        found += [int(child) for child in children]
-    return found
-
-
-def _worker_of(cluster: ProcessCluster, pod: str) -> int:
-    """The `rlft train` worker torchrun (the container's process) started."""
-    agent = cluster.container_pid(NS, pod)
-    workers = wait_for(lambda: _children(agent), f"a worker under {pod}'s agent", 60)
-    return workers[0]
+from cluster_jobs import NS, finished, rlft
+from faults import (
+    assert_data_exactly_once,
+    checkpointed,
+    events,
+    faulty_job,
+    kept_history,
+    worker_of,
+)
+from testcluster import wait_for
 
 
-def _events(cluster: ProcessCluster, name: str) -> list[dict[str, Any]]:
-    return [e for e in cluster.api.list("events", NS) if e["involvedObject"]["name"] == name]
-
-
-def _faulty_job(name: str, bucket: str, steps: int = 12) -> dict[str, Any]:
-    job = tiny_job(name, bucket, ALGORITHMS["grpo"])
-    job["spec"]["trainer"]["steps"] = steps
-    job["spec"]["restartPolicy"] = {"backoffSeconds": 1, "maxRestarts": 5}
-    return job
-
-
-def test_a_trainer_killed_before_the_first_checkpoint_restarts_from_the_start(cluster, seaweed):
+def test_a_trainer_killed_before_the_first_checkpoint_restarts_from_the_start(
+    cluster, seaweed, reference
+):
     """SIGKILL of trainer-0's container during the warm start: no checkpoint exists, the
     operator restarts the gang with --resume=latest-healthy, which starts the job again
     (with a warning) instead of failing for want of a checkpoint."""
     bucket, name = "faults-early", "early-kill"
     seaweed.create_bucket(bucket)
-    job = _faulty_job(name, bucket)
+    job = faulty_job(name, bucket)
     job["spec"]["algorithm"]["sft"]["steps"] = 60  # a warm start long enough to hit
     cluster.apply(job)
     pod = f"{name}-trainer-0"
@@ -58,29 +43,28 @@ def test_a_trainer_killed_before_the_first_checkpoint_restarts_from_the_start(cl
     logs = cluster.logs(NS, pod) + cluster.logs(NS, f"{name}-trainer-1")
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1) + logs[-4000:]
     assert status["restarts"] >= 1 and status["lastFailure"]["pod"].startswith(f"{name}-")
-    assert any(e["reason"] == "Restarting" for e in _events(cluster, name))
+    assert any(e["reason"] == "Restarting" for e in events(cluster, name))
     assert "no checkpoint at all; starting from the beginning" in logs
     client = seaweed.client()
     summary = client.get_object(Bucket=bucket, Key=f"{name}/outputs/summary.json")["Body"]
     assert json.loads(summary.read())["steps"] == 12
+    assert_data_exactly_once(kept_history(client, bucket, name), reference, 12)
 
 
-def test_a_trainer_rank_killed_mid_step_resumes_from_the_last_checkpoint(cluster, seaweed):
+def test_a_trainer_rank_killed_mid_step_resumes_from_the_last_checkpoint(
+    cluster, seaweed, reference
+):
     """SIGKILL of trainer-0's worker process (not its pod) after a checkpoint: torchrun restarts
     the workers of both pods, which resume from the newest checkpoint; the job completes
     and no committed checkpoint is lost."""
     bucket, name = "faults-rank", "rank-kill"
     seaweed.create_bucket(bucket)
-    job = _faulty_job(name, bucket, steps=16)
+    job = faulty_job(name, bucket, steps=16)
     cluster.apply(job)
     pod = f"{name}-trainer-0"
 
-    def checkpointed() -> int | None:
-        last = ((rlft(cluster, name) or {}).get("status") or {}).get("lastCheckpoint")
-        return last["step"] if last else None
-
-    saved = wait_for(checkpointed, "a committed checkpoint", timeout=300, every=0.5)
-    worker = _worker_of(cluster, pod)
+    saved = wait_for(lambda: checkpointed(cluster, name), "a committed checkpoint", 300, 0.5)
+    worker = worker_of(cluster, pod)
     killed_at = time.monotonic()
     os.kill(worker, signal.SIGKILL)
     done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
@@ -95,11 +79,12 @@ def test_a_trainer_rank_killed_mid_step_resumes_from_the_last_checkpoint(cluster
         "Error",
         "RendezvousTimeout",
     )
+    assert_data_exactly_once(kept_history(seaweed.client(), bucket, name), reference, 16)
     print(f"recovered {time.monotonic() - killed_at:.1f} s after the kill; resumed at {resumed}")
 
 
 def test_a_preempted_trainer_pod_checkpoints_in_its_grace_and_the_job_resumes_from_it(
-    cluster, seaweed
+    cluster, seaweed, reference
 ):
     """`kubectl delete pod` of trainer-0 mid-run (what a preemption or a drain does): the
     kubelet sends SIGTERM, the ranks write an emergency checkpoint inside the grace and
@@ -107,7 +92,7 @@ def test_a_preempted_trainer_pod_checkpoints_in_its_grace_and_the_job_resumes_fr
     checkpoint, and the job completes."""
     bucket, name = "faults-preempt", "preempted"
     seaweed.create_bucket(bucket)
-    job = _faulty_job(name, bucket, steps=24)
+    job = faulty_job(name, bucket, steps=24)
     job["spec"]["checkpoint"]["intervalSteps"] = 1000  # only the emergency one can be used
     cluster.apply(job)
     pod = f"{name}-trainer-0"
@@ -130,3 +115,58 @@ def test_a_preempted_trainer_pod_checkpoints_in_its_grace_and_the_job_resumes_fr
     assert cluster.pod(NS, pod)["metadata"]["uid"] != first_uid
     again = "".join(cluster.logs(NS, p) for p in pods)
     assert f"resumed from the checkpoint of step {step}" in again, again[-3000:]
+    assert_data_exactly_once(kept_history(seaweed.client(), bucket, name), reference, 24)
+
+
+ALLOCATE = """
+import os, sys, time
+group, size = sys.argv[1], int(sys.argv[2])
+with open(os.path.join(group, "cgroup.procs"), "w") as procs:
+    procs.write(str(os.getpid()))
+held = [b"\\x01" * (16 << 20) for _ in range(size // (16 << 20) + 1)]
+time.sleep(2)
+"""
+
+
+def test_a_trainer_pod_oom_killed_by_its_memory_limit_is_restarted(cluster, seaweed, reference):
+    """The trainer container's real memory cgroup pushed over its limit (a process joins
+    it and allocates): the kernel's OOM killer kills the trainer (its oom_score_adj
+    raised to 1000, what a kubelet gives a BestEffort container; lowering the
+    allocator's own needs CAP_SYS_RESOURCE), the kubelet reports OOMKilled, the operator
+    restarts the gang, counted, and the job completes from its checkpoint."""
+    bucket, name = "faults-oom", "oom-kill"
+    seaweed.create_bucket(bucket)
+    job = faulty_job(name, bucket, steps=16)
+    job["spec"]["trainer"]["resources"] = {"limits": {"memory": "3Gi"}}
+    cluster.apply(job)
+    pod = f"{name}-trainer-0"
+    saved = wait_for(lambda: checkpointed(cluster, name), "a committed checkpoint", 300, 0.5)
+    folder = cluster.pod_folder(NS, pod)
+    group = Path(json.loads((folder / "main.sandbox.json").read_text())["cgroup"])
+    limit = int((group / "memory.limit_in_bytes").read_text())
+    stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+    used = int(stat["total_rss"])  # what cannot be reclaimed (page cache can)
+    Path(f"/proc/{worker_of(cluster, pod)}/oom_score_adj").write_text("1000")
+    allocator = subprocess.run(
+        [sys.executable, "-c", ALLOCATE, str(group), str(limit - used + (128 << 20))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # The allocator may go too, once the trainer's memory is freed (what the kernel
+    # kills next is its choice): the container's end and its reason are what count.
+    assert allocator.returncode in (0, -signal.SIGKILL), allocator.stderr
+    done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
+    status = done["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    # Which pod is judged first is a race: the OOM-killed rank's, or its peer's (its
+    # collective broke). Either way the OOMKilled is the failure the status names.
+    assert status["lastFailure"]["reason"] == "OOMKilled", status["lastFailure"]
+    assert status["lastFailure"]["pod"] == pod
+    assert any(e["reason"] == "OOMKilled" or "OOMKilled" in e["message"]
+               for e in events(cluster, name))  # fmt: skip
+    assert status["restarts"] >= 1
+    logs = cluster.logs(NS, pod) + cluster.logs(NS, f"{name}-trainer-1")
+    resumed = int(logs.split("resumed from the checkpoint of step ")[1].split()[0])
+    assert resumed >= saved
+    assert_data_exactly_once(kept_history(seaweed.client(), bucket, name), reference, 16)

@@ -276,5 +276,7 @@ def test_the_trainers_invalid_config_verdict_reaches_the_operator_through_torchr
     failure = status["lastFailure"]
     assert failure["reason"] == "InvalidConfig" and failure["exitCode"] == 2, failure
     assert "/data/not-there.jsonl" in failure["message"], failure
-    (container,) = cluster.pod(NS, f"{name}-trainer-0")["status"]["containerStatuses"]
+    # The pod judged stays for its logs (either rank's may have ended first; the other,
+    # still running then, was deleted with the job).
+    (container,) = cluster.pod(NS, failure["pod"])["status"]["containerStatuses"]
     assert container["state"]["terminated"]["exitCode"] == 1  # torchrun's own code

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ sys.path.insert(0, str(HERE.parent / "operator"))
 
 from cluster import EmulatedApiServer, OperatorProcess, wait_for  # noqa: E402
 from kube_api import Api  # noqa: E402
+from kubelet import CGROUP_ROOT, kill_cgroup  # noqa: E402
 from processes import stop_process  # noqa: E402
 
 
@@ -71,13 +73,23 @@ class Node:
         self.kill_leftovers()
         self.log.close()
 
+    def lose(self) -> None:
+        """Fault injection: the node is lost (power, kernel panic, network): its kubelet
+        and every container process die at once, and its heartbeats stop."""
+        self.process.kill()
+        self.process.wait()
+        self.kill_leftovers()
+
     def kill_leftovers(self) -> None:
-        """Process groups of containers the kubelet started and did not reap (it was
-        killed itself): killed by the ids it recorded."""
+        """Containers the kubelet started and did not reap (it was killed itself): their
+        process groups, by the ids it recorded, and whatever else is in their cgroups."""
         for pid_file in (self.state / "pids").glob("*") if (self.state / "pids").is_dir() else []:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(int(pid_file.name), signal.SIGKILL)
             pid_file.unlink(missing_ok=True)
+        groups = CGROUP_ROOT / "rlft-test-cluster" / self.name
+        for group in groups.iterdir() if groups.is_dir() else []:
+            kill_cgroup(group)
 
 
 class ProcessCluster:
@@ -87,6 +99,8 @@ class ProcessCluster:
         self.api = Api(self.api_server.url)
         self.nodes: list[Node] = []
         self.operator: OperatorProcess | None = None
+        self.operator_args: list[str] = []
+        self.operator_starts = 0
         self.scheduler_log = (workdir / "scheduler.log").open("w")
         self.scheduler = subprocess.Popen(
             [sys.executable, str(HERE / "scheduler.py"), "--api", self.api_server.url],
@@ -106,6 +120,9 @@ class ProcessCluster:
         self.nodes.append(node)
         wait_for(lambda: self.node_ready(name), f"node {name} to be Ready", timeout=30)
         return node
+
+    def node(self, name: str) -> Node:
+        return next(node for node in self.nodes if node.name == name)
 
     def node_ready(self, name: str) -> bool:
         node = self.api.get("nodes", None, name)
@@ -167,9 +184,13 @@ class ProcessCluster:
         return int((folder / f"{container}.pid").read_text())
 
     def kill_container(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> None:
-        """Fault injection: `sig` to every process of the container (as the OOM killer or
-        a crashed runtime would), by the process group the kubelet started it in."""
+        """Fault injection: `sig` to every process of the container (as a crashed runtime
+        would): its process group and, for SIGKILL, every process in its cgroup."""
         os.killpg(self.container_pid(namespace, name), sig)
+        if sig == signal.SIGKILL:
+            folder = self.pod_folder(namespace, name)
+            sandbox = json.loads((folder / "main.sandbox.json").read_text()) if folder else {}
+            kill_cgroup(Path(sandbox["cgroup"]) if sandbox.get("cgroup") else None)
 
     def install_operator(
         self, namespace: str, credentials: dict[str, str], secret: str = "s3-creds"
@@ -184,15 +205,26 @@ class ProcessCluster:
             {"apiVersion": "v1", "kind": "Secret",
              "metadata": {"name": secret, "namespace": namespace}, "data": data}
         )  # fmt: skip
-        self.operator = OperatorProcess(
-            self.api_server,
+        self.operator_args = [
             "--all-namespaces",
             "--peering", "rlft-test-cluster",
             "--priority", "100",
             "--poll-seconds", "1",
             "--trainer-status-port", str(free_port()),
             "--grace-seconds", "20",
-        )  # fmt: skip
+        ]  # fmt: skip
+        self.operator = OperatorProcess(self.api_server, *self.operator_args)
+        self.operator_starts = 1
+        return self.operator
+
+    def restart_operator(self, sig: int = signal.SIGKILL) -> OperatorProcess:
+        """Fault injection: stop the operator with `sig` (SIGKILL: mid-reconcile, no
+        cleanup) and start a new one with the same arguments, as a Deployment would."""
+        assert self.operator is not None, "install_operator first"
+        self.operator.stop(sig=sig)
+        self.operator_starts += 1
+        name = f"operator-{self.operator_starts}"
+        self.operator = OperatorProcess(self.api_server, *self.operator_args, name=name)
         return self.operator
 
     def stop(self) -> None:
