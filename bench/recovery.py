@@ -7,7 +7,8 @@ checkpoint and a few more steps, injects the fault into the running processes an
 measures:
 
 - MTTR: seconds from the fault to the next step completed after it (a new line in rank
-  0's metrics.jsonl: of a restarted gang, a step past the one it resumed from);
+  0's metrics.jsonl: of a restarted gang, a step past the one it resumed from); for the
+  object-store outage, from the moment the store is back;
 - its floor: seconds a cold start of the same job from the same checkpoint takes to its
   first completed step (a new RLFineTune resuming from a copy of the location, applied
   the same way, measured in this run);
@@ -89,9 +90,11 @@ def rank0_steps(cluster: ProcessCluster, name: str) -> list[int]:
     return []
 
 
-def inject(cluster: ProcessCluster, store: SeaweedServer, fault: str, name: str) -> None:
-    """Start `fault` (an outage ends by itself, OUTAGE_S later, on a thread)."""
+def inject(cluster: ProcessCluster, store: SeaweedServer, fault: str, name: str) -> float:
+    """Start `fault`; returns when it is over (time.monotonic()): an outage ends by
+    itself, OUTAGE_S later, on a thread, the others at once."""
     pod = f"{name}-trainer-0"
+    over = time.monotonic()
     if fault == "worker SIGKILL":
         os.kill(children(cluster.container_pid(NS, pod))[0], signal.SIGKILL)
     elif fault == "container SIGKILL":
@@ -103,10 +106,14 @@ def inject(cluster: ProcessCluster, store: SeaweedServer, fault: str, name: str)
     elif fault == "operator SIGKILL":
         cluster.restart_operator()
     elif fault.startswith("object store down"):
+        if store.process is None:
+            raise ProcessLookupError("the object store is down already")
         store.stop()
         threading.Timer(OUTAGE_S, store.start).start()
+        over += OUTAGE_S
     else:
         raise ValueError(fault)
+    return over
 
 
 def first_new_step(
@@ -191,13 +198,18 @@ def measure(cluster, store, fault: str, k: int, reference: list[tuple[int, str]]
     before = trainer_uids(cluster, name)
     old_folders = [cluster.pod_folder(NS, f"{name}-trainer-{i}") for i in (0, 1)]
     last_step = max(rank0_steps(cluster, name))
-    inject(cluster, store, fault, name)
+    over = inject(cluster, store, fault, name)
+    # An outage's MTTR counts from its end: no step can finish without the store (the
+    # rollout pod loads every version from it).
+    time.sleep(max(0.0, over - time.monotonic()))
+    last_step = max([last_step, *rank0_steps(cluster, name)])
     mttr, first, resumed, last_step = first_new_step(
         cluster, name, before, old_folders, last_step, timeout=600
     )
     status = finished(cluster, name)
     kept = data_sequence(kept_history(store.client(), bucket, name))
-    floor = cold_start(cluster, store, bucket, name, resumed or latest_step(store, bucket, name), k)
+    start = resumed if resumed is not None else resumable_step(store, bucket, name)
+    floor = cold_start(cluster, store, bucket, name, start, k)
     return {
         "fault": fault,
         "mttr_s": round(mttr, 1),
@@ -213,9 +225,15 @@ def measure(cluster, store, fault: str, k: int, reference: list[tuple[int, str]]
     }
 
 
-def latest_step(store: SeaweedServer, bucket: str, name: str) -> int:
-    body = store.client().get_object(Bucket=bucket, Key=f"{name}/latest")["Body"]
-    return int(body.read().decode().strip().removeprefix("step-"))
+def resumable_step(store: SeaweedServer, bucket: str, name: str) -> int:
+    """The newest committed checkpoint with steps after it (a job that did not restart
+    has nothing to resume from; its floor is a cold start from one of its checkpoints)."""
+    listing = store.client().list_objects_v2(Bucket=bucket, Prefix=f"{name}/step-")
+    keys = [item["Key"] for item in listing.get("Contents", [])]
+    steps = {
+        int(k.split("/")[1].removeprefix("step-")) for k in keys if k.endswith("manifest.json")
+    }
+    return max(step for step in steps if step < STEPS)
 
 
 def cold_start(cluster, store, bucket: str, name: str, step: int, k: int) -> float:

@@ -232,6 +232,13 @@ def _env(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[dict[str, A
     return env
 
 
+def _own_env(job: RLFineTune, role: str) -> list[dict[str, Any]]:
+    """The job's own variables for the role (spec.trainer.env or spec.rollout.env, the
+    latter for Ray head and worker pods too), after the operator's."""
+    env = job.spec.trainer.env if role == N.ROLE_TRAINER else job.spec.rollout.env
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in env]
+
+
 def _volumes(job: RLFineTune) -> list[dict[str, Any]]:
     return [
         {"name": "job", "configMap": {"name": N.config_map_name(job.metadata.name)}},
@@ -284,7 +291,7 @@ def _pod(
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": command,
-        "env": _env(job, body, s),
+        "env": _env(job, body, s) + _own_env(job, role),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
         "volumeMounts": [dict(m) for m in _MOUNTS],
         "securityContext": _container_security(),
@@ -334,8 +341,11 @@ def trainer_grace_seconds(job: RLFineTune) -> int:
     return math.ceil(job.spec.checkpoint.grace_period_seconds)
 
 
-def torchrun_command(job: RLFineTune, body: dict[str, Any], s: Settings, resume: str) -> list[str]:
-    """The trainer pod's command: an elastic torchrun agent joining the job's rendezvous."""
+def torchrun_command(
+    job: RLFineTune, body: dict[str, Any], s: Settings, resume: str, gang: int = 0
+) -> list[str]:
+    """The trainer pod's command: an elastic torchrun agent joining the rendezvous of the
+    job's gang attempt `gang` (status.gangAttempt)."""
     spec = job.spec
     replicas = spec.trainer.replicas
     svc = N.trainer_service(job.metadata.name)
@@ -347,7 +357,7 @@ def torchrun_command(job: RLFineTune, body: dict[str, Any], s: Settings, resume:
         f"--nproc-per-node={max(1, spec.trainer.gpus_per_pod)}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={host}:{s.rdzv_port}",
-        f"--rdzv-id={body['metadata']['uid']}",
+        f"--rdzv-id={body['metadata']['uid']}-{gang}",
         f"--rdzv-conf=join_timeout={timeout},last_call_timeout={s.last_call_timeout}",
         # Every restart is the operator's: torchrun would restart a worker that exited 2
         # (a permanent error) and its restarts would escape the restart budget. Elastic
@@ -367,10 +377,10 @@ def torchrun_command(job: RLFineTune, body: dict[str, Any], s: Settings, resume:
 
 
 def trainer_pods(
-    job: RLFineTune, body: dict[str, Any], s: Settings, resume: str
+    job: RLFineTune, body: dict[str, Any], s: Settings, resume: str, gang: int = 0
 ) -> dict[str, dict[str, Any]]:
     spec = job.spec
-    command = torchrun_command(job, body, s, resume)
+    command = torchrun_command(job, body, s, resume, gang)
     resources = _resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
     pods = {}
     for i in range(spec.trainer.replicas.max):
@@ -514,11 +524,14 @@ class Desired:
         return [*self.config_maps.values(), *self.services.values(), *self.pods.values()]
 
 
-def desired(job: RLFineTune, body: dict[str, Any], s: Settings, resume: str) -> Desired:
-    """All children of a job; `resume` is the trainer's --resume argument for new pods."""
+def desired(
+    job: RLFineTune, body: dict[str, Any], s: Settings, resume: str, gang: int = 0
+) -> Desired:
+    """All children of a job; `resume` is the trainer's --resume argument for new pods,
+    `gang` the trainer gang's attempt (its rendezvous id)."""
     cm = config_map(job, body, s)
     services = [trainer_service(job, body, s), rollout_service(job, body, s)]
-    pods = {**trainer_pods(job, body, s, resume), **rollout_pods(job, body, s)}
+    pods = {**trainer_pods(job, body, s, resume, gang), **rollout_pods(job, body, s)}
     return Desired(
         config_maps={cm["metadata"]["name"]: cm},
         services={svc["metadata"]["name"]: svc for svc in services},

@@ -169,7 +169,7 @@ class _Run:
         self.event("Warning", "Failed", message)
 
     def desired(self) -> M.Desired:
-        return M.desired(self.job, self.body, self.settings, self.st.resume)
+        return M.desired(self.job, self.body, self.settings, self.st.resume, self.st.gang_attempt)
 
     def requeue(self, seconds: float) -> None:
         seconds = max(seconds, 0.05)
@@ -280,6 +280,20 @@ class _Run:
             why = f": {f.message}" if f.message else ""
             self.fail(P.COLLAPSED, f"{what}: the trainer's stability guard ended the run{why}", f)
             return
+        if f.kind == P.RENDEZVOUS and self.gang_unplaced():
+            # A gang that could not meet because one of its pods has no node yet is
+            # waiting for capacity, not failing: it costs no restart budget.
+            self.event(
+                "Normal",
+                "Waiting",
+                f"{what}: a trainer pod is not scheduled yet, so the gang could not meet; "
+                "restarting its rendezvous (not counted against restartPolicy)",
+            )
+            self._record(f, "restart the trainer gang, waiting for capacity")
+            st.phase, st.message = "Restarting", "waiting for the trainer gang to be placed"
+            st.resume = "latest-healthy"
+            self.restart_gang()
+            return
         budget = P.ask_restart(
             [t for t in (parse_time(x) for x in st.restart_history) if t is not None],
             self.now,
@@ -355,9 +369,17 @@ class _Run:
             self.event("Warning", P.OOM, message)
             return
 
+    def gang_unplaced(self) -> bool:
+        """Some trainer pod of the current gang has no node (Pending, unscheduled)."""
+        return any(
+            p.role == N.ROLE_TRAINER and not p.scheduled and not p.deleting
+            for p in self.pods.values()
+        )
+
     def restart_gang(self) -> None:
         self.group_restart = True
         self.st.gang_pods = []
+        self.st.gang_attempt += 1  # a rendezvous of its own (see the status field)
         for pod in self.pods.values():
             if pod.role == N.ROLE_TRAINER:
                 self.handled.add(pod.uid)  # their SIGTERM exits are not new failures
@@ -601,6 +623,7 @@ class _Run:
         if st.phase == "Suspended":
             st.phase = "Pending"
             st.resume = "latest-healthy"
+            st.gang_attempt += 1
             st.waiting_since = rfc3339(self.now)
             self.event(
                 "Normal",

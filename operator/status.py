@@ -118,3 +118,7 @@ class RLFineTuneStatus(_Status):
     """When the operator started waiting for the trainer gang to be scheduled."""
     resume: str = "auto"
     """The `--resume` argument of the next trainer start: auto or latest-healthy."""
+    gang_attempt: int = Field(0, ge=0)
+    """Trainer gangs restarted so far: new trainer pods meet at rendezvous
+    `<uid>-<gangAttempt>`, so a restarted gang never joins the one its predecessor
+    closed (whose host, the old trainer-0, may still be terminating)."""

@@ -10,9 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from cluster_jobs import NS, finished, rlft
+import pytest
+from cluster_jobs import ALGORITHMS, NS, finished, rlft, tiny_job
 from faults import (
     assert_data_exactly_once,
     checkpointed,
@@ -21,6 +23,7 @@ from faults import (
     kept_history,
     worker_of,
 )
+from s3_proxy import S3Proxy
 from testcluster import wait_for
 
 
@@ -169,4 +172,88 @@ def test_a_trainer_pod_oom_killed_by_its_memory_limit_is_restarted(cluster, seaw
     logs = cluster.logs(NS, pod) + cluster.logs(NS, f"{name}-trainer-1")
     resumed = int(logs.split("resumed from the checkpoint of step ")[1].split()[0])
     assert resumed >= saved
+    assert_data_exactly_once(kept_history(seaweed.client(), bucket, name), reference, 16)
+
+
+def test_a_nan_and_a_persistent_blowup_are_handled_in_process_and_alerted(
+    cluster, seaweed, prometheus
+):
+    """Faults planted into the real loop through the trainer pods' env (RLFT_PLANT_FAULTS):
+    a NaN gradient at step 12 (its update skipped), then a gradient blow-up on steps
+    20–25 (rolled back to the last healthy checkpoint). The trainer owns both: no pod
+    restarts, the job completes, and the real Prometheus scraping the pods fires
+    RLFTNonFiniteValues and RLFTRolledBack. DPO on 2 trainer pods: the tiny GRPO job's
+    rewards are all 0, so its gradients are too, and scaling them blows nothing up."""
+    bucket, name = "faults-collapse", "collapse"
+    seaweed.create_bucket(bucket)
+    job = tiny_job(name, bucket, ALGORITHMS["dpo"])
+    job["spec"]["trainer"]["steps"] = 30
+    job["spec"]["checkpoint"]["intervalSteps"] = 5
+    planted = [
+        {"kind": "grad_scale", "from": 12, "to": 13, "factor": float("nan")},
+        {"kind": "grad_scale", "from": 20, "to": 26, "factor": 100},
+    ]
+    job["spec"]["trainer"]["env"] = [{"name": "RLFT_PLANT_FAULTS", "value": json.dumps(planted)}]
+    cluster.apply(job)
+    wanted, fired = {"RLFTNonFiniteValues", "RLFTRolledBack"}, set()
+
+    def done_and_alerted() -> dict | None:
+        fired.update(
+            a["labels"]["alertname"] for a in prometheus.alerts() if a["state"] == "firing"
+        )
+        job = finished(cluster, name)
+        return job if job is not None and wanted <= fired else None
+
+    done = wait_for(done_and_alerted, f"{name} to finish and alert", timeout=600, every=1)
+    status = done["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert status.get("restarts", 0) == 0 and status["rollbacks"] >= 1, status
+    history = kept_history(seaweed.client(), bucket, name)
+    actions = {r["step"]: r["guard_action"] for r in history if r["guard_action"] != "apply"}
+    assert actions.get(12) == "skip" and "rollback" in actions.values(), actions
+    assert set(actions) <= {12, *range(20, 26)}, actions  # only the planted steps
+    logs = cluster.logs(NS, f"{name}-trainer-0") + cluster.logs(NS, f"{name}-trainer-1")
+    assert "rolled back to the healthy checkpoint of step" in logs
+    assert [r["step"] for r in history] == list(range(1, 31))  # each step kept once
+
+
+@pytest.fixture
+def proxied_store(cluster, seaweed) -> Iterator[S3Proxy]:
+    """The session's SeaweedFS behind a proxy that can stall uploads, as the Secret
+    `s3-proxied`."""
+    proxy = S3Proxy(seaweed.endpoint)
+    credentials = seaweed.credentials() | {"AWS_ENDPOINT_URL": proxy.url}
+    cluster.create_secret(NS, "s3-proxied", credentials)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def test_a_trainer_killed_during_a_checkpoint_upload_resumes_from_the_previous_one(
+    cluster, seaweed, proxied_store, reference
+):
+    """The next checkpoint's uploads are held in flight by the proxy, and trainer-0's
+    container is SIGKILLed meanwhile: that checkpoint never commits (its manifest is
+    never written), and the restarted gang resumes from the last committed one — never
+    from the torn folder — and completes."""
+    bucket, name = "faults-upload", "upload-kill"
+    seaweed.create_bucket(bucket)
+    job = faulty_job(name, bucket, steps=16)
+    job["spec"]["checkpoint"]["credentialsSecret"] = "s3-proxied"
+    cluster.apply(job)
+    wait_for(lambda: checkpointed(cluster, name), "a committed checkpoint", 300, every=0.5)
+    proxied_store.hold(f"/{bucket}/{name}/step-")
+    wait_for(lambda: proxied_store.held, "a checkpoint upload in flight", 120, every=0.05)
+    torn = int(proxied_store.held_paths[0].split("/step-")[1][:6])
+    committed = checkpointed(cluster, name)
+    cluster.kill_container(NS, f"{name}-trainer-0")
+    proxied_store.release()
+    done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
+    status = done["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert status["restarts"] >= 1
+    logs = cluster.logs(NS, f"{name}-trainer-0") + cluster.logs(NS, f"{name}-trainer-1")
+    resumed = int(logs.split("resumed from the checkpoint of step ")[1].split()[0])
+    assert committed <= resumed < torn, (committed, resumed, torn)
     assert_data_exactly_once(kept_history(seaweed.client(), bucket, name), reference, 16)

@@ -4,11 +4,8 @@ cluster's object store with credentials from a Secret. Nothing plays the trainer
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,43 +16,12 @@ from cluster_jobs import (
     finished,
     held_out_accuracy,
     learnable_job,
-    pod_targets,
     rlft,
     tiny_job,
 )
-from prometheus_fixtures import Prometheus, start_prometheus, stop_prometheus
 from testcluster import wait_for
 from tiny_jobs import TINY_INIT
 from transformers import AutoModelForCausalLM
-
-
-@pytest.fixture(scope="module")
-def prometheus(cluster, tmp_path_factory) -> Iterator[Prometheus]:
-    """A real Prometheus scraping the job pods' /metrics every second."""
-    folder = tmp_path_factory.mktemp("prometheus")
-    targets = folder / "pods.json"
-    targets.write_text("[]")
-    scrape = {
-        "job_name": "rlft-pods",
-        "scrape_interval": "1s",
-        "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}],
-    }
-    server = start_prometheus(folder, [], [], [scrape])
-    stop = threading.Event()
-
-    def discover() -> None:
-        while not stop.wait(0.5):
-            with contextlib.suppress(OSError, ValueError):
-                fresh = folder / "pods.json.tmp"
-                fresh.write_text(json.dumps(pod_targets(cluster)))
-                fresh.replace(targets)
-
-    thread = threading.Thread(target=discover, daemon=True)
-    thread.start()
-    yield server
-    stop.set()
-    thread.join(timeout=5)
-    stop_prometheus(server)
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))

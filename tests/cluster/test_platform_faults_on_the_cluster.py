@@ -5,7 +5,6 @@ and every step's data trained once."""
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 import time
@@ -90,11 +89,7 @@ def outage_store(cluster, tmp_path) -> Iterator[SeaweedServer]:
     its credentials in the Secret `s3-outage`."""
     store = SeaweedServer(tmp_path / "seaweedfs", tmp_path / "weed.log")
     store.start()
-    data = {k: base64.b64encode(v.encode()).decode() for k, v in store.credentials().items()}
-    cluster.apply(
-        {"apiVersion": "v1", "kind": "Secret",
-         "metadata": {"name": "s3-outage", "namespace": NS}, "data": data}
-    )  # fmt: skip
+    cluster.create_secret(NS, "s3-outage", store.credentials())
     try:
         yield store
     finally:

@@ -64,8 +64,15 @@ class Node:
         ]
         command += [f"--label={k}={v}" for k, v in (options.get("labels") or {}).items()]
         command += [f"--taint={t}" for t in options.get("taints") or []]
+        self.command = command
         self.log = (self.state / "kubelet.log").open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def rejoin(self) -> None:
+        """After `lose()`: the machine is back, a new kubelet with the same name, state
+        folder and pod addresses registers it again."""
+        assert self.process.poll() is not None, f"node {self.name} is not lost"
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
         """Stop the kubelet; its pods' processes end with it."""
@@ -200,11 +207,7 @@ class ProcessCluster:
         for crd in ("rlfinetune.yaml", "kopf-peering.yaml"):
             self.kubectl("apply", "--validate=false", "-f", str(ROOT / "crds" / crd))
         self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-        data = {k: base64.b64encode(v.encode()).decode() for k, v in credentials.items()}
-        self.apply(
-            {"apiVersion": "v1", "kind": "Secret",
-             "metadata": {"name": secret, "namespace": namespace}, "data": data}
-        )  # fmt: skip
+        self.create_secret(namespace, secret, credentials)
         self.operator_args = [
             "--all-namespaces",
             "--peering", "rlft-test-cluster",
@@ -216,6 +219,13 @@ class ProcessCluster:
         self.operator = OperatorProcess(self.api_server, *self.operator_args)
         self.operator_starts = 1
         return self.operator
+
+    def create_secret(self, namespace: str, name: str, values: dict[str, str]) -> None:
+        data = {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
+        self.apply(
+            {"apiVersion": "v1", "kind": "Secret",
+             "metadata": {"name": name, "namespace": namespace}, "data": data}
+        )  # fmt: skip
 
     def restart_operator(self, sig: int = signal.SIGKILL) -> OperatorProcess:
         """Fault injection: stop the operator with `sig` (SIGKILL: mid-reconcile, no

@@ -119,7 +119,7 @@ def test_trainer_pods_run_elastic_torchrun():
         assert command[0] == "torchrun"
         assert "--nnodes=2:4" in command and "--nproc-per-node=8" in command
         assert "--rdzv-endpoint=trainer-0.tiny-grpo-trainer.ml.svc:29400" in command
-        assert "--rdzv-id=0f0e-uid" in command
+        assert "--rdzv-id=0f0e-uid-0" in command  # the first gang's rendezvous
         assert any(a.startswith("--rdzv-conf=") and "last_call_timeout=5" in a for a in command)
         assert "--max-restarts=0" in command  # the operator restarts, counts, backs off
         # The job's grace reaches the pod and torchrun (which SIGKILLs after its timeout).
@@ -161,6 +161,30 @@ def test_every_pod_leaves_a_lost_node_after_node_lost_seconds():
     assert own in tolerations and len(tolerations) == 2
     assert tolerations[1]["key"] == "node.kubernetes.io/not-ready"
     assert tolerations[1]["tolerationSeconds"] == 5
+
+
+def test_a_roles_own_env_follows_the_operators_which_it_cannot_change():
+    """spec.trainer.env reaches trainer pods, spec.rollout.env the rollout pods, after the
+    operator's variables; every variable the operator sets is one the job file refuses."""
+    from rlft.trainer.config.job import OPERATOR_ENV
+
+    secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
+    job, body = parsed(
+        job_doc(
+            trainer={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
+            rollout={"env": [{"name": "HF_TOKEN", "valueFrom": secret}]},
+            checkpoint={"uri": "s3://b/run", "credentialsSecret": "s3"},
+        )
+    )
+    d = M.desired(job, body, SETTINGS, "auto")
+    for pod in d.pods.values():
+        env = pod["spec"]["containers"][0]["env"]
+        role = pod["metadata"]["labels"][N.LABEL_ROLE]
+        own = {"name": "NCCL_DEBUG", "value": "INFO"} if role == N.ROLE_TRAINER else None
+        own = own or {"name": "HF_TOKEN", "valueFrom": secret}
+        assert own in env
+        operator_names = {e["name"] for e in env} - {own["name"]}
+        assert operator_names <= OPERATOR_ENV, operator_names - OPERATOR_ENV
 
 
 def test_credentials_come_from_the_secret_never_the_config_map():

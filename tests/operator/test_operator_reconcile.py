@@ -596,3 +596,42 @@ def test_an_oom_kill_judged_after_its_peers_failure_still_names_the_cause():
         "tiny-grpo-trainer-0",
     )
     assert w.events.count(P.OOM) == 1
+
+
+def _rdzv_ids(d: Decision) -> set[str]:
+    commands = [m["spec"]["containers"][0]["command"] for m in d.create if m["kind"] == "Pod"]
+    return {a for c in commands for a in c if a.startswith("--rdzv-id=")}
+
+
+def test_a_restarted_gang_meets_at_a_rendezvous_of_its_own():
+    """The old trainer-0, still terminating, hosts the rendezvous its gang closed when it
+    failed; a new trainer-1 joining that one would fail at once (RendezvousClosedError),
+    restart after restart. Each gang attempt has its own rendezvous id."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    first = _rdzv_ids(w.step())
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-1", phase="Failed", exit_code=1)
+    w.step()
+    w.tick(10)
+    second = _rdzv_ids(w.step())
+    assert len(first) == len(second) == 1 and first != second, (first, second)
+    assert w.status.gang_attempt == 1
+
+
+def test_a_gang_that_cannot_meet_for_want_of_a_node_waits_without_spending_restarts():
+    """trainer-1 has no node (Unschedulable); trainer-0's agent gives up on the
+    rendezvous. That is waiting for capacity: the gang's rendezvous restarts, with an
+    Event, but the restart budget is untouched and the job never fails for it."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    for _ in range(RESTARTS["maxRestarts"] + 2):
+        w.set("tiny-grpo-trainer-0", phase="Running", pod_ip="10.0.0.1")
+        w.step()
+        message = "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
+        w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1, message=message)
+        w.step()
+        w.tick(30)
+        w.step()
+    assert w.status.phase != "Failed" and w.status.restart_history == []
+    assert w.events.count("Waiting") == RESTARTS["maxRestarts"] + 2

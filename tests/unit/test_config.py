@@ -160,6 +160,21 @@ def test_micro_batch_size_zero_exact_line() -> None:
         ),
         pytest.param({**MINIMAL, "kind": "Job"}, "kind: must be one of 'RLFineTune'", id="kind"),
         pytest.param(
+            manifest(trainer={"env": [{"name": "RLFT_ROLLOUT_URLS", "value": "x"}]}),
+            "spec.trainer.env[0]: env RLFT_ROLLOUT_URLS is set by the operator",
+            id="env-reserved",
+        ),
+        pytest.param(
+            manifest(rollout={"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}),
+            "spec.rollout.env: env names must be unique; repeated: A",
+            id="env-repeated",
+        ),
+        pytest.param(
+            manifest(trainer={"env": [{"name": "NCCL_DEBUG"}]}),
+            "spec.trainer.env[0]: env NCCL_DEBUG: give exactly one of value and valueFrom",
+            id="env-no-value",
+        ),
+        pytest.param(
             {**MINIMAL, "metadata": {}}, "metadata.name: required field is missing", id="no-name"
         ),
         pytest.param(

@@ -203,6 +203,49 @@ class Replicas(Section):
         return self
 
 
+OPERATOR_ENV = frozenset(
+    {
+        "RLFT_JOB_NAME", "RLFT_NAMESPACE", "RLFT_POD_NAME", "RLFT_POD_IP", "RLFT_STATUS_PORT",
+        "RLFT_TERMINATION_LOG", "RLFT_ROLLOUT_URLS", "HOME", "HF_HOME", "PYTHONUNBUFFERED",
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+        "AWS_REGION", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+    }
+)  # fmt: skip
+"""Variables the operator sets in every pod: a job's own `env` may not change them (the
+trainer, the rollout server and the operator agree on them)."""
+
+
+class EnvVar(Section):
+    """An environment variable of a role's containers (Kubernetes only)."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=256)
+    """Variable name, e.g. NCCL_DEBUG or HF_HUB_OFFLINE."""
+    value: str | None = Field(None, max_length=65_536)
+    """Its value (give this or valueFrom)."""
+    value_from: dict[str, Any] | None = None
+    """A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef,
+    resourceFieldRef), passed to the pod unchanged."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if (self.value is None) == (self.value_from is None):
+            raise ValueError(f"env {self.name}: give exactly one of value and valueFrom")
+        if self.name in OPERATOR_ENV:
+            raise ValueError(
+                f"env {self.name} is set by the operator in every pod (the trainer, the "
+                "rollout server and the operator depend on it); remove it from env"
+            )
+        return self
+
+
+def _unique_names(env: list[EnvVar]) -> list[EnvVar]:
+    names = [e.name for e in env]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"env names must be unique; repeated: {', '.join(repeated)}")
+    return env
+
+
 class Resources(Section):
     """Kubernetes resource requests and limits of a pod's main container."""
 
@@ -254,6 +297,11 @@ class TrainerSpec(Section):
     """GPUs requested per trainer pod (Kubernetes only)."""
     resources: Resources = Resources()
     """Resource requests and limits of trainer pods (Kubernetes only)."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=256)
+    """Extra environment variables of trainer pods (Kubernetes only), e.g. NCCL_* or
+    HF_* settings; those the operator sets cannot be changed."""
+
+    _env_names = field_validator("env")(_unique_names)
 
 
 # -------------------------------------------------------------------------- rollout
@@ -312,6 +360,11 @@ class RolloutSpec(Section):
     `auto` is in-process for one transformers instance with maxStaleness 0."""
     resources: Resources = Resources()
     """Resource requests and limits of rollout pods (Kubernetes only)."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=256)
+    """Extra environment variables of rollout pods, Ray head and worker pods included
+    (Kubernetes only); those the operator sets cannot be changed."""
+
+    _env_names = field_validator("env")(_unique_names)
 
     @model_validator(mode="after")
     def _gpus_fit_parallelism(self) -> RolloutSpec:

@@ -1,0 +1,102 @@
+"""A pass-through HTTP proxy in front of SeaweedFS's S3 API that can hold requests: the
+fault tests point a job's object store at it and stall its checkpoint uploads, so a
+trainer can be killed while one is in flight.
+
+Requests go to the server unchanged (the Host header too, so S3 signatures still
+verify), one connection per request. `hold(fragment)` makes every request whose path
+contains `fragment` wait until `release()`, which answers the held ones with 503 (the
+client's retry or its death decides what happens next).
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection"}
+
+
+class S3Proxy:
+    def __init__(self, upstream: str):
+        target = urlsplit(upstream)
+        self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
+        self.held_fragment: str | None = None
+        self.held = 0
+        """Requests waiting now."""
+        self.held_paths: list[str] = []
+        """Every path held so far."""
+        self._released = threading.Event()
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+            def _body(self) -> bytes:
+                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                    parts = []
+                    while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                        parts.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    while self.rfile.readline().strip():  # trailers
+                        pass
+                    return b"".join(parts)
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else b""
+
+            def _forward(self) -> None:
+                body = self._body()
+                if proxy.held_fragment is not None and proxy.held_fragment in self.path:
+                    with proxy._lock:
+                        proxy.held += 1
+                        proxy.held_paths.append(self.path)
+                    proxy._released.wait()
+                    with proxy._lock:
+                        proxy.held -= 1
+                    self.send_response(503, "held by the test's proxy")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+                connection = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                try:
+                    connection.request(self.command, self.path, body, headers)
+                    answer = connection.getresponse()
+                    data = answer.read()
+                finally:
+                    connection.close()
+                self.send_response(answer.status, answer.reason)
+                for key, value in answer.getheaders():
+                    if key.lower() not in HOP_BY_HOP and key.lower() != "content-length":
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def hold(self, fragment: str) -> None:
+        self._released.clear()
+        self.held_fragment = fragment
+
+    def release(self) -> None:
+        self.held_fragment = None
+        self._released.set()
+
+    def stop(self) -> None:
+        self.release()
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)
