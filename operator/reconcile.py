@@ -370,11 +370,14 @@ class _Run:
             return
 
     def gang_unplaced(self) -> bool:
-        """Some trainer pod of the current gang has no node (Pending, unscheduled)."""
-        return any(
-            p.role == N.ROLE_TRAINER and not p.scheduled and not p.deleting
-            for p in self.pods.values()
-        )
+        """Fewer than replicas.min trainer pods of the current gang have a node (the rest
+        are Pending, or not created yet: their slot still held by a terminating pod), so
+        the gang could not have met."""
+        placed = [
+            p for p in self.pods.values()
+            if p.role == N.ROLE_TRAINER and p.scheduled and not p.deleting
+        ]  # fmt: skip
+        return len(placed) < self.spec.trainer.replicas.min
 
     def restart_gang(self) -> None:
         self.group_restart = True
