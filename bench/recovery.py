@@ -58,6 +58,9 @@ GOAL_MTTR_OVER_FLOOR = 1.5
 GOAL_GOODPUT = 0.8
 OUTAGE_S = 30
 POD_SLOTS = ("trainer-0", "trainer-1", "rollout-0")
+GANG_FAULTS = {"worker SIGKILL", "container SIGKILL", "pod deleted (SIGTERM)"}
+"""Faults after which only a restarted gang's step counts (the old gang may still
+finish the step it was on: SIGTERM checkpoints it)."""
 FAULTS = [
     "worker SIGKILL",
     "container SIGKILL",
@@ -123,12 +126,13 @@ def first_new_step(
     old_folders: list[Path | None],
     last_step: int,
     timeout: float,
+    restarted: bool,
 ):
     """(seconds waited, first step, step resumed from, the old attempt's last step) for
-    rank 0's first step completed after the fault: in a pod of the fault's time, a step
-    past `last_step`; in a pod started since, a step past the one it resumed from. The
-    old attempt may finish a step after the fault (SIGTERM: it checkpoints it), read while
-    its folders exist."""
+    rank 0's first step completed after the fault: in a pod started since, a step past
+    the one it resumed from; unless the fault `restarted` the gang, also in a pod of the
+    fault's time, a step past `last_step`. The old attempt may finish a step after the
+    fault (SIGTERM: it checkpoints it), read while its folders exist."""
     started = time.monotonic()
     at_fault = last_step
     while time.monotonic() - started < timeout:
@@ -142,6 +146,8 @@ def first_new_step(
                 continue
             rows = metrics(cluster, pod)
             if current["metadata"]["uid"] in old_uids:
+                if restarted:
+                    continue
                 resumed, after = None, at_fault
             else:
                 resumed = _resumed_step(cluster.logs(NS, pod))
@@ -204,7 +210,7 @@ def measure(cluster, store, fault: str, k: int, reference: list[tuple[int, str]]
     time.sleep(max(0.0, over - time.monotonic()))
     last_step = max([last_step, *rank0_steps(cluster, name)])
     mttr, first, resumed, last_step = first_new_step(
-        cluster, name, before, old_folders, last_step, timeout=600
+        cluster, name, before, old_folders, last_step, 600, fault in GANG_FAULTS
     )
     status = finished(cluster, name)
     kept = data_sequence(kept_history(store.client(), bucket, name))

@@ -61,7 +61,7 @@ def kept_history(client, bucket: str, name: str) -> list[dict[str, Any]]:
 
 
 def data_sequence(history: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    return [(int(r["step"]), r["data_digest"]) for r in history]
+    return [(int(r["step"]), r.get("data_digest")) for r in history]  # None: no batch
 
 
 def uninterrupted(job: dict[str, Any], folder: Path, steps: int) -> list[tuple[int, str]]:

@@ -277,8 +277,8 @@ def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(
     tmp_path: Path, monkeypatch
 ) -> None:
     """The publisher retries a version whose upload (or load) failed because the object
-    store was down, instead of ending the run; the instance serves it once the store
-    is back."""
+    store was down, instead of ending the run, and asks an instance marked down again;
+    the instance serves the version once the store is back."""
     from seaweedfs import SeaweedServer
 
     from rlft.trainer.rollout.publisher import WeightPublisher
@@ -298,6 +298,9 @@ def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(
             client.wait_ready(120)
             publisher = WeightPublisher(client, store, "store", timeout_s=120)
             s3.stop()
+            # What a load that failed on the missing store leaves: the instance marked
+            # down. A version nobody loaded must not count as published.
+            client.mark_down(client.instances[0], "its last load failed")
             redraw(model, 5)
             publisher.publish(model, 1)
             time.sleep(4)  # a few failed attempts

@@ -177,12 +177,18 @@ class WeightPublisher:
             self._post_all(WeightsRequest(version=version, uri=uri))
 
     def _post_all(self, request: WeightsRequest) -> None:
-        live = self.client.live()
+        # An instance whose last load failed (the store was down) is marked down; ask
+        # again rather than count a version no instance loaded as published.
+        live = self.client.live() or [i for i in self.client.instances if self.client.probe(i)]
+        if not live:
+            raise RuntimeError(
+                f"no live rollout instance to load weights version {request.version}"
+            )
         with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
             results = list(
                 pool.map(lambda i: self.client.load_weights(i, request, self.timeout_s), live)
             )
-        if live and not any(results):
+        if not any(results):
             raise RuntimeError(f"no rollout instance accepted weights version {request.version}")
 
     def _broadcast(self, version: int, state: dict[str, torch.Tensor]) -> None:
