@@ -48,7 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / p) for p in ("cluster", "integration", "")]
 
-from cluster_jobs import NS, rlft  # noqa: E402
+from cluster_jobs import NS, finished, rlft  # noqa: E402
 from faults import children, data_sequence, faulty_job, kept_history, uninterrupted  # noqa: E402
 from seaweedfs import SeaweedServer  # noqa: E402
 from testcluster import ProcessCluster, wait_for  # noqa: E402
@@ -183,12 +183,11 @@ def trainer_uids(cluster: ProcessCluster, name: str) -> set[str]:
     return {p["metadata"]["uid"] for p in pods if p}
 
 
-def finished(cluster: ProcessCluster, name: str, timeout: float = 900) -> dict[str, Any]:
-    def done() -> dict[str, Any] | None:
-        doc = rlft(cluster, name) or {}
-        return doc if (doc.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
-
-    return wait_for(done, f"{name} to finish", timeout=timeout, every=1)["status"]
+def final_status(cluster: ProcessCluster, name: str, timeout: float = 900) -> dict[str, Any]:
+    """The job's status once it is Succeeded or Failed."""
+    return wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout, every=1)[
+        "status"
+    ]
 
 
 def measure(cluster, store, fault: str, k: int, reference: list[tuple[int, str]]) -> dict:
@@ -212,7 +211,7 @@ def measure(cluster, store, fault: str, k: int, reference: list[tuple[int, str]]
     mttr, first, resumed, last_step = first_new_step(
         cluster, name, before, old_folders, last_step, 600, fault in GANG_FAULTS
     )
-    status = finished(cluster, name)
+    status = final_status(cluster, name)
     kept = data_sequence(kept_history(store.client(), bucket, name))
     start = resumed if resumed is not None else resumable_step(store, bucket, name)
     floor = cold_start(cluster, store, bucket, name, start, k)
