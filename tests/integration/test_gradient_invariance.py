@@ -76,6 +76,11 @@ CASES: dict[str, tuple[dict, dict, int]] = {
         TINY,
         16,
     ),
+    "kl-k3-ratio-loss": (
+        {"name": "grpo", "groupSize": 4, "kl": {"coef": 0.1, "estimator": "k3-ratio"}},
+        TINY,
+        16,
+    ),
     "kl-k3-reward": (
         {"name": "grpo", "groupSize": 4, "kl": {"coef": 0.1, "placement": "reward"}},
         TINY,

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "k3-ratio"]
 
 
 def token_logprobs(
@@ -43,10 +43,21 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def kl_estimate(
-    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3"
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    estimator: KLEstimator = "k3",
+    ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Schulman's per-token estimators of KL(policy ‖ reference), x = log π - log π_ref:
-    k1 = x (unbiased, can be negative), k2 = x²/2, k3 = e^-x + x - 1 (unbiased, ≥ 0)."""
+    k1 = x (unbiased, can be negative), k2 = x²/2, k3 = e^-x + x - 1 (unbiased, ≥ 0).
+
+    `k3-ratio` is r·k3, with `ratio` r = π/π_old the clipped surrogate's importance ratio
+    taken before clipping and kept in the graph: TRL's GRPOTrainer with
+    `use_bias_correction_kl=True` (DeepSeek-V3.2's unbiased KL estimate). Where r = 1 its
+    value is k3's but its gradient is ∇k3 + k3·∇log π. Over tokens sampled from π_old the
+    expected gradient of r·k3 is ∇KL(π ‖ π_ref) per token; on-policy, k3's alone is
+    ∇KL(π_ref ‖ π). `ratio` is read by k3-ratio only.
+    """
     x = logp - ref_logp
     if estimator == "k1":
         return x
@@ -54,7 +65,11 @@ def kl_estimate(
         return 0.5 * x.square()
     if estimator == "k3":
         return torch.exp(-x) + x - 1
-    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2 or k3")
+    if estimator == "k3-ratio":
+        if ratio is None:
+            raise ValueError("the k3-ratio KL estimator needs the importance ratio π/π_old")
+        return (torch.exp(-x) + x - 1) * ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}: use k1, k2, k3 or k3-ratio")
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -111,6 +126,20 @@ def mismatch_weights(
     raise ValueError(f"unknown mismatch mode {mode!r}")
 
 
+def importance_ratio(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    ratio_level: Literal["token", "sequence"] = "token",
+) -> torch.Tensor:
+    """π/π_old per token, unclipped and with its gradient; with `sequence` (GSPO) every
+    token carries its sequence's exp(mean log-ratio). Masked tokens get 1."""
+    log_ratio = (logp - old_logp) * mask
+    if ratio_level == "sequence":
+        log_ratio = sequence_mean(log_ratio, mask).expand_as(logp)
+    return torch.exp(log_ratio)
+
+
 def clipped_surrogate(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -129,10 +158,7 @@ def clipped_surrogate(
     is GSPO: r = exp(mean over the sequence's tokens of log π - log π_old), shared by all
     its tokens. `advantages` broadcasts against the tokens ([B, 1] or [B, T]).
     """
-    log_ratio = (logp - old_logp) * mask
-    if ratio_level == "sequence":
-        log_ratio = sequence_mean(log_ratio, mask).expand_as(logp)
-    ratio = torch.exp(log_ratio)
+    ratio = importance_ratio(logp, old_logp, mask, ratio_level)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
@@ -155,7 +181,7 @@ class TokenLosses:
     clipped: torch.Tensor
     """1.0 where the clipped branch was taken."""
     kl: torch.Tensor
-    """Per-token k3 estimate to the reference (zeros without one)."""
+    """Per-token KL estimate to the reference (zeros without one)."""
 
 
 def grpo_token_losses(
@@ -166,16 +192,18 @@ def grpo_token_losses(
     clip_high: float,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
 ) -> TokenLosses:
-    """Token-level GRPO with an optional k3 penalty and no mismatch correction: the
-    textbook case of `clipped_surrogate`, kept as a small API for hand-computed checks."""
-    terms = clipped_surrogate(
-        logp, behaviour_logp, advantages, torch.ones_like(logp), clip_low, clip_high
-    )
+    """Token-level GRPO with an optional KL penalty (k3 by default) and no mismatch
+    correction: the textbook case of `clipped_surrogate`, kept as a small API for
+    hand-computed checks."""
+    every_token = torch.ones_like(logp)
+    terms = clipped_surrogate(logp, behaviour_logp, advantages, every_token, clip_low, clip_high)
     kl = torch.zeros_like(logp)
     loss = terms.loss
     if ref_logp is not None and kl_coef > 0:
-        kl = kl_k3(logp, ref_logp)
+        ratio = importance_ratio(logp, behaviour_logp, every_token)
+        kl = kl_estimate(logp, ref_logp, kl_estimator, ratio)
         loss = loss + kl_coef * kl
     return TokenLosses(loss, terms.ratio, terms.clipped, kl.detach())
 

@@ -21,6 +21,7 @@ from rlft.trainer.algorithms.aggregation import Normalisers, aggregate
 from rlft.trainer.algorithms.batch import SequenceBatch
 from rlft.trainer.algorithms.losses import (
     clipped_surrogate,
+    importance_ratio,
     kl_estimate,
     mismatch_weights,
     token_logprobs,
@@ -131,9 +132,10 @@ class PolicyGradient:
                 anchor, micro.behaviour_logp, mask, m.mode, m.level, m.cap
             )
         pl = spec.policy_loss
+        anchor = masked(anchor, mask)
         terms = clipped_surrogate(
             logp,
-            masked(anchor, mask),
+            anchor,
             self.advantages(micro, prepared),
             mask,
             pl.clip_low,
@@ -144,7 +146,14 @@ class PolicyGradient:
         per_token = terms.loss
         kl = torch.zeros_like(logp)
         if spec.kl.coef > 0:
-            kl = kl_estimate(masked(logp, mask), masked(micro.ref_logp, mask), spec.kl.estimator)
+            # k3-ratio weights k3 by the surrogate's own ratio (same anchor and level, before
+            # clipping, with gradient), as TRL's use_bias_correction_kl does.
+            kl_ratio = None
+            if spec.kl.estimator == "k3-ratio":
+                kl_ratio = importance_ratio(logp, anchor, mask, pl.ratio_level)
+            kl = kl_estimate(
+                masked(logp, mask), masked(micro.ref_logp, mask), spec.kl.estimator, kl_ratio
+            )
             if spec.kl.placement == "loss":
                 per_token = per_token + spec.kl.coef * kl
         loss = aggregate(per_token, mask, pl.aggregation, norms, self.constant)

@@ -59,9 +59,16 @@ class KLParams(Section):
 
     coef: float = Field(0.0, ge=0, le=100)
     """Weight of the KL term (0 disables it and the reference model)."""
-    estimator: Literal["k1", "k2", "k3"] = "k3"
+    estimator: Literal["k1", "k2", "k3", "k3-ratio"] = "k3"
     """Schulman's estimators of KL(policy ‖ reference) per token: `k1` log-ratio,
-    `k2` half squared log-ratio, `k3` exp(-x) + x - 1 (unbiased, non-negative)."""
+    `k2` half squared log-ratio, `k3` exp(-x) + x - 1 (unbiased, non-negative; what TRL's
+    GRPOTrainer uses by default when beta > 0). `k3-ratio`: k3 × the clipped surrogate's
+    importance ratio π/π_old (per token, or per sequence with `ratioLevel: sequence`;
+    before clipping, with gradient), as TRL computes it with `use_bias_correction_kl=True`
+    (off by default there). Its value is k3's where the ratio is 1, but its gradient gains
+    k3·∇log π, making it per token, in expectation, the gradient of KL(policy ‖ reference)
+    (on-policy, k3's alone is that of KL(reference ‖ policy)). With `placement: reward` it
+    equals k3."""
     placement: Literal["loss", "reward"] = "loss"
     """`loss`: added to the per-token loss. `reward`: subtracted from the reward before
     advantages are computed (no gradient through it)."""

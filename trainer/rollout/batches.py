@@ -89,7 +89,9 @@ def rl_batch(
     token_kl = torch.zeros_like(batch.mask, dtype=torch.float64)
     if reference is not None:
         batch = batch.with_fields(ref_logp=reference(batch))
-        token_kl = kl_estimate(batch.behaviour_logp, batch.ref_logp, spec.kl.estimator)
+        # The rollout policy's KL, on its own samples: the importance ratio is 1 here.
+        on_policy = torch.ones_like(batch.behaviour_logp)
+        token_kl = kl_estimate(batch.behaviour_logp, batch.ref_logp, spec.kl.estimator, on_policy)
         token_kl = (token_kl * batch.mask).to(torch.float64)
     return algorithm(spec.name).shape(spec, batch, rewards, token_kl)
 
