@@ -26,6 +26,11 @@ def _own_namespace() -> str:
         return os.environ.get("POD_NAMESPACE", "default")
 
 
+def pod_settings(args: argparse.Namespace) -> Settings:
+    """The pods' settings from the options of `options.add_pod_arguments`."""
+    return Settings(status_port=args.trainer_status_port, grace_seconds=args.grace_seconds)
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here: `rlft crd` and `rlft --help` must not need kopf.
     import kopf
@@ -45,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         priority = int(env) if env else random.randint(1, 2**31 - 1)
     namespaces = [] if args.all_namespaces else (args.namespace or [_own_namespace()])
     options = handlers.Options(
-        settings=Settings(status_port=args.trainer_status_port, grace_seconds=args.grace_seconds),
+        settings=pod_settings(args),
         poll_seconds=args.poll_seconds,
         priority=priority,
         peering_lifetime=args.peering_lifetime,

@@ -137,9 +137,21 @@ def _immutable_rule() -> dict[str, str]:
     }
 
 
+CHECKPOINT_URI_MESSAGE = (
+    "spec.checkpoint.uri: set an s3:// location. On Kubernetes the checkpoints, the weights "
+    "the rollout pods load and the final model must outlive the pods and be reachable from "
+    "all of them (a file:// location or the default local folder belongs to one pod)"
+)
+WEIGHTS_URI_MESSAGE = (
+    "spec.rollout.weightsUri: the rollout pods cannot see a file:// location; leave it unset "
+    "(weights go under spec.checkpoint.uri) or use s3://"
+)
+
+
 def _kubernetes_rules() -> list[dict[str, str]]:
     """What only a cluster needs (locally a folder does): every pod must reach the
-    checkpoints, the published weights and the final model, and they must outlive pods."""
+    checkpoints, the published weights and the final model, and they must outlive pods.
+    `cluster_problems` is the same check in Python: change them together."""
     uri = "(has(self.spec.checkpoint) && has(self.spec.checkpoint.uri) ? "
     uri += "self.spec.checkpoint.uri : '')"
     weights = "(has(self.spec.rollout) && has(self.spec.rollout.weightsUri) ? "
@@ -147,23 +159,28 @@ def _kubernetes_rules() -> list[dict[str, str]]:
     return [
         {
             "rule": f"{uri}.startsWith('s3://')",
-            "message": (
-                "spec.checkpoint.uri: set an s3:// location. On Kubernetes the checkpoints, "
-                "the weights the rollout pods load and the final model must outlive the pods "
-                "and be reachable from all of them (a file:// location or the default local "
-                "folder belongs to one pod)"
-            ),
+            "message": CHECKPOINT_URI_MESSAGE,
             "fieldPath": ".spec.checkpoint.uri",
         },
         {
             "rule": f"{weights}.startsWith('s3://')",
-            "message": (
-                "spec.rollout.weightsUri: the rollout pods cannot see a file:// location; "
-                "leave it unset (weights go under spec.checkpoint.uri) or use s3://"
-            ),
+            "message": WEIGHTS_URI_MESSAGE,
             "fieldPath": ".spec.rollout.weightsUri",
         },
     ]
+
+
+def cluster_problems(job: RLFineTune) -> list[str]:
+    """What the API server refuses by the rules of `_kubernetes_rules`, for a job that
+    passed pydantic: `rlft plan` has no API server to ask, and must not plan a job that
+    `kubectl apply` would refuse."""
+    problems = []
+    if not (job.spec.checkpoint.uri or "").startswith("s3://"):
+        problems.append(CHECKPOINT_URI_MESSAGE)
+    weights = job.spec.rollout.weights_uri
+    if weights is not None and not weights.startswith("s3://"):
+        problems.append(WEIGHTS_URI_MESSAGE)
+    return problems
 
 
 def _describe(node: dict[str, Any], description: str | None) -> None:

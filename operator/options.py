@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=POLL_SECONDS,
         help="reconcile every job at least this often (and poll /status)",
     )
+    add_pod_arguments(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that shape the pods the operator builds (`manifests.Settings`): shared
+    with `rlft plan`, whose plan must match an operator started with the same values."""
     parser.add_argument(
         "--trainer-status-port",
         type=int,
@@ -73,4 +80,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="terminationGracePeriodSeconds of rollout pods (trainer pods get their job's "
         "spec.checkpoint.gracePeriodSeconds plus a margin)",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

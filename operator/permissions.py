@@ -1,13 +1,17 @@
 """Every Kubernetes API permission the operator needs, declared once.
 
-The Helm chart's RBAC is generated from this list (`python -m rlft.operator.chart_values`
+The Helm chart's RBAC is generated from this list (`python -m rlft.operator.chart_files`
 writes `charts/rlft/files/permissions.yaml`, which the RBAC templates read), and the
 operator's own REST client (`kube.Kube`) refuses any request this list does not declare,
 so a new API call cannot ship without its permission. The calls kopf makes on the
 operator's behalf (watches, finalizer and annotation patches, leader-election peering,
-discovery of namespaces and CRDs) are declared here too; the chart tests run the real
-operator against an emulated API server, record every request it makes, and check that
-each one is declared and that each declared verb is used.
+discovery of namespaces and CRDs) are declared here too, and so is the one check the API
+server makes in the operator's name: `update` on `rlfinetunes/finalizers`, which the
+OwnerReferencesPermissionEnforcement admission plugin asks for before it accepts a child
+whose owner reference sets blockOwnerDeletion. The chart tests run the real operator
+against an emulated API server, record every request it makes (and that admission check,
+on each create it applies to), and check that each one is declared and that each declared
+verb is used.
 
 Two modes, as `python -m rlft.operator` runs them: `namespaced` (`-n NS`, one Role per
 served namespace) and `clusterwide` (`-A`, a ClusterRole). `scope` says where a rule
@@ -52,6 +56,17 @@ PERMISSIONS: tuple[Permission, ...] = (
     ),
     Permission(
         crd.GROUP, f"{crd.PLURAL}/status", ("patch",), "served", BOTH, "write the job's status"
+    ),
+    Permission(
+        crd.GROUP,
+        f"{crd.PLURAL}/finalizers",
+        ("update",),
+        "served",
+        BOTH,
+        "create children whose owner reference sets blockOwnerDeletion: where the "
+        "OwnerReferencesPermissionEnforcement admission plugin is on (OpenShift, hardened "
+        "clusters) the API server checks this verb on the owner for every such create; the "
+        "operator itself never sends it",
     ),
     Permission(
         "",

@@ -1,5 +1,8 @@
 """The emulated API server (tests/operator/kube_emulator.py) that also writes every request
-it serves to a JSON-lines file: method, path, and whether it was a watch.
+it serves to a JSON-lines file: method, path, and whether it was a watch; and, for each
+create of an object whose owner reference sets blockOwnerDeletion, the authorization check
+kube-apiserver's OwnerReferencesPermissionEnforcement admission plugin makes for it
+(`update` on the owner's `finalizers` subresource), marked `admission`.
 
 The RBAC test runs the real operator against it and turns the requests into
 (namespace, apiGroup, resource, verb): what the operator, kopf included, really asks the API
@@ -15,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -42,7 +46,35 @@ class RecordingEmulator(Emulator):
         agent = raw.headers.get("User-Agent", "")
         line = {"method": raw.method, "path": raw.path, "watch": watch, "agent": agent}
         self.sink.write(json.dumps(line) + "\n")
+        if raw.method == "POST" and raw.body_exists:
+            # aiohttp keeps the body it read, so the emulator can read it again.
+            for path in self._blocking_owners(raw.path, await raw.text()):
+                check = {**line, "method": "PUT", "path": path, "admission": True}
+                self.sink.write(json.dumps(check) + "\n")
         return await super().__call__(raw)
+
+    def _blocking_owners(self, path: str, text: str) -> list[str]:
+        """The owners' `finalizers` paths the admission plugin checks `update` on: one per
+        owner reference with blockOwnerDeletion (the plugin maps the owner's kind to its
+        resource, as done here from the served types)."""
+        try:
+            body = json.loads(text) if text else {}
+        except ValueError:
+            return []
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        if not isinstance(meta, dict):
+            return []
+        where = re.search(r"/namespaces/[^/]+", path)  # an owner shares its child's namespace
+        out = []
+        for ref in meta.get("ownerReferences") or []:
+            if not ref.get("blockOwnerDeletion"):
+                continue
+            for rt in self.types.values():
+                if rt.api_version == ref.get("apiVersion") and rt.kind == ref.get("kind"):
+                    prefix = f"/apis/{rt.api_version}" if rt.group else f"/api/{rt.version}"
+                    scope = where.group(0) if where and rt.namespaced else ""
+                    out.append(f"{prefix}{scope}/{rt.plural}/{ref['name']}/finalizers")
+        return out
 
 
 async def serve(port_file: Path, requests_path: Path) -> None:

@@ -2,9 +2,11 @@
 
 The real operator process (kopf included), started with the arguments the chart's
 Deployment renders, runs against an emulated API server (kmock-based, not a cluster) that
-records every request. A job goes through its life: children created, a pod OOM-killed and
-recreated, suspend, deletion through the finalizer. Then, for both modes (all namespaces;
-a list of namespaces):
+records every request, and the authorization check that OwnerReferencesPermissionEnforcement
+admission makes for each child it creates (owner references with blockOwnerDeletion need
+`update` on `rlfinetunes/finalizers`). A job goes through its life: children created, a pod
+OOM-killed and recreated, suspend, deletion through the finalizer. Then, for both modes
+(all namespaces; a list of namespaces):
 
 - every request the operator made is allowed by the rendered Roles/ClusterRoles bound to
   its ServiceAccount (RBAC evaluated here, independently of rlft.operator.permissions);
@@ -22,7 +24,7 @@ import cluster
 import pytest
 from chart_render import NAMESPACE, of_kind, render
 from cluster import OperatorProcess, wait_for
-from jobs import job_doc
+from jobs import job_doc, parsed
 from test_operator_integration import (
     _job,
     _namespace,
@@ -33,11 +35,12 @@ from test_operator_integration import (
     _wait_phase,
 )
 
-from rlft.operator import permissions
+from rlft.operator import crd, permissions, plan
 from rlft.operator.kube import Connection, Kube
 
 HERE = Path(__file__).resolve().parent
 JOB_NS = "ml"
+MODES = ["clusterwide", "namespaced"]
 DISCOVERY = re.compile(r"^/api(/v1)?$|^/apis(/[^/]+){0,2}$|^/version$")
 RESOURCE = re.compile(
     r"^/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)"
@@ -132,6 +135,7 @@ def _run_lifecycle(tmp_path: Path, monkeypatch, values: dict[str, Any], chart) -
     lines = [json.loads(line) for line in requests.read_text().splitlines()]
     mine = [line for line in lines if not line["agent"].startswith("kubectl")]
     assert {line["agent"].split("/")[0] for line in mine} == {"kopf", "Python"}, "two clients"
+    assert any(line.get("admission") for line in mine), "the admission checks are recorded"
     return mine, documents
 
 
@@ -159,6 +163,26 @@ def test_operator_requests_are_exactly_what_the_chart_grants(
         for v in p.verbs
     }
     assert declared == used
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": [JOB_NS]}], ids=MODES)
+def test_children_may_block_their_jobs_deletion(chart, values):
+    """Every child the operator creates sets blockOwnerDeletion on its owner reference to
+    the job; where OwnerReferencesPermissionEnforcement is on, kube-apiserver admits that
+    create only if the creator may `update` the job's `finalizers`: the chart grants it."""
+    documents, _ = render(chart, values)
+    job, body = parsed(job_doc(namespace=JOB_NS))
+    children = plan.plan(job, JOB_NS, body["metadata"]["uid"])
+    owners = [ref for child in children for ref in child["metadata"]["ownerReferences"]]
+    assert len(owners) == len(children) and all(ref["blockOwnerDeletion"] for ref in owners)
+    assert {(ref["apiVersion"], ref["kind"]) for ref in owners} == {
+        (f"{crd.GROUP}/{crd.VERSION}", "RLFineTune")
+    }
+    check = (JOB_NS, crd.GROUP, f"{crd.PLURAL}/finalizers", "update")
+    assert allowed(documents, check)
+    for role in of_kind(documents, "Role") + of_kind(documents, "ClusterRole"):
+        role["rules"] = [r for r in role["rules"] if r["resources"] != [check[2]]]
+    assert not allowed(documents, check)  # the rule is what grants it
 
 
 def test_the_rbac_evaluation_is_real(chart):

@@ -1,7 +1,7 @@
 """Every file in examples/ is a job a user can `kubectl apply` and `rlft train`: it validates
 against the CRD's own schema (as the API server would: unknown fields, OpenAPI schema, CEL
-rules), passes `rlft validate`, and the pods the operator would create for it are valid
-Kubernetes objects."""
+rules), passes `rlft validate`, and the pods the operator would create for it, and every
+object `rlft plan` prints for it, are valid Kubernetes objects."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_render import ROOT
+from chart_render import ROOT, kubernetes_validate
 from crd_validation import validate
 from example_jobs import EXAMPLES, parsed_examples
 from example_jobs import document as _document
 from jobs import on_cluster
 
 from rlft.operator import manifests as M
+from rlft.trainer.cli.main import main
 
 CRD = yaml.safe_load((ROOT / "crds" / "rlfinetune.yaml").read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -82,3 +83,19 @@ def test_the_pods_of_every_example_are_valid_kubernetes_objects(tmp_path):
     assert result.stdout.count("passed") == len(manifests)
     gpu_pods = [m for m in manifests if "nvidia.com/gpu" in str(m.get("spec", {}))]
     assert gpu_pods, "the GPU example asks for GPUs"
+
+
+def test_what_rlft_plan_prints_for_every_example_is_valid(tmp_path, capsys):
+    documents = []
+    for path in EXAMPLES:
+        document = _document(path)
+        if document.get("kind") != "RLFineTune":
+            continue
+        job_file = tmp_path / path.name  # local examples get an s3:// location first
+        job_file.write_text(yaml.safe_dump(on_cluster(document), sort_keys=False))
+        assert main(["plan", str(job_file), "-n", "ml"]) == 0, capsys.readouterr().err
+        printed = list(yaml.safe_load_all(capsys.readouterr().out))
+        assert printed and {d["kind"] for d in printed} <= {"ConfigMap", "Service", "Pod"}
+        documents += printed
+    output = kubernetes_validate(documents, tmp_path)
+    assert "Couldn't find schema" not in output  # each object really checked

@@ -424,7 +424,7 @@ class Emulator(kmock.KubernetesEmulator):
         if method == "GET":
             return self._json(self._get(rt, route.namespace, route.name))
         body: Any = None
-        if raw.can_read_body:
+        if raw.body_exists:  # not can_read_body: false once a wrapper has read it
             text = await raw.text()
             try:
                 body = json.loads(text) if text else None

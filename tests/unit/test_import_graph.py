@@ -22,8 +22,10 @@ CORES = (
     "rlft.operator.observe",
     "rlft.operator.status",
     "rlft.operator.names",
+    "rlft.operator.plan",
 )
-"""The pure cores: the algorithms, the collapse detector and the operator's planner."""
+"""The pure cores: the algorithms, the collapse detector, the operator's planner and the
+plan `rlft plan` prints from it."""
 
 EDGE = (
     "aiohttp",

@@ -43,6 +43,57 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rlft.operator import plan
+    from rlft.operator.__main__ import pod_settings
+
+    job = _load_or_report(args.job)
+    if job is None:
+        return ExitCode.INVALID_CONFIG
+    namespace = plan.namespace_of(job, args.namespace)
+    problems = plan.problems(job, namespace)
+    for problem in problems:
+        print(f"{args.job}: {problem}", file=sys.stderr)
+    if problems:
+        return ExitCode.INVALID_CONFIG
+    objects = plan.plan(job, namespace, args.uid, pod_settings(args))
+    sys.stdout.write(plan.render(objects))
+    return ExitCode.OK
+
+
+PLAN_HELP = """\
+Print every object the operator creates for this job on its first reconcile (ConfigMap,
+Services, trainer and rollout pods), as one YAML stream, in the order it creates them: for
+review and GitOps, like `helm template`. The objects come from the operator's own code,
+not a copy. ownerReferences need the job's uid, which exists only once the job is applied:
+without --uid they are left out (a made-up uid would get applied objects garbage-collected)
+and the trainers' --rdzv-id shows the placeholder uid 00000000-0000-0000-0000-000000000000;
+with --uid (kubectl get rlft NAME -o jsonpath='{.metadata.uid}') the output is exactly what
+the operator creates. Credentials appear only as secretKeyRef names, never as values. A bad
+job file, or one the API server would refuse, exits 2 naming each field, as `rlft validate`.
+"""
+
+
+def _add_plan_command(commands: argparse._SubParsersAction) -> None:
+    from rlft.operator.options import add_pod_arguments
+
+    plan = commands.add_parser(
+        "plan",
+        help="print the Kubernetes objects the operator would create for a job (YAML)",
+        description=PLAN_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("job", help="RLFineTune manifest (YAML)")
+    plan.add_argument(
+        "-n",
+        "--namespace",
+        help="namespace of the job (default: its metadata.namespace, else 'default')",
+    )
+    plan.add_argument("--uid", help="the applied job's metadata.uid: adds ownerReferences")
+    add_pod_arguments(plan)  # the operator's own options of the same name (the chart's values)
+    plan.set_defaults(handler=cmd_plan)
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     from rlft.operator.__main__ import run
 
@@ -106,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     crd = commands.add_parser("crd", help="print (or write) the RLFineTune CRD YAML")
     crd.add_argument("--out", help="write it to this file (e.g. crds/rlfinetune.yaml)")
     crd.set_defaults(handler=cmd_crd)
+
+    _add_plan_command(commands)
 
     operator = commands.add_parser("operator", help="run the Kubernetes operator")
     from rlft.operator.options import add_arguments
