@@ -113,6 +113,8 @@ def classify(pod: PodView) -> Failure | None:
         return None if pod.role == "trainer" else failure(ERROR)
     if pod.phase in ("Pending", "Running") and pod.exit_code is None and not pod.disruption:
         return None
+    if pod.on_lost_node:
+        return failure(NODE_LOST)  # its status is stale: nobody runs it any more
     if pod.phase == "Running" and pod.exit_code is None:
         return None  # a disruption announced, not happened yet: the pod is still up
     if pod.reason == "Evicted" or pod.disruption == "EvictionByEvictionAPI":
@@ -131,7 +133,8 @@ def classify(pod: PodView) -> Failure | None:
         return failure(INVALID_CONFIG, permanent=True)
     if exit_code == ExitCode.COLLAPSED and pod.role == "trainer":
         return failure(COLLAPSED)
-    if exit_code == 0 and pod.phase != "Failed" and pod.role == "trainer":
+    stopped = verdict is not None and verdict.stopped  # its process may exit non-zero
+    if exit_code == 0 and (pod.phase != "Failed" or stopped) and pod.role == "trainer":
         return None
     if _RENDEZVOUS.search(pod.message):
         return failure(RENDEZVOUS, group=pod.role == "trainer")

@@ -48,6 +48,16 @@ class PodView:
     """Reason of a DisruptionTarget=True condition (PreemptionByScheduler, …)."""
     unschedulable: str = ""
     """Message of PodScheduled=False (why the scheduler cannot place it)."""
+    ready: bool | None = None
+    """The Ready condition (None before the pod has one)."""
+
+    @property
+    def on_lost_node(self) -> bool:
+        """Evicted from a node that stopped reporting: the taint manager deleted it after
+        its nodeLostSeconds of tolerating the unreachable or not-ready taint, and the node
+        lifecycle controller had marked it not ready (a live kubelet keeps a pod it is
+        still stopping ready). No kubelet will finish its deletion or report its end."""
+        return self.deleting and self.disruption == "DeletionByTaintManager" and self.ready is False
 
     @property
     def active(self) -> bool:
@@ -89,6 +99,8 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
     disruption = ""
     if disruption_cond is not None and disruption_cond.get("status") == "True":
         disruption = disruption_cond.get("reason") or "DisruptionTarget"
+    ready_cond = _condition(pod, "Ready")
+    ready = None if ready_cond is None else ready_cond.get("status") == "True"
     exit_code, terminated_reason, message = None, "", ""
     waiting_reason, waiting_message = "", ""
     for cs in status.get("containerStatuses") or []:
@@ -124,6 +136,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
         waiting_message=waiting_message[-500:],
         disruption=disruption,
         unschedulable=unschedulable[-500:],
+        ready=ready,
     )
 
 

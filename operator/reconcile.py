@@ -393,6 +393,17 @@ class _Run:
         kubelet to finish the deletion (its node is lost): force-delete it, so that its
         slot, whose name is fixed, can be filled again."""
         for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            if pod.on_lost_node:
+                # Its node was silent for nodeLostSeconds already: waiting out the grace
+                # too would only keep the slot empty (no kubelet runs the shutdown).
+                self.d.force_delete_pods.append(pod.name)
+                self.event(
+                    "Warning",
+                    "ForceDeleted",
+                    f"pod {pod.name} was evicted from a node that stopped reporting: "
+                    "force-deleted so it can be replaced",
+                )
+                continue
             deadline = parse_time(pod.deletion_deadline) if pod.deleting else None
             if deadline is None:
                 continue

@@ -46,6 +46,9 @@ class Verdict:
     collapsed: bool = False
     """The trainer ended the run over a collapse: failing it (exit 3) or pausing it
     (exit 0, stability.onCollapse or afterMaxRollbacks is suspend)."""
+    stopped: bool = False
+    """The rank stopped after an emergency checkpoint (SIGTERM): resume from it. Its
+    process may still exit non-zero (see `training.py`): this is what counts."""
     step: int | None = None
     last_checkpoint: int | None = None
     """Step of the last committed checkpoint, at `checkpoint_uri`."""
@@ -87,6 +90,7 @@ def read(message: str) -> Verdict | None:
                     rank=int(fields.get("rank") or 0),
                     completed=bool(fields.get("completed")),
                     collapsed=bool(fields.get("collapsed")),
+                    stopped=bool(fields.get("stopped")),
                     step=_int(fields.get("step")),
                     last_checkpoint=_int(fields.get("last_checkpoint")),
                     checkpoint_uri=fields.get("checkpoint_uri") or None,

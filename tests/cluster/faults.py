@@ -39,6 +39,37 @@ def worker_of(cluster: ProcessCluster, pod: str) -> int:
     return wait_for(lambda: children(agent), f"a worker under {pod}'s agent", 60)[0]
 
 
+ALLOCATE = """
+import os, sys, time
+group, size = sys.argv[1], int(sys.argv[2])
+with open(os.path.join(group, "cgroup.procs"), "w") as procs:
+    procs.write(str(os.getpid()))
+held = [b"\\x01" * (16 << 20) for _ in range(size // (16 << 20) + 1)]
+time.sleep(2)
+"""
+
+
+def start_oom(cluster: ProcessCluster, pod: str) -> subprocess.Popen:
+    """Push `pod`'s container over its memory limit: a process joins its real memory
+    cgroup and allocates past what the limit leaves; the trainer's worker is made the
+    OOM killer's first choice (oom_score_adj 1000, what a kubelet gives a BestEffort
+    container; lowering the allocator's own needs CAP_SYS_RESOURCE). Returns the
+    allocator, which may be killed too once the worker's memory is freed."""
+    folder = cluster.pod_folder(NS, pod)
+    group = Path(json.loads((folder / "main.sandbox.json").read_text())["cgroup"])
+    limit = int((group / "memory.limit_in_bytes").read_text())
+    stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+    used = int(stat["total_rss"])  # what cannot be reclaimed (page cache can)
+    Path(f"/proc/{worker_of(cluster, pod)}/oom_score_adj").write_text("1000")
+    size = limit - used + (128 << 20)
+    return subprocess.Popen(
+        [sys.executable, "-c", ALLOCATE, str(group), str(size)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def events(cluster: ProcessCluster, name: str) -> list[dict[str, Any]]:
     return [e for e in cluster.api.list("events", NS) if e["involvedObject"]["name"] == name]
 

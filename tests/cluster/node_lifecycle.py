@@ -3,8 +3,9 @@ cluster (run in the scheduler's process, once a second):
 
 - the node lifecycle controller: a node whose kubelet has not posted status for
   NODE_GRACE_S gets Ready=Unknown (NodeStatusUnknown) and the taint
-  `node.kubernetes.io/unreachable:NoExecute`; a node that reports again loses the taint
-  (its kubelet sets Ready=True itself);
+  `node.kubernetes.io/unreachable:NoExecute`, and its pods get Ready=False (what
+  MarkPodsNotReady does: their kubelet cannot say); a node that reports again loses the
+  taint (its kubelet sets Ready=True itself, and its pods' readiness);
 - the taint manager: a pod on a node with a NoExecute taint is evicted at once if it
   does not tolerate the taint, `tolerationSeconds` after the taint was added if it does
   for that long, never if it does for ever. A pod without a toleration of its own for
@@ -57,6 +58,7 @@ def watch_nodes(api: Api, now: float) -> None:
             lost |= {"message": "Kubelet stopped posting node status.",
                      "lastTransitionTime": _stamp(now)}  # fmt: skip
             api.patch("nodes", None, name, {"status": {"conditions": [lost]}}, status=True)
+            mark_pods_not_ready(api, name, now)
         if silent and not tainted:
             taint = {"key": UNREACHABLE, "effect": "NoExecute", "timeAdded": _stamp(now)}
             api.patch("nodes", None, name, {"spec": {"taints": [*taints, taint]}})
@@ -64,6 +66,23 @@ def watch_nodes(api: Api, now: float) -> None:
             kept = [t for t in taints if t.get("key") != UNREACHABLE]
             api.patch("nodes", None, name, {"spec": {"taints": kept or None}})
     evict_untolerated(api, now)
+
+
+def mark_pods_not_ready(api: Api, node: str, now: float) -> None:
+    for pod in api.list("pods"):
+        if pod["spec"].get("nodeName") != node:
+            continue
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        if not any(c.get("type") == "Ready" and c.get("status") != "False" for c in conditions):
+            continue
+        marked = [
+            dict(c, status="False", lastTransitionTime=_stamp(now)) if c.get("type") == "Ready"
+            else c
+            for c in conditions
+        ]  # fmt: skip
+        meta = pod["metadata"]
+        patch = {"status": {"conditions": marked}}
+        api.patch("pods", meta["namespace"], meta["name"], patch, status=True)
 
 
 def evict_untolerated(api: Api, now: float) -> None:

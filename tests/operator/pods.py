@@ -31,6 +31,7 @@ def raw_pod(
     grace_ends: str | None = None,
     pod_ip: str | None = None,
     verdict: termination.Verdict | None = None,
+    ready: bool | None = None,
 ) -> dict[str, Any]:
     """`verdict`: what the container's process wrote to its termination message (the
     message is then that, as the kubelet reports it, not `message`)."""
@@ -48,6 +49,8 @@ def raw_pod(
                 "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
             }
         )
+    if ready is not None:
+        status["conditions"].append({"type": "Ready", "status": "True" if ready else "False"})
     if pod_reason:
         status["reason"] = pod_reason
     if disruption:

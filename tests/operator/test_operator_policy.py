@@ -12,6 +12,7 @@ from pods import raw_pod, view
 
 from rlft.operator import failures as P
 from rlft.operator.observe import pod_view, trainer_report
+from rlft.trainer import termination
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -95,6 +96,18 @@ def test_covers_every_kind():
 )
 def test_no_failure(kwargs):
     assert P.classify(view("tiny-grpo-trainer-0", **kwargs)) is None
+
+
+def test_a_rank_stopped_after_its_emergency_checkpoint_is_no_failure_whatever_torchrun_exits():
+    """A stopped rank of a multi-pod gang exits non-zero so that its torchrun agent does
+    not wait in its exit barrier for a peer that was SIGTERMed: the agent then exits 1,
+    the pod is Failed, and the verdict (exit code 0, stopped) is what decides."""
+    stopped = termination.Verdict(0, rank=1, stopped=True, step=6, last_checkpoint=6)
+    pod = view("tiny-grpo-trainer-1", phase="Failed", exit_code=1, verdict=stopped)
+    assert P.classify(pod) is None
+    unstopped = termination.Verdict(0, rank=1)
+    pod = view("tiny-grpo-trainer-1", phase="Failed", exit_code=1, verdict=unstopped)
+    assert P.classify(pod).kind == P.ERROR  # exit 0 of a worker, yet the agent failed
 
 
 def test_a_rollout_server_that_exits_is_a_failure():

@@ -572,6 +572,28 @@ def test_a_pod_stuck_terminating_past_its_grace_is_force_deleted_and_replaced():
     assert w.status.restarts == 1 and d.delete_pods == ["tiny-grpo-trainer-0"]
 
 
+def test_a_pod_evicted_from_a_node_that_stopped_reporting_is_force_deleted_at_once():
+    """The node lifecycle controller marked the pod not ready (its node went silent) and,
+    nodeLostSeconds later, the taint manager evicted it: no kubelet will run its shutdown,
+    so its grace is not waited out. It is a NodeLost failure of the gang, and its slot is
+    freed at once. A pod evicted from a node whose kubelet still reports stays ready
+    while it stops, and keeps its grace."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    grace_ends = (w.now + timedelta(seconds=30)).isoformat()
+    evicted = {"deleting": True, "grace_ends": grace_ends, "disruption": "DeletionByTaintManager"}
+    w.set("tiny-grpo-trainer-1", phase="Running", ready=True, **evicted)
+    d = w.step()
+    assert d.force_delete_pods == [] and "ForceDeleted" not in w.events
+    w.set("tiny-grpo-trainer-1", phase="Running", ready=False, **evicted)
+    d = w.step()
+    assert d.force_delete_pods == ["tiny-grpo-trainer-1"] and "ForceDeleted" in w.events
+    assert w.status.last_failure.reason == P.NODE_LOST
+    assert "tiny-grpo-trainer-0" in d.delete_pods  # the gang restarts without waiting
+
+
 def test_an_oom_kill_judged_after_its_peers_failure_still_names_the_cause():
     """trainer-1 fails first (its collective broke when trainer-0's worker was OOM-killed);
     the gang restart marks trainer-0 handled. When trainer-0 ends OOMKilled, that becomes

@@ -56,8 +56,21 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     except (CheckpointError, StorageError) as error:  # storage trouble: worth retrying
         return _failed(ExitCode.FAILURE, error, rank)
     code = summary.get("exit_code", ExitCode.OK)
-    termination.write(_verdict(job, summary, code, rank))
+    verdict = _verdict(job, summary, code, rank)
+    termination.write(verdict)
+    if verdict.stopped and code == ExitCode.OK and _other_agents():
+        # After its workers exit 0, torchrun's agent waits (up to 300 s, deaf to SIGTERM
+        # inside a store call) in an exit barrier for every other agent, and an agent
+        # stopped by SIGTERM never arrives there: the pod would hold its name and slot
+        # until its grace runs out. Exiting non-zero ends the agent at once; the verdict
+        # (exit code 0, stopped) is what the operator reads.
+        return ExitCode.FAILURE
     return code
+
+
+def _other_agents() -> bool:
+    """Whether this rank's torchrun agent has peers (other pods of the gang)."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
 
 
 def _verdict(job: RLFineTune, summary: dict, code: int, rank: int) -> termination.Verdict:
@@ -74,6 +87,7 @@ def _verdict(job: RLFineTune, summary: dict, code: int, rank: int) -> terminatio
         rank,
         completed="steps" in summary,
         collapsed="ended" in summary,  # only the guard ends a run early (RunEnded)
+        stopped="stopped_at_step" in summary,
         step=summary.get("steps"),
         last_checkpoint=last,
         checkpoint_uri=uri,
