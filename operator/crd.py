@@ -99,6 +99,40 @@ def _data_rules(model: type[BaseModel]) -> list[dict[str, str]]:
     ]
 
 
+def _exactly_one(fields: list[str], message: str) -> list[dict[str, str]]:
+    count = " + ".join(f"(has(self.{f}) ? 1 : 0)" for f in fields)
+    return [{"rule": f"{count} == 1", "message": message}]
+
+
+def _volume_rules(model: type[BaseModel]) -> list[dict[str, str]]:
+    sources = ["persistentVolumeClaim", "configMap", "secret", "emptyDir"]
+    return _exactly_one(
+        sources, "set exactly one source: persistentVolumeClaim, configMap, secret or emptyDir"
+    )
+
+
+def _env_from_rules(model: type[BaseModel]) -> list[dict[str, str]]:
+    return _exactly_one(
+        ["configMapRef", "secretRef"], "give exactly one of configMapRef and secretRef"
+    )
+
+
+def _pod_rules(model: type[BaseModel]) -> list[dict[str, str]]:
+    # Both lists are bounded (maxItems), which keeps the rule's estimated cost within the
+    # API server's budget. The paths the operator owns are checked by pydantic only.
+    mounted = (
+        "!has(self.volumeMounts) || self.volumeMounts.all(m, "
+        "has(self.volumes) && self.volumes.exists(v, v.name == m.name))"
+    )
+    return [
+        {
+            "rule": mounted,
+            "message": "every volumeMounts[].name must name one of volumes",
+            "fieldPath": ".volumeMounts",
+        }
+    ]
+
+
 # Cross-field rules that pydantic checks in validators, as CEL, keyed by the model's name in
 # the JSON schema. A unit test evaluates each against the pydantic validator on random input,
 # and fails if a model named here disappears from the schema.
@@ -107,6 +141,9 @@ CEL_RULES: dict[str, Callable[[type[BaseModel]], list[dict[str, str]]]] = {
     "RolloutSpec": _rollout_rules,
     "ModelSpec": _model_rules,
     "DataSpec": _data_rules,
+    "PodVolume": _volume_rules,
+    "EnvFromSource": _env_from_rules,
+    "PodCustomisation": _pod_rules,
 }
 
 
@@ -273,6 +310,7 @@ class _Converter:
                 node["required"] = list(schema["required"])
         elif isinstance(extra, dict):
             node["additionalProperties"] = self.convert(extra)
+            self._keep(schema, node)  # a map's bounds (maxProperties)
         else:
             node["x-kubernetes-preserve-unknown-fields"] = True
         return node

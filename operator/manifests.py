@@ -12,7 +12,9 @@ What runs where (docs/architecture.md, "Processes of one job"):
   instance the same DNS name either way.
 
 Every pod is hardened (non-root, read-only root filesystem, no privilege escalation, all
-capabilities dropped, seccomp RuntimeDefault) and owned by the RLFineTune.
+capabilities dropped, seccomp RuntimeDefault) and owned by the RLFineTune. A role's own
+settings (`spec.<role>.pod`: volumes, envFrom, service account, …) are added last, by
+`pod_options.customise`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import yaml
 
 from rlft.operator import names as N
+from rlft.operator import pod_options
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.config.algorithm import SOURCES
 
@@ -196,8 +199,9 @@ def _node_lost_tolerations(scheduling: Any, own: list[dict[str, Any]]) -> list[d
 
 
 def _resources(spec_resources: Any, gpus: int) -> dict[str, Any]:
-    requests = dict(spec_resources.requests)
-    limits = dict(spec_resources.limits)
+    # Extended resources (RDMA, EFA, …) cannot be overcommitted: request = limit.
+    requests = {**spec_resources.requests, **spec_resources.extended}
+    limits = {**spec_resources.limits, **spec_resources.extended}
     if gpus:
         requests[GPU_RESOURCE] = gpus
         limits[GPU_RESOURCE] = gpus
@@ -329,7 +333,8 @@ def _pod(
         spec["affinity"] = scheduling.affinity
     if scheduling.priority_class_name:
         spec["priorityClassName"] = scheduling.priority_class_name
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+    return pod_options.customise(pod, pod_options.of_role(job, role))
 
 
 SHUTDOWN_MARGIN_SECONDS = 15

@@ -37,6 +37,37 @@ def test_the_examples_cover_what_users_start_from():
     assert s3["uri"].startswith("s3://") and s3["credentialsSecret"]
 
 
+def test_the_gpu_example_reads_its_model_from_a_read_only_claim_in_every_pod():
+    """The model folder is on a PVC mounted read-only into the trainer and rollout pods (Ray
+    heads and workers included) at the path spec.model.path names; the S3 credentials come
+    from a ServiceAccount (IRSA), not a Secret."""
+    (job, body), *_ = [
+        (j, b) for j, b in parsed_examples(multi_node_rollout=True) if j.metadata.name == "wide"
+    ]
+    model_path = job.spec.model.path
+    pods = M.desired(job, body, M.Settings(), "auto").pods.values()
+    assert {p["metadata"]["labels"]["rlft.dev/role"] for p in pods} == {
+        "trainer",
+        "ray-head",
+        "ray-worker",
+    }
+    for pod in pods:
+        spec, (main,) = pod["spec"], pod["spec"]["containers"]
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]
+            for v in spec["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        (mount,) = [m for m in main["volumeMounts"] if model_path.startswith(m["mountPath"] + "/")]
+        assert mount["readOnly"] is True and claims[mount["name"]]["readOnly"] is True
+        assert spec["serviceAccountName"] == "rlft-s3"
+        assert spec["automountServiceAccountToken"] is False  # IRSA's webhook brings its own
+        assert not any("secretKeyRef" in str(e) for e in main["env"])
+    assert job.spec.checkpoint.credentials_secret is None
+    staging = job.spec.checkpoint.staging_dir
+    assert staging in {m.mount_path for m in job.spec.trainer.pod.volume_mounts}
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_validates_against_the_crd_schema(path):
     document = on_cluster(_document(path))  # local examples get an s3:// location first
@@ -99,3 +130,23 @@ def test_what_rlft_plan_prints_for_every_example_is_valid(tmp_path, capsys):
         documents += printed
     output = kubernetes_validate(documents, tmp_path)
     assert "Couldn't find schema" not in output  # each object really checked
+
+
+def test_what_rlft_plan_prints_for_a_job_with_every_pod_setting_is_valid(tmp_path, capsys):
+    """spec.<role>.pod and resources.extended, every field, for trainer, Ray head and worker
+    pods (tests/operator/pod_jobs.py), through `rlft plan` and `kubernetes-validate --strict`."""
+    from pod_jobs import every_pod_setting
+
+    documents = []
+    for name, multi_node in (("ray", True), ("single", False)):
+        job_file = tmp_path / f"{name}.yaml"
+        job_file.write_text(yaml.safe_dump(every_pod_setting(name, multi_node), sort_keys=False))
+        assert main(["plan", str(job_file), "-n", "ml"]) == 0, capsys.readouterr().err
+        documents += list(yaml.safe_load_all(capsys.readouterr().out))
+    pods = [d for d in documents if d["kind"] == "Pod"]
+    assert len(pods) == 5 + 2  # trainer, 2 heads, 2 workers; trainer and rollout
+    assert all(
+        "imagePullSecrets" in p["spec"] and "envFrom" in p["spec"]["containers"][0] for p in pods
+    )
+    output = kubernetes_validate(documents, tmp_path)
+    assert "Couldn't find schema" not in output

@@ -20,6 +20,7 @@ from rlft.operator.status import RLFineTuneStatus
 from rlft.trainer.config import (
     DataSpec,
     ModelSpec,
+    PodCustomisation,
     Replicas,
     RLFineTuneSpec,
     RolloutSpec,
@@ -265,3 +266,90 @@ def test_identity_fields_are_immutable_while_running():
     old["status"]["phase"] = "Suspended"
     new["spec"]["model"]["init"]["hiddenSize"] = 256
     assert validate(new, SCHEMA, old)[1] == []
+
+
+# ------------------------------------------------------- a role's own pod settings
+
+_SOURCES = {
+    "persistentVolumeClaim": {"claimName": "weights"},
+    "configMap": {"name": "templates"},
+    "secret": {"secretName": "token"},
+    "emptyDir": {},
+}
+
+
+@given(st.lists(st.sampled_from(sorted(_SOURCES)), unique=True))
+def test_volume_source_rule_agrees_with_pydantic(sources):
+    value = {"volumes": [{"name": "v", **{s: _SOURCES[s] for s in sources}}]}
+    path = ["spec", "trainer", "pod"]
+    assert _cel_ok(path, value) == _pydantic_ok(PodCustomisation, value)
+
+
+@given(st.booleans(), st.booleans())
+def test_env_from_rule_agrees_with_pydantic(config_map, secret):
+    entry = {
+        **({"configMapRef": {"name": "c"}} if config_map else {}),
+        **({"secretRef": {"name": "s"}} if secret else {}),
+    }
+    value = {"envFrom": [entry]}
+    assert _cel_ok(["spec", "rollout", "pod"], value) == _pydantic_ok(PodCustomisation, value)
+
+
+@given(
+    st.sets(st.sampled_from(["a", "b", "c"])),
+    st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=4),
+    st.booleans(),
+)
+def test_mounts_name_declared_volumes_like_pydantic(volumes, mounts, with_volumes):
+    value: dict = {
+        "volumeMounts": [{"name": n, "mountPath": f"/m{i}"} for i, n in enumerate(mounts)]
+    }
+    if with_volumes:
+        value["volumes"] = [{"name": n, "emptyDir": {}} for n in sorted(volumes)]
+    assert _cel_ok(["spec", "trainer", "pod"], value) == _pydantic_ok(PodCustomisation, value)
+
+
+def test_a_job_with_every_pod_setting_is_valid():
+    from pod_jobs import every_pod_setting
+
+    _, problems, warnings = validate(every_pod_setting(), SCHEMA)
+    assert problems == [] and warnings == []
+
+
+@pytest.mark.parametrize(
+    ("pod", "field", "words"),
+    [
+        (
+            {"volumes": [{"name": "v", "emptyDir": {}, "secret": {"secretName": "s"}}]},
+            "spec.trainer.pod.volumes[0]",
+            "exactly one source",
+        ),
+        (
+            {"volumes": [{"name": "v", "hostPath": {"path": "/"}}]},
+            "spec.trainer.pod.volumes[0].hostPath",
+            "unknown field",
+        ),
+        (
+            {"volumeMounts": [{"name": "v", "mountPath": "/v"}]},
+            "spec.trainer.pod.volumeMounts",
+            "must name one of volumes",
+        ),
+        (
+            {
+                "volumes": [{"name": "v", "emptyDir": {}}],
+                "volumeMounts": [{"name": "v", "mountPath": "v"}],
+            },
+            "spec.trainer.pod.volumeMounts[0].mountPath",
+            "does not match",
+        ),
+        ({"capabilities": ["SYS_ADMIN"]}, "spec.trainer.pod.capabilities[0]", "is not one of"),
+        ({"envFrom": [{"prefix": "X_"}]}, "spec.trainer.pod.envFrom[0]", "exactly one of"),
+        ({"serviceAccountName": "S3"}, "spec.trainer.pod.serviceAccountName", "does not match"),
+        ({"labels": {f"k{i}": "v" for i in range(65)}}, "spec.trainer.pod.labels", "too many"),
+    ],
+)
+def test_the_crd_refuses_bad_pod_settings_naming_the_field(pod, field, words):
+    doc = _example()
+    doc["spec"]["trainer"]["pod"] = pod
+    _, problems, _ = validate(doc, SCHEMA)
+    assert any(p.field == field and words in p.message for p in problems), problems

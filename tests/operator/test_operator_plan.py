@@ -17,6 +17,7 @@ import pytest
 import yaml
 from crd_validation import validate
 from jobs import CLUSTER_URI, job_doc
+from pod_jobs import EXTENDED, ROLLOUT_POD, TRAINER_POD
 
 from rlft.operator import crd, handlers, plan
 from rlft.operator import manifests as M
@@ -41,6 +42,11 @@ SHAPES: dict[str, dict[str, Any]] = {
             "nodesPerInstance": 2,
         },
         "checkpoint": {"uri": "s3://bucket/x", "credentialsSecret": "s3-creds"},
+    },
+    # every field of spec.<role>.pod and resources.extended (tests/operator/pod_jobs.py)
+    "pod-settings": {
+        "trainer": {"pod": TRAINER_POD, "resources": {"extended": EXTENDED}},
+        "rollout": {"pod": ROLLOUT_POD, "resources": {"extended": EXTENDED}},
     },
 }
 

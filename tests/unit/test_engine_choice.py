@@ -1,6 +1,6 @@
-"""`spec.rollout.engine: auto`: vLLM where this machine has it, else transformers,
-decided the same way by `rlft train` (which interpreter runs the local servers) and by a
-rollout server (whether it can import vLLM)."""
+"""`spec.rollout.engine: auto`: locally, vLLM where it is faster (installed, and a GPU
+to generate on), else the in-process transformers engine, with the reason in the run's
+first lines; a rollout server resolves it by whether it can import vLLM."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from rlft.trainer.config import RolloutSpec
-from rlft.trainer.rollout import local
+from rlft.trainer.rollout import local, session
 from rlft.trainer.rollout.served import resolve_engine
-from rlft.trainer.rollout.session import local_engine, uses_servers
+from rlft.trainer.rollout.session import choose_engine, local_engine, uses_servers
 
 
 def _without_vllm(monkeypatch, tmp_path: Path) -> None:
@@ -27,16 +27,33 @@ def test_auto_without_vllm_is_the_in_process_transformers_engine(monkeypatch, tm
     assert not uses_servers(rollout)
 
 
-def test_auto_with_vllm_runs_a_vllm_server(monkeypatch, tmp_path) -> None:
+def test_auto_with_vllm_and_a_gpu_runs_a_vllm_server(monkeypatch, tmp_path) -> None:
     _without_vllm(monkeypatch, tmp_path)
     monkeypatch.setenv("RLFT_VLLM_PYTHON", sys.executable)
+    monkeypatch.setattr(session.torch.cuda, "is_available", lambda: True)
     rollout = RolloutSpec(engine="auto")
     assert local_engine(rollout) == "vllm"
     assert uses_servers(rollout)
+    assert "GPU" in choose_engine(rollout).reason
     # Asking for in-process generation keeps the trainer's own model, vLLM or not.
     in_process = RolloutSpec(engine="auto", local="in-process")
     assert local_engine(in_process) == "transformers"
     assert not uses_servers(in_process)
+
+
+def test_auto_with_vllm_on_the_cpu_stays_in_process(monkeypatch, tmp_path) -> None:
+    """`make run` after `make test` (which builds .venv-vllm): the example job is no
+    slower than without it."""
+    _without_vllm(monkeypatch, tmp_path)
+    monkeypatch.setenv("RLFT_VLLM_PYTHON", sys.executable)
+    monkeypatch.setattr(session.torch.cuda, "is_available", lambda: False)
+    rollout = RolloutSpec(engine="auto")
+    choice = choose_engine(rollout)
+    assert choice.engine == "transformers" and "CPU" in choice.reason
+    assert not uses_servers(rollout)
+    # A job that needs servers anyway (stale samples) gets transformers servers.
+    stale = RolloutSpec(engine="auto", max_staleness=1)
+    assert uses_servers(stale) and local_engine(stale) == "transformers"
 
 
 def test_explicit_engines_are_kept(monkeypatch, tmp_path) -> None:

@@ -2,8 +2,9 @@
 job's shape, read by the trainer, planned into pods by the operator, and generated into
 the CRD schema and `docs/configuration.md`.
 
-`job` holds the manifest and the sections of its spec; `algorithm`, `stability` and
-`telemetry` hold the larger sections; `docs` writes the configuration reference.
+`job` holds the manifest and the sections of its spec; `algorithm`, `stability`,
+`telemetry` and `pods` (a role's own pod settings) hold the larger sections; `docs` writes
+the configuration reference.
 """
 
 from rlft.trainer.config.algorithm import AlgorithmSpec
@@ -40,6 +41,7 @@ from rlft.trainer.config.job import (
     problems_of,
     read_yaml,
 )
+from rlft.trainer.config.pods import PodCustomisation
 from rlft.trainer.config.stability import StabilitySpec
 from rlft.trainer.config.telemetry import TelemetrySpec
 
@@ -57,6 +59,7 @@ __all__ = [
     "ModelInit",
     "ModelSpec",
     "Parallelism",
+    "PodCustomisation",
     "RLFineTune",
     "RLFineTuneSpec",
     "Replicas",

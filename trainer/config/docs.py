@@ -27,6 +27,8 @@ Fields marked *(Kubernetes only)* are part of the job file but ignored by `rlft 
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # a constrained type inside a union: its base type
+        return _type_name(args[0])
     if origin is Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -27,6 +27,7 @@ from pydantic import (
 
 from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.config.base import Section
+from rlft.trainer.config.pods import PodCustomisation, check_extended
 from rlft.trainer.config.stability import StabilitySpec
 from rlft.trainer.config.telemetry import TelemetrySpec
 
@@ -253,6 +254,17 @@ class Resources(Section):
     """Requested resources, e.g. {cpu: "8", memory: 64Gi}."""
     limits: dict[str, str | int] = Field(default_factory=dict)
     """Resource limits."""
+    extended: dict[str, Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
+        default_factory=dict, max_length=16
+    )
+    """Extended resources per pod, each both requested and limited (Kubernetes requires
+    them equal), e.g. {rdma/hca_shared_devices_a: 1} or {vpc.amazonaws.com/efa: 32}. GPUs
+    come from their own field; cpu and memory go in requests and limits."""
+
+    @model_validator(mode="after")
+    def _extended_names(self) -> Resources:
+        check_extended(self.extended, {"requests": self.requests, "limits": self.limits})
+        return self
 
 
 class Parallelism(Section):
@@ -296,10 +308,13 @@ class TrainerSpec(Section):
     gpus_per_pod: int = Field(0, ge=0, le=64)
     """GPUs requested per trainer pod (Kubernetes only)."""
     resources: Resources = Resources()
-    """Resource requests and limits of trainer pods (Kubernetes only)."""
+    """Resource requests and limits of each trainer pod (Kubernetes only)."""
     env: list[EnvVar] = Field(default_factory=list, max_length=256)
     """Extra environment variables of trainer pods (Kubernetes only), e.g. NCCL_* or
     HF_* settings; those the operator sets cannot be changed."""
+    pod: PodCustomisation = PodCustomisation()
+    """Trainer pods' own volumes and mounts, envFrom, image pull secrets, service account,
+    labels, annotations, runtime class and added capabilities (Kubernetes only)."""
 
     _env_names = field_validator("env")(_unique_names)
 
@@ -323,8 +338,10 @@ class RolloutSpec(Section):
 
     engine: Literal["auto", "transformers", "vllm"] = "transformers"
     """Generation engine: `transformers` runs anywhere; `vllm` where vLLM is installed;
-    `auto` is vLLM where it is installed (locally: `.venv-vllm` or `RLFT_VLLM_PYTHON`;
-    in a rollout pod: vLLM importable), else transformers."""
+    `auto` is the faster one for the job: locally, vLLM when it is installed
+    (`.venv-vllm` or `RLFT_VLLM_PYTHON`) and a GPU is visible, else transformers in
+    process (on the CPU it is faster; the run's first lines say which and why); in a
+    rollout pod, vLLM where it is importable."""
     sampling: Sampling = Sampling()
     """Sampling parameters of RL rollouts."""
     max_staleness: int = Field(0, ge=0, le=64)
@@ -363,6 +380,10 @@ class RolloutSpec(Section):
     env: list[EnvVar] = Field(default_factory=list, max_length=256)
     """Extra environment variables of rollout pods, Ray head and worker pods included
     (Kubernetes only); those the operator sets cannot be changed."""
+    pod: PodCustomisation = PodCustomisation()
+    """Rollout pods' own volumes and mounts, envFrom, image pull secrets, service account,
+    labels, annotations, runtime class and added capabilities, Ray head and worker pods
+    included (Kubernetes only)."""
 
     _env_names = field_validator("env")(_unique_names)
 

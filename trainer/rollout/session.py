@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,15 +39,37 @@ CPUS_ENV = "RLFT_ROLLOUT_CPUS"
 """Local runs: pin rollout servers to CPUs, e.g. `1` or `1;2` (one set per instance)."""
 
 
-def local_engine(rollout) -> str:
-    """The engine a local run uses: `auto` is vLLM where this machine has it."""
+@dataclass(frozen=True)
+class EngineChoice:
+    engine: str
+    reason: str
+    """Why, for the run's first lines."""
+
+
+def choose_engine(rollout, gpu: bool | None = None) -> EngineChoice:
+    """The engine a local run uses. `auto` is vLLM only where it is faster: installed and
+    with a GPU to generate on. On the CPU the trainer's own model in process is faster:
+    measured on the example job, vLLM's CPU server took 0.346 s of a 0.645 s step waiting
+    for generation, in process 0.144 s of 0.467 s (and servers cost a weight copy per
+    step)."""
     if rollout.engine != "auto":
-        return rollout.engine
+        return EngineChoice(rollout.engine, "spec.rollout.engine")
     if rollout.local == "in-process":
-        return "transformers"
+        return EngineChoice("transformers", "auto, spec.rollout.local: in-process")
     from rlft.trainer.rollout.local import vllm_python
 
-    return "vllm" if vllm_python() is not None else "transformers"
+    if vllm_python() is None:
+        return EngineChoice("transformers", "auto: no vLLM here (`make vllm` builds one)")
+    if gpu is None:
+        gpu = torch.cuda.is_available()
+    if not gpu:
+        why = "auto: vLLM is installed, but on the CPU generating in process is faster"
+        return EngineChoice("transformers", why)
+    return EngineChoice("vllm", "auto: vLLM is installed and a GPU is visible")
+
+
+def local_engine(rollout) -> str:
+    return choose_engine(rollout).engine
 
 
 def operator_instances() -> list[str]:
@@ -96,6 +119,8 @@ class RolloutSession:
         if not uses_servers(rollout):  # the synchronous loop, exactly
             from rlft.trainer.rollout.remote import SeededLikeAServer
 
+            log(f"rlft: rollout engine transformers, in process ({choose_engine(rollout).reason})")
+
             produce = producer(SeededLikeAServer(engine))
             pipeline = RolloutPipeline(
                 produce, cursor.rng, cursor.generator, 0, group_size, threaded=False
@@ -108,7 +133,8 @@ class RolloutSession:
             what = "operator-created"
         else:
             session = cls._with_servers(job, producer, stops, model, cursor, out, log)
-            urls, what = session.servers.urls, session.servers.engine
+            urls = session.servers.urls
+            what = f"{session.servers.engine}; {choose_engine(rollout).reason}"
         log(
             f"rlft: {len(urls)} rollout server(s) ({what}) at "
             f"{', '.join(urls)}; maxStaleness {rollout.max_staleness}, "
