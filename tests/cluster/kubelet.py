@@ -4,7 +4,8 @@
 
 It registers its Node (capacity, a Ready condition it keeps fresh), runs the pods bound
 to it as real processes (`podinit.py` in their own mount and UTS namespaces, under a
-memory cgroup with the container's limit, with ConfigMap, Secret and emptyDir volumes,
+memory cgroup with the container's limit, with ConfigMap, Secret, emptyDir and
+PersistentVolumeClaim volumes (a claim bound to a hostPath PersistentVolume is its folder),
 the pod's environment and a per-pod /etc/hosts for cluster DNS), and reports what a
 kubelet reports: phase, podIP, Ready, containerStatuses (running; terminated with exit
 code, reason Completed / Error / OOMKilled and the termination message), restarts per
@@ -393,7 +394,8 @@ class Kubelet:
                 {
                     "source": str(source),
                     "target": mount["mountPath"],
-                    "readOnly": bool(mount.get("readOnly")),
+                    "readOnly": bool(mount.get("readOnly"))
+                    or bool((volume.get("persistentVolumeClaim") or {}).get("readOnly")),
                 }
             )
         out.append(
@@ -411,6 +413,8 @@ class Kubelet:
             return folder
         if "hostPath" in volume:
             return Path(volume["hostPath"]["path"])
+        if "persistentVolumeClaim" in volume:
+            return self._claimed(ns, volume["persistentVolumeClaim"]["claimName"])
         for kind, key in (("configmaps", "configMap"), ("secrets", "secret")):
             if key not in volume:
                 continue
@@ -428,6 +432,20 @@ class Kubelet:
             return folder
         kinds = sorted(k for k in volume if k != "name")
         raise ConfigError(f"volume {volume['name']!r}: {kinds} volumes are not supported here")
+
+    def _claimed(self, ns: str, claim: str) -> Path:
+        """The folder of the PersistentVolume a claim is bound to (statically: the claim's
+        spec.volumeName), a hostPath or local volume as single-node clusters use."""
+        pvc = self.api.get("persistentvolumeclaims", ns, claim)
+        if pvc is None:
+            raise ConfigError(f'persistentvolumeclaim "{claim}" not found')
+        name = (pvc.get("spec") or {}).get("volumeName")
+        pv = self.api.get("persistentvolumes", None, name) if name else None
+        source = (pv or {}).get("spec") or {}
+        path = (source.get("hostPath") or source.get("local") or {}).get("path")
+        if not path:
+            raise ConfigError(f'persistentvolumeclaim "{claim}" is not bound to a volume')
+        return Path(path)
 
     def _cgroup(self, run: PodRun, container: Container) -> Path | None:
         """Every container's memory cgroup (with its limit when it has one): what its

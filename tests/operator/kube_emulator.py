@@ -113,6 +113,10 @@ BUILTIN = [
     ResourceType("", "v1", "secrets", "Secret", True),
     ResourceType("", "v1", "events", "Event", True, (), ("ev",)),
     ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, (), ("sa",)),
+    ResourceType("", "v1", "persistentvolumes", "PersistentVolume", False, ("status",), ("pv",)),
+    ResourceType(
+        "", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, ("status",), ("pvc",)
+    ),
     ResourceType(
         "apiextensions.k8s.io",
         "v1",
