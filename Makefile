@@ -64,7 +64,7 @@ cluster-demo: setup
 	$(PY) tests/cluster/demo.py
 
 bench: setup
-	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+	@for script in bench/[!_]*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 lint: setup
 	$(VENV)/bin/ruff check .

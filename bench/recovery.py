@@ -3,7 +3,7 @@
 The test cluster of `tests/cluster/` (emulated API server, three process kubelets whose
 pods are real processes, SeaweedFS, the real operator) runs the tiny GRPO job on 2
 trainer pods with a checkpoint every 2 steps, shaped as each fault needs
-(`recovery_faults.py`). For each fault the bench waits for a committed checkpoint and a
+(`_recovery_faults.py`). For each fault the bench waits for a committed checkpoint and a
 few more steps, injects the fault into the running processes and measures:
 
 - MTTR: seconds from the fault to the next step completed after it (a new line in rank
@@ -51,9 +51,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / p) for p in ("cluster", "integration", "")]
 
-from cluster_jobs import NS, finished, rlft  # noqa: E402
-from faults import data_sequence, faulty_job, kept_history, uninterrupted  # noqa: E402
-from recovery_faults import (  # noqa: E402
+from _recovery_faults import (  # noqa: E402
     BLOW_UP,
     FAULTS,
     GOODPUT_FAULTS,
@@ -65,6 +63,8 @@ from recovery_faults import (  # noqa: E402
     rank0_records,
     records,
 )
+from cluster_jobs import NS, finished, rlft  # noqa: E402
+from faults import data_sequence, faulty_job, kept_history, uninterrupted  # noqa: E402
 from s3_proxy import S3Proxy  # noqa: E402
 from seaweedfs import SeaweedServer  # noqa: E402
 from testcluster import ProcessCluster, wait_for  # noqa: E402
