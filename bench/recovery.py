@@ -196,7 +196,9 @@ def measure(ctx: Context, fault: Fault, k: int, references: References) -> dict:
     regrow = [getattr(item, "regrow_s", None) for item in pending]
     status = final_status(cluster, name)
     kept = data_sequence(kept_history(store.client(), bucket, name))
-    lost = last_step - resumed if resumed is not None else 0
+    # The old attempt's last step may be one its folders lost before they were read (a
+    # stopped gang checkpoints the step it was on): resuming past it loses nothing.
+    lost = max(0, last_step - resumed) if resumed is not None else 0
     if fault.rollback:
         marker = "rolled back to the healthy checkpoint of step "
         resumed = _step_after(trainer_logs(cluster, name), marker)
