@@ -135,6 +135,13 @@ def permissions_yaml() -> str:
                 rule = {"apiGroups": [p.group], "resources": [p.resource], "verbs": list(p.verbs)}
                 lines += _comment(p.why, "    ")
                 lines.append(f"    - {_scalar(rule)}")
+        # Served rules too, added only with rbac.gangScheduling (templates/_helpers.tpl).
+        lines.append("  gangScheduling:")
+        for p in permissions.GANG_PERMISSIONS:
+            if mode in p.modes:
+                rule = {"apiGroups": [p.group], "resources": [p.resource], "verbs": list(p.verbs)}
+                lines += _comment(p.why, "    ")
+                lines.append(f"    - {_scalar(rule)}")
     return "\n".join(lines) + "\n"
 
 

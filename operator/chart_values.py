@@ -111,6 +111,11 @@ class Rbac(Values):
 
     create: bool = True
     """Create the Roles/ClusterRoles and their bindings."""
+    gang_scheduling: bool = False
+    """Also let the operator create and patch the PodGroups of jobs whose
+    spec.scheduling.gang.kind is `volcano` (scheduling.volcano.sh) or `coscheduling`
+    (scheduling.x-k8s.io); off: such a job's pods are not created, and its status says
+    the API server forbade the PodGroup. Kueue needs no permission of the operator."""
 
 
 class Resources(Values):

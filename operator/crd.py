@@ -4,8 +4,9 @@ The job file's models (`rlft.trainer.config`) and the status model (`rlft.operat
 are the single source of truth; this module turns their JSON schema into a *structural*
 OpenAPI v3 schema (no `$ref`, a `type` at every level, docstrings as descriptions so that
 `kubectl explain` reads well) and adds what JSON schema cannot say: CEL rules
-(`x-kubernetes-validations`) for the cross-field checks that pydantic does in validators,
-printer columns, the status subresource and the short name.
+(`x-kubernetes-validations`) for the cross-field checks that pydantic does in validators
+and the transition rules of `spec_changes` (what may change while a job runs), printer
+columns, the status subresource and the short name.
 
 `rlft crd` writes the result to `crds/rlfinetune.yaml`; a test fails when that file is stale.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from rlft.operator.spec_changes import transition_rules
 from rlft.operator.status import RLFineTuneStatus
 from rlft.trainer.config import KIND, RLFineTune, RLFineTuneSpec
 
@@ -46,9 +48,6 @@ _KEPT_KEYWORDS = (
     "minProperties",
     "maxProperties",
 )
-
-# Phases during which the identity of a run (what it trains, on what, from where) is frozen.
-RUNNING_PHASES = ("Running", "Restarting")
 
 
 def _opt(path: str, field: str, default: str) -> str:
@@ -133,6 +132,27 @@ def _pod_rules(model: type[BaseModel]) -> list[dict[str, str]]:
     ]
 
 
+def _gang_rules(model: type[BaseModel]) -> list[dict[str, str]]:
+    kind = _opt("self", "kind", f"'{_default(model, 'kind')}'")
+    return [
+        {
+            "rule": f"{kind} != 'kueue' || has(self.queueName)",
+            "message": "kind kueue needs queueName: the LocalQueue in the job's namespace",
+            "fieldPath": ".queueName",
+        },
+        {
+            "rule": f"{kind} != 'coscheduling' || !has(self.queueName)",
+            "message": "kind coscheduling has no queues: remove queueName",
+            "fieldPath": ".queueName",
+        },
+        {
+            "rule": f"{kind} != 'none' || (!has(self.queueName) && !has(self.schedulerName))",
+            "message": "queueName and schedulerName need a gang kind (kueue, volcano or "
+            "coscheduling)",
+        },
+    ]
+
+
 # Cross-field rules that pydantic checks in validators, as CEL, keyed by the model's name in
 # the JSON schema. A unit test evaluates each against the pydantic validator on random input,
 # and fails if a model named here disappears from the schema.
@@ -144,34 +164,8 @@ CEL_RULES: dict[str, Callable[[type[BaseModel]], list[dict[str, str]]]] = {
     "PodVolume": _volume_rules,
     "EnvFromSource": _env_from_rules,
     "PodCustomisation": _pod_rules,
+    "GangSpec": _gang_rules,
 }
-
-
-def _immutable_rule() -> dict[str, str]:
-    """Root-level transition rule: what a run trains, on what and where its checkpoints live
-    cannot change while it runs (a resume would mix two different jobs)."""
-    uri_new = "(has(self.spec.checkpoint) && has(self.spec.checkpoint.uri) ? "
-    uri_new += "self.spec.checkpoint.uri : '')"
-    uri_old = uri_new.replace("self.", "oldSelf.")
-    alg_new = "(has(self.spec.algorithm) && has(self.spec.algorithm.name) ? "
-    alg_new += "self.spec.algorithm.name : '')"
-    alg_old = alg_new.replace("self.", "oldSelf.")
-    src_new = "(has(self.spec.data) && has(self.spec.data.source) ? self.spec.data.source : '')"
-    src_old = src_new.replace("self.", "oldSelf.")
-    phases = ", ".join(f"'{p}'" for p in RUNNING_PHASES)
-    rule = (
-        "!has(oldSelf.status) || !has(oldSelf.status.phase) || "
-        f"!(oldSelf.status.phase in [{phases}]) || "
-        f"(self.spec.model == oldSelf.spec.model && {alg_new} == {alg_old} && "
-        f"{src_new} == {src_old} && {uri_new} == {uri_old})"
-    )
-    return {
-        "rule": rule,
-        "message": (
-            "spec.model, spec.algorithm.name, spec.data.source and spec.checkpoint.uri cannot "
-            "change while the job runs: suspend it (spec.suspend: true) or create a new job"
-        ),
-    }
 
 
 CHECKPOINT_URI_MESSAGE = (
@@ -419,7 +413,7 @@ def build_crd() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
-        "x-kubernetes-validations": [_immutable_rule(), *_kubernetes_rules()],
+        "x-kubernetes-validations": [*transition_rules(), *_kubernetes_rules()],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

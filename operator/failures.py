@@ -9,6 +9,10 @@ Kinds (seen as → response):
   recreate, with backoff.
 - RendezvousTimeout: a rendezvous / NCCL / gloo timeout in the termination message →
   restart the whole trainer gang from the latest healthy checkpoint, with backoff.
+- Stalled: a trainer's verdict says `stalled` (it made no progress for
+  stallTimeoutSeconds, so its liveness probe failed and the kubelet killed it; a kubelet
+  reports such a kill only as exit code 137 or 143, reason Error) → restart the whole
+  trainer gang from the latest healthy checkpoint, with backoff.
 - Error: any other non-zero exit → recreate the pod, with backoff.
 - InvalidConfig: exit code 2 (trainer/exit_codes.py) → fail the job: permanent.
 - Collapsed: exit code 3 (the trainer's stability guard ended the run; it rolls back in
@@ -41,6 +45,7 @@ EVICTED = "Evicted"
 PREEMPTED = "Preempted"
 NODE_LOST = "NodeLost"
 RENDEZVOUS = "RendezvousTimeout"
+STALLED = "Stalled"
 ERROR = "Error"
 INVALID_CONFIG = "InvalidConfig"
 COLLAPSED = "Collapsed"
@@ -52,6 +57,7 @@ KINDS = (
     PREEMPTED,
     NODE_LOST,
     RENDEZVOUS,
+    STALLED,
     ERROR,
     INVALID_CONFIG,
     COLLAPSED,
@@ -129,6 +135,10 @@ def classify(pod: PodView) -> Failure | None:
         return failure(NODE_LOST)
     if pod.terminated_reason == "OOMKilled":
         return failure(OOM)
+    if verdict is not None and verdict.stalled and pod.role == "trainer":
+        # Its own words, written before its liveness probe failed: the kubelet's kill
+        # (exit 137 or 143, reason Error) says nothing of why.
+        return failure(STALLED, group=True)
     if exit_code == ExitCode.INVALID_CONFIG:
         return failure(INVALID_CONFIG, permanent=True)
     if exit_code == ExitCode.COLLAPSED and pod.role == "trainer":

@@ -9,8 +9,11 @@ kicks that arrive meanwhile into one more run, so bursts cost one reconcile. A r
 3. polls the trainer's /status (running trainer pods, rank 0 answers),
 4. asks `reconcile.reconcile` what to do,
 5. writes the status first (with a resourceVersion precondition: what was counted stays
-   counted even if the next step fails), then creates/deletes children, posts one Event
-   per decision and updates the metrics.
+   counted even if the next step fails), then deletes, re-renders and creates children,
+   posts one Event per decision and updates the metrics;
+6. a write the API server refuses (quota, PodSecurity, 422) stops that round of writes
+   and is recorded in the status, with a backoff, by `creation.after_writes`; other API
+   errors end the reconcile and it is retried after a few seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import kopf
 
 from rlft.operator import crd
+from rlft.operator import creation as C
 from rlft.operator import manifests as M
 from rlft.operator import names as N
 from rlft.operator.kube import ApiError, Connection, Kube, fetch_json
@@ -161,8 +165,12 @@ def services_by_job(namespace: str, name: str, labels: dict[str, str], **_: Any)
 
 
 @kopf.index("configmaps", labels=MANAGED)
-def config_maps_by_job(namespace: str, name: str, labels: dict[str, str], **_: Any) -> Any:
-    return {(namespace, labels.get(N.LABEL_JOB, "")): name}
+def config_maps_by_job(
+    namespace: str, name: str, labels: dict[str, str], body: Any, **_: Any
+) -> Any:
+    # The job file too: the planner re-renders a ConfigMap whose file is not the spec's.
+    text = (body.get("data") or {}).get("job.yaml")
+    return {(namespace, labels.get(N.LABEL_JOB, "")): (name, text)}
 
 
 # ------------------------------------------------------------------------ triggers
@@ -320,26 +328,36 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
         decision = invalid_spec(status, error.problems, now)
     else:
         pods = _index_items("pods_by_job", key)
+        config_maps = dict(_index_items("config_maps_by_job", key))
         observed = Observed(
             pods=pods,
-            config_maps=frozenset(_index_items("config_maps_by_job", key)),
+            config_maps=frozenset(config_maps),
             services=frozenset(_index_items("services_by_job", key)),
             report=await _poll_trainer(pods) if status.phase not in ("Suspended",) else None,
+            config_data={n: text for n, text in config_maps.items() if text is not None},
         )
         decision = reconcile(job, body, status, observed, now, RUNTIME.options.settings)
-    await _apply(key, body, status, decision)
+    retry = await _apply(key, body, status, decision, now)
     poll = RUNTIME.options.poll_seconds
-    delay = min(decision.requeue_after or poll, poll)
+    delay = min(decision.requeue_after or poll, poll, retry or poll)
     _schedule(key, state, delay)
     return "ok"
 
 
-async def _apply(key: Key, body: dict[str, Any], old: RLFineTuneStatus, d: Decision) -> None:
+def _version(written: dict[str, Any] | None, before: str | None) -> str | None:
+    return ((written or {}).get("metadata") or {}).get("resourceVersion") or before
+
+
+async def _apply(
+    key: Key, body: dict[str, Any], old: RLFineTuneStatus, d: Decision, now: datetime
+) -> float | None:
+    """Carry out a decision; returns the seconds until a refused write may be retried."""
     kube = _kube()
     namespace, name = key
+    version = body["metadata"].get("resourceVersion")
     new = d.status.model_dump(mode="json", by_alias=True)
     if new != old.model_dump(mode="json", by_alias=True) or not body.get("status"):
-        await kube.patch_job_status(namespace, name, new, body["metadata"].get("resourceVersion"))
+        version = _version(await kube.patch_job_status(namespace, name, new, version), version)
     metrics = RUNTIME.metrics
     if d.status.restarts > old.restarts:
         metrics.restarts.labels(rlfinetune=f"{namespace}/{name}").inc(
@@ -351,22 +369,56 @@ async def _apply(key: Key, body: dict[str, Any], old: RLFineTuneStatus, d: Decis
         )
     metrics.set_phase(key, d.status.phase)
     if d.set_suspend:
-        await kube.patch_job(namespace, name, {"spec": {"suspend": True}})
+        written = await kube.patch_job(namespace, name, {"spec": {"suspend": True}})
+        version = _version(written, version)
     for pod in d.delete_pods:
         if await kube.delete("Pod", namespace, pod):
             metrics.children.labels(kind="Pod", action="delete").inc()
     for pod in d.force_delete_pods:
         if await kube.delete("Pod", namespace, pod, grace_seconds=0):
             metrics.children.labels(kind="Pod", action="force-delete").inc()
-    for manifest in d.create:
-        if await kube.create(manifest):
-            metrics.children.labels(kind=manifest["kind"], action="create").inc()
-    for event in d.events:
-        metrics.decisions.labels(reason=event.reason).inc()
-        log.info(f"{namespace}/{name}: {event.reason}: {event.message}")
+    refusal = await _write_children(namespace, d)
+    events = [(e.type, e.reason, e.message) for e in d.events]
+    generation = body["metadata"].get("generation")
+    after = C.after_writes(d.status, refusal, bool(d.create or d.update), generation, now)
+    if after is not None:
+        status, event = after
+        if refusal is not None and refusal.verb == "update":
+            status.observed_generation = old.observed_generation  # the edit did not land
+        events += [event] if event is not None else []
         try:
-            await kube.post_event(
-                body, event.type, event.reason, event.message, RUNTIME.options.identity
+            await kube.patch_job_status(
+                namespace, name, status.model_dump(mode="json", by_alias=True), version
             )
+        except ApiError as error:  # the job changed meanwhile: the next reconcile sees it
+            log.warning(f"{namespace}/{name}: could not record the refused write: {error}")
+    for type_, reason, message in events:
+        metrics.decisions.labels(reason=reason).inc()
+        log.info(f"{namespace}/{name}: {reason}: {message}")
+        try:
+            await kube.post_event(body, type_, reason, message, RUNTIME.options.identity)
         except ApiError as error:  # an Event is a courtesy; the status already says it
             log.warning(f"{namespace}/{name}: could not post an Event: {error}")
+    return C.backoff_seconds(after[0].create_failure.attempts) if refusal and after else None
+
+
+async def _write_children(namespace: str, d: Decision) -> C.Refusal | None:
+    """Re-render, then create, in the decision's order; stop at the first write the API
+    server refuses (the rest would mostly be refused alike, and pods must not start
+    before their ConfigMap is current). Other errors propagate."""
+    kube, metrics = _kube(), RUNTIME.metrics
+    writes = [("update", m) for m in d.update] + [("create", m) for m in d.create]
+    for verb, manifest in writes:
+        kind, child = manifest["kind"], manifest["metadata"]["name"]
+        try:
+            if verb == "update":
+                await kube.patch(kind, namespace, child, {"data": manifest["data"]})
+                metrics.children.labels(kind=kind, action="update").inc()
+            elif await kube.create(manifest):
+                metrics.children.labels(kind=kind, action="create").inc()
+        except ApiError as error:
+            if error.status not in C.REFUSED_CODES:
+                raise
+            log.warning(f"{namespace}/{child}: {verb} refused: {error}")
+            return C.Refusal(verb, kind, child, error.status, error.message)
+    return None

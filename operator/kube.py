@@ -19,13 +19,16 @@ import aiohttp
 from rlft.operator import crd, permissions
 
 _PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events"}
+_PLURALS["PodGroup"] = "podgroups"  # a gang's (Volcano, coscheduling): operator/gang.py
 
 
 class ApiError(Exception):
-    """A failed API call; `status` is the HTTP status."""
+    """A failed API call; `status` is the HTTP status, `message` the API server's own (from
+    its Status object: `pods "x" is forbidden: exceeded quota: …`)."""
 
     def __init__(self, status: int, message: str):
         self.status = status
+        self.message = message
         super().__init__(f"HTTP {status}: {message}")
 
 
@@ -50,6 +53,15 @@ class Connection:
 def _core_path(namespace: str, plural: str, name: str | None = None, sub: str | None = None) -> str:
     path = f"/api/v1/namespaces/{namespace}/{plural}"
     return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
+
+
+def _collection_path(manifest: dict[str, Any]) -> str:
+    """Where objects of the manifest's kind are created (its apiVersion's group)."""
+    namespace, plural = manifest["metadata"]["namespace"], _PLURALS[manifest["kind"]]
+    group, _, version = manifest["apiVersion"].rpartition("/")
+    if not group:
+        return _core_path(namespace, plural)
+    return f"/apis/{group}/{version}/namespaces/{namespace}/{plural}"
 
 
 def job_path(namespace: str, name: str, sub: str | None = None) -> str:
@@ -124,16 +136,33 @@ class Kube:
         )
 
     async def create(self, manifest: dict[str, Any]) -> bool:
-        """Create a namespaced core object; False if it already exists."""
-        plural = _PLURALS[manifest["kind"]]
-        namespace = manifest["metadata"]["namespace"]
+        """Create a namespaced object (core, or a gang's PodGroup); False if it already
+        exists. An existing PodGroup gets the manifest's spec: the operator sends it before
+        each round of pod creations, and its minimum follows spec.trainer.replicas and the
+        rollout instances, which may have changed since the last gang."""
+        path = _collection_path(manifest)
         try:
-            await self._request("POST", _core_path(namespace, plural), manifest)
+            await self._request("POST", path, manifest)
         except ApiError as error:
-            if error.status == 409:
-                return False
-            raise
+            if error.status != 409:
+                raise
+            if manifest["kind"] == "PodGroup":
+                spec = [{"op": "add", "path": "/spec", "value": manifest["spec"]}]
+                name = f"{path}/{manifest['metadata']['name']}"
+                await self._request("PATCH", name, spec, "application/json-patch+json")
+            return False
         return True
+
+    async def patch(
+        self, kind: str, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Merge-patch a namespaced core object (a ConfigMap's data)."""
+        return await self._request(
+            "PATCH",
+            _core_path(namespace, _PLURALS[kind], name),
+            patch,
+            "application/merge-patch+json",
+        )
 
     async def delete(
         self, kind: str, namespace: str, name: str, grace_seconds: int | None = None

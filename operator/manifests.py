@@ -11,22 +11,24 @@ What runs where (docs/architecture.md, "Processes of one job"):
   (which also serves the rollout protocol) and Ray workers; a headless Service gives each
   instance the same DNS name either way.
 
-Every pod is hardened (non-root, read-only root filesystem, no privilege escalation, all
-capabilities dropped, seccomp RuntimeDefault) and owned by the RLFineTune. A role's own
-settings (`spec.<role>.pod`: volumes, envFrom, service account, …) are added last, by
-`pod_options.customise`.
+Trainer pods get a startup and a liveness probe on the rank's progress, rollout pods a
+startup and a readiness probe (`probes.py`). Every pod is hardened (non-root, read-only
+root filesystem, no privilege escalation, all capabilities dropped, seccomp
+RuntimeDefault) and owned by the RLFineTune. A role's own settings (`spec.<role>.pod`:
+volumes, envFrom, service account, …) are added last, by `pod_options.customise`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from rlft.operator import gang as G
 from rlft.operator import names as N
-from rlft.operator import pod_options
+from rlft.operator import pod_options, probes
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.config.algorithm import SOURCES
 
@@ -56,6 +58,8 @@ class Settings:
     """Port of torchrun's c10d rendezvous store on trainer pod 0."""
     rollout_port: int = 8000
     """Port of the rollout protocol (POST /generate, POST /weights, GET /healthz)."""
+    liveness_port: int = 8081
+    """Port of each trainer pod's liveness endpoint (local rank 0 serves GET /livez)."""
     ray_port: int = 6379
     """Port of a multi-node rollout instance's Ray head."""
     grace_seconds: int = 300
@@ -286,6 +290,7 @@ def _pod(
     resources: dict[str, Any],
     extra_labels: dict[str, str] | None = None,
     grace_seconds: int | None = None,
+    attempt: int = 0,
 ) -> dict[str, Any]:
     scheduling = job.spec.scheduling
     metadata = _metadata(body, name, role, index)
@@ -334,7 +339,8 @@ def _pod(
     if scheduling.priority_class_name:
         spec["priorityClassName"] = scheduling.priority_class_name
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
-    return pod_options.customise(pod, pod_options.of_role(job, role))
+    pod = pod_options.customise(pod, pod_options.of_role(job, role))
+    return G.apply(pod, job, role, attempt)  # the gang kind's keys (operator/gang.py)
 
 
 SHUTDOWN_MARGIN_SECONDS = 15
@@ -388,6 +394,10 @@ def trainer_pods(
     command = torchrun_command(job, body, s, resume, gang)
     resources = _resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
     pods = {}
+    checked = probes.trainer_probes(job, s.liveness_port)
+    ports = [("rdzv", s.rdzv_port), ("status", s.status_port)]
+    if checked:
+        ports.append(("liveness", s.liveness_port))
     for i in range(spec.trainer.replicas.max):
         pod = _pod(
             job,
@@ -400,14 +410,19 @@ def trainer_pods(
             subdomain=N.trainer_service(job.metadata.name),
             image=spec.trainer.image,
             command=command,
-            ports=[("rdzv", s.rdzv_port), ("status", s.status_port)],
+            ports=ports,
             resources=resources,
             grace_seconds=trainer_grace_seconds(job) + SHUTDOWN_MARGIN_SECONDS,
+            attempt=gang,
         )
+        container = pod["spec"]["containers"][0]
         # The elastic agent needs this, or restarted workers hang in gloo/NCCL (docs/build.md).
-        pod["spec"]["containers"][0]["env"].append(
-            {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}
-        )
+        container["env"].append({"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"})
+        # Which gang attempt this is (the rendezvous id's suffix), for planted drills.
+        container["env"].append({"name": "RLFT_GANG_ATTEMPT", "value": str(gang)})
+        if checked:
+            container["env"].append({"name": "RLFT_LIVENESS_PORT", "value": str(s.liveness_port)})
+            container.update(checked)
         pods[pod["metadata"]["name"]] = pod
     return pods
 
@@ -463,6 +478,7 @@ def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str
                 resources=resources,
                 extra_labels=serves,
             )
+            pod["spec"]["containers"][0].update(probes.rollout_probes(job, s.rollout_port))
             pods[pod["metadata"]["name"]] = pod
             continue
         head_host = f"rollout-{k}.{svc}.{_namespace(body)}.svc"
@@ -488,6 +504,8 @@ def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str
             resources=resources,
             extra_labels=serves,
         )
+        # The head serves the rollout protocol once its Ray cluster has formed.
+        head["spec"]["containers"][0].update(probes.rollout_probes(job, s.rollout_port))
         pods[head["metadata"]["name"]] = head
         for j in range(1, nodes):
             worker = _pod(
@@ -524,9 +542,17 @@ class Desired:
     config_maps: dict[str, dict[str, Any]]
     services: dict[str, dict[str, Any]]
     pods: dict[str, dict[str, Any]]
+    pod_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The gang's PodGroup (spec.scheduling.gang volcano or coscheduling): created before
+    the pods, which a gang scheduler places only with it."""
 
     def all(self) -> list[dict[str, Any]]:
-        return [*self.config_maps.values(), *self.services.values(), *self.pods.values()]
+        return [
+            *self.config_maps.values(),
+            *self.services.values(),
+            *self.pod_groups.values(),
+            *self.pods.values(),
+        ]
 
 
 def desired(
@@ -541,4 +567,5 @@ def desired(
         config_maps={cm["metadata"]["name"]: cm},
         services={svc["metadata"]["name"]: svc for svc in services},
         pods=pods,
+        pod_groups=G.pod_groups(job, pods, _metadata(body, G.group_name(job.metadata.name))),
     )

@@ -13,6 +13,10 @@ against an emulated API server, record every request it makes (and that admissio
 on each create it applies to), and check that each one is declared and that each declared
 verb is used.
 
+The PodGroups of gang scheduling (`GANG_PERMISSIONS`) are declared apart: the chart grants
+them only with `rbac.gangScheduling: true`, for clusters that run Volcano or
+scheduler-plugins.
+
 Two modes, as `python -m rlft.operator` runs them: `namespaced` (`-n NS`, one Role per
 served namespace) and `clusterwide` (`-A`, a ClusterRole). `scope` says where a rule
 applies: `served` resources live in the namespaces the operator serves (all of them when
@@ -87,10 +91,10 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission(
         "",
         "configmaps",
-        ("list", "watch", "create", "delete"),
+        ("list", "watch", "create", "patch", "delete"),
         "served",
         BOTH,
-        "the ConfigMap with the rendered job file",
+        "the ConfigMap with the rendered job file; re-rendered after an edit while no pod reads it",
     ),
     Permission("", "events", ("create",), "served", BOTH, "one Event per decision"),
     Permission(
@@ -126,6 +130,27 @@ PERMISSIONS: tuple[Permission, ...] = (
         "kopf checks that the served namespaces exist and follows them",
     ),
 )
+
+
+GANG_PERMISSIONS: tuple[Permission, ...] = tuple(
+    Permission(
+        group,
+        "podgroups",
+        ("create", "patch"),
+        "served",
+        BOTH,
+        f"{project} PodGroups of jobs with spec.scheduling.gang.kind {kind}: created before "
+        "the pods; patched to the current gang minimum when one already exists",
+    )
+    for group, project, kind in (
+        ("scheduling.volcano.sh", "Volcano", "volcano"),
+        ("scheduling.x-k8s.io", "scheduler-plugins (coscheduling)", "coscheduling"),
+    )
+)
+"""Granted only with the chart's `rbac.gangScheduling: true` (a cluster without Volcano or
+scheduler-plugins has no such API, and the operator then needs none of it): the chart
+adds them to the served rules. The operator deletes no PodGroup: each is owned by its
+job, and the garbage collector removes it with the job."""
 
 
 class UndeclaredRequest(Exception):
@@ -172,7 +197,10 @@ def classify(method: str, path: str, watch: bool = False) -> tuple[str, str, str
 
 
 def declared(group: str, resource: str, verb: str) -> bool:
-    return any(p.group == group and p.resource == resource and verb in p.verbs for p in PERMISSIONS)
+    return any(
+        p.group == group and p.resource == resource and verb in p.verbs
+        for p in PERMISSIONS + GANG_PERMISSIONS
+    )
 
 
 def require(method: str, path: str, watch: bool = False) -> None:

@@ -21,31 +21,28 @@ dropped; nothing is created once the job is Failed, Succeeded or Suspended.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
+from rlft.operator import creation as C
 from rlft.operator import failures as P
 from rlft.operator import manifests as M
 from rlft.operator import names as N
+from rlft.operator import spec_changes as S
 from rlft.operator.observe import PodView, TrainerReport
-from rlft.operator.status import TERMINAL_PHASES, CheckpointRef, Condition, FailureRecord
+from rlft.operator.status import (
+    TERMINAL_PHASES,
+    CheckpointRef,
+    FailureRecord,
+    parse_time,
+    rfc3339,
+    set_condition,
+)
 from rlft.operator.status import RLFineTuneStatus as Status
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.termination import Verdict
-
-
-def rfc3339(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def parse_time(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -65,12 +62,16 @@ class Observed:
     config_maps: frozenset[str] = frozenset()
     services: frozenset[str] = frozenset()
     report: TrainerReport | None = None
+    config_data: Mapping[str, str] = field(default_factory=dict)
+    """The job file in each ConfigMap (by name), where known."""
 
 
 @dataclass
 class Decision:
     status: Status
     create: list[dict[str, Any]] = field(default_factory=list)
+    update: list[dict[str, Any]] = field(default_factory=list)
+    """ConfigMaps to re-render (their `data` replaces the stored one), before any create."""
     delete_pods: list[str] = field(default_factory=list)
     force_delete_pods: list[str] = field(default_factory=list)
     """Pods still Terminating STUCK_TERMINATING_SECONDS past their grace: their kubelet is
@@ -84,33 +85,6 @@ class Decision:
 
 STUCK_TERMINATING_SECONDS = 15.0
 """How long past its grace period a Terminating pod may stay before it is force-deleted."""
-
-
-def set_condition(
-    st: Status, kind: str, status: str, reason: str, message: str, now: datetime
-) -> bool:
-    """Set a condition; True if its status changed (lastTransitionTime moves only then)."""
-    for i, cond in enumerate(st.conditions):
-        if cond.type == kind:
-            changed = cond.status != status
-            st.conditions[i] = Condition(
-                type=kind,
-                status=status,
-                reason=reason,
-                message=message[:1024],
-                last_transition_time=rfc3339(now) if changed else cond.last_transition_time,
-            )
-            return changed
-    st.conditions.append(
-        Condition(
-            type=kind,
-            status=status,
-            reason=reason,
-            message=message[:1024],
-            last_transition_time=rfc3339(now),
-        )
-    )
-    return True
 
 
 class _Run:
@@ -140,6 +114,9 @@ class _Run:
         self.handled = set(self.st.handled_pods)
         self.group_restart = False
         self.cannot_start = False
+        self.generation: int | None = body["metadata"].get("generation")
+        self.waiting: tuple[str, ...] = ()  # edits that must wait for a suspend
+        self.held_update = False  # a ConfigMap to re-render, held by the create backoff
 
     # ------------------------------------------------------------------ helpers
     def event(self, kind: str, reason: str, message: str) -> None:
@@ -253,6 +230,9 @@ class _Run:
             self.delete(pod)
         set_condition(st, "Ready", "False", "Suspended", "the job is suspended", self.now)
         set_condition(st, "Progressing", "False", "Suspended", "the job is suspended", self.now)
+        cm = M.config_map(self.job, self.body, self.settings)
+        if cm["metadata"]["name"] in self.observed.config_maps:  # else made on resume
+            self.refresh_config({cm["metadata"]["name"]: cm})
 
     def handle_failures(self) -> None:
         for pod in sorted(self.pods.values(), key=lambda p: p.name):
@@ -438,17 +418,68 @@ class _Run:
                 self.event("Warning", w.kind, f"pod {w.pod} cannot start yet: {w.message}")
             self.requeue(timeout - waited)
 
+    def active_pods(self) -> bool:
+        """A pod of the job that reads, or may yet read, its job file (not going away)."""
+        return any(p.active and p.name not in self.deleted for p in self.pods.values())
+
+    def refresh_config(self, config_maps: dict[str, dict[str, Any]]) -> None:
+        """Re-render each existing ConfigMap whose job file is not the spec's, when no
+        active pod reads it or only live fields differ; else the edit waits (spec_changes)."""
+        for name, cm in config_maps.items():
+            text = self.observed.config_data.get(name)
+            change = S.config_change(text, cm["data"]["job.yaml"], self.active_pods())
+            self.waiting += change.waiting
+            if not change.update:
+                continue
+            if C.hold_seconds(self.st, self.generation, self.now) is None:
+                self.d.update.append(cm)
+            else:
+                self.held_update = True
+
+    def rescale(self) -> None:
+        """spec.trainer.replicas differs from the running gang's `--nnodes`: restart the
+        gang with the new one (spec_changes: agents must agree on it). Deliberate, so
+        not a failure and not counted against restartPolicy."""
+        st, shape = self.st, S.gang_replicas(self.spec)
+        trainers = [
+            p for p in self.pods.values()
+            if p.role == N.ROLE_TRAINER and p.name not in self.deleted and not p.deleting
+        ]  # fmt: skip
+        if st.gang_replicas is None:  # a status written before this field existed
+            st.gang_replicas = shape if trainers else None
+        if st.gang_replicas in (None, shape) or not trainers:
+            return
+        self.event(
+            "Normal",
+            "Rescaling",
+            f"spec.trainer.replicas changed from {st.gang_replicas} to {shape}: restarting "
+            f"the trainer gang with --nnodes={shape} from the latest healthy checkpoint "
+            "(not counted against restartPolicy)",
+        )
+        if st.phase == "Running":
+            st.phase = "Restarting"
+        st.message = f"restarting the trainer gang with replicas {shape}"
+        st.resume = "latest-healthy"
+        self.restart_gang()
+
     def ensure_children(self) -> None:
         desired = self.desired()
+        for pod in self.pods.values():
+            if pod.name not in desired.pods:
+                self.delete(pod)  # a slot that no longer exists (replicas or instances lowered)
+        self.refresh_config(
+            {n: cm for n, cm in desired.config_maps.items() if n in self.observed.config_maps}
+        )
+        wait = C.hold_seconds(self.st, self.generation, self.now)
+        if wait is not None:  # the API server refused a create: back off (creation.py)
+            self.requeue(wait)
+            return
         for name, cm in desired.config_maps.items():
             if name not in self.observed.config_maps:
                 self.d.create.append(cm)
         for name, svc in desired.services.items():
             if name not in self.observed.services:
                 self.d.create.append(svc)
-        for pod in self.pods.values():
-            if pod.name not in desired.pods:
-                self.delete(pod)  # a slot that no longer exists (replicas or instances lowered)
         missing = [name for name in desired.pods if name not in self.pods]
         hold = parse_time(self.st.next_restart_at)
         if hold is not None and self.now < hold:
@@ -456,8 +487,20 @@ class _Run:
                 self.requeue((hold - self.now).total_seconds())
             return
         self.st.next_restart_at = None
+        if missing:  # a gang scheduler places pods only with their PodGroup (gang.py)
+            self.d.create.extend(desired.pod_groups.values())
         for name in missing:
             self.d.create.append(desired.pods[name])
+        if any(desired.pods[name]["metadata"]["labels"][N.LABEL_ROLE] == N.ROLE_TRAINER
+               for name in missing):  # fmt: skip
+            self.st.gang_replicas = S.gang_replicas(self.spec)
+
+    def settle(self, rescaling: bool) -> None:
+        if self.held_update:
+            return  # the re-rendering waits for the create backoff: not applied yet
+        found = S.settle(self.st, self.generation, self.waiting, rescaling, self.now)
+        if found is not None:
+            self.event("Warning", *found)
 
     def update_phase(self) -> None:
         st, now = self.st, self.now
@@ -626,13 +669,13 @@ class _Run:
     # --------------------------------------------------------------------- main
     def run(self) -> Decision:
         st = self.st
-        st.observed_generation = self.body["metadata"].get("generation")
         self.mirror_report()
         if st.phase in TERMINAL_PHASES:
-            self.terminal()
+            self.terminal()  # never runs again: an edit is kept, not applied
             return self.finish()
         if self.spec.suspend:
             self.suspend()
+            self.settle(rescaling=False)  # pods are made from the spec on resume
             return self.finish()
         if st.phase == "Suspended":
             st.phase = "Pending"
@@ -663,8 +706,10 @@ class _Run:
                 self.delete(pod)  # counted failures leave their slot for the replacement
         self.force_stuck()
         self.lost_trainers()
+        self.rescale()
         self.ensure_children()
         self.update_phase()
+        self.settle(rescaling=st.gang_replicas not in (None, S.gang_replicas(self.spec)))
         return self.finish()
 
     def finish(self) -> Decision:

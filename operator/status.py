@@ -9,6 +9,7 @@ exactly where the previous one stopped.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Literal
 
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
@@ -17,7 +18,10 @@ from pydantic.alias_generators import to_camel
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 TERMINAL_PHASES = ("Succeeded", "Failed")
-CONDITION_TYPES = ("Scheduled", "Ready", "Progressing", "Checkpointed", "Healthy")
+ConditionType = Literal[
+    "Scheduled", "Ready", "Progressing", "Checkpointed", "Healthy", "Created", "SpecApplied"
+]
+CONDITION_TYPES: tuple[str, ...] = ConditionType.__args__  # type: ignore[attr-defined]
 
 
 class _Status(BaseModel):
@@ -33,10 +37,13 @@ class _Status(BaseModel):
 class Condition(_Status):
     """One aspect of the job's state, Kubernetes style."""
 
-    type: Literal["Scheduled", "Ready", "Progressing", "Checkpointed", "Healthy"]
+    type: ConditionType
     """`Scheduled`: the trainer gang (replicas.min pods) is placed; `Ready`: all pods run;
     `Progressing`: steps advance; `Checkpointed`: a checkpoint was committed; `Healthy`:
-    the collapse detector is content."""
+    the collapse detector is content; `Created` (once the API server refused a child):
+    False while it refuses one (QuotaExceeded, Forbidden, Invalid), True once created;
+    `SpecApplied` (once an edit waited): False while an edit of the spec is not applied
+    yet (SuspendToApply, Rescaling), True once it is."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
     reason: str = Field("", max_length=128)
@@ -64,7 +71,7 @@ class FailureRecord(_Status):
     """The most recent failure the operator handled."""
 
     reason: str
-    """Failure kind: OOMKilled, Evicted, Preempted, NodeLost, RendezvousTimeout, ImagePull,
+    """Failure kind: OOMKilled, Evicted, Preempted, NodeLost, Stalled, RendezvousTimeout, ImagePull,
     InvalidConfig, Collapsed, Error, TooManyRestarts, …"""
     pod: str = ""
     """The pod that failed (empty for job-level failures)."""
@@ -78,6 +85,27 @@ class FailureRecord(_Status):
     """What the operator did about it."""
 
 
+class CreateFailure(_Status):
+    """The latest write of a child the API server refused, and when it is tried again."""
+
+    kind: str
+    """Pod, Service or ConfigMap."""
+    name: str
+    """The child's name."""
+    reason: str
+    """QuotaExceeded, Forbidden, Invalid, BadRequest or Refused."""
+    code: int = Field(ge=100, le=599)
+    """The HTTP status of the refusal (403, 422, …)."""
+    message: str = Field("", max_length=1024)
+    """The API server's message (e.g. `pods "x" is forbidden: exceeded quota: …`)."""
+    attempts: int = Field(1, ge=1)
+    """Refused writes in a row; the wait before the next one doubles with each."""
+    retry_at: str
+    """No child is created before this time (RFC 3339), unless the spec changes."""
+    generation: int | None = None
+    """The metadata.generation refused: an edit of the spec is tried at once."""
+
+
 class RLFineTuneStatus(_Status):
     """Observed state of the job, written by the operator."""
 
@@ -86,7 +114,8 @@ class RLFineTuneStatus(_Status):
     message: str = Field("", max_length=1024)
     """One line on what the job is doing or why it stopped."""
     conditions: list[Condition] = Field(default_factory=list)
-    """Scheduled, Ready, Progressing, Checkpointed, Healthy."""
+    """Scheduled, Ready, Progressing, Checkpointed, Healthy; Created and SpecApplied once
+    they have something to say."""
     step: int | None = Field(None, ge=0)
     """Optimizer steps done (from the trainer's /status)."""
     policy_version: int | None = Field(None, ge=0)
@@ -104,7 +133,8 @@ class RLFineTuneStatus(_Status):
     last_failure: FailureRecord | None = None
     """The most recent failure and what was done about it."""
     observed_generation: int | None = None
-    """The metadata.generation this status reflects."""
+    """The metadata.generation the job's children reflect: it moves only once an edit
+    is applied (see the `SpecApplied` condition while one waits)."""
     restart_history: list[str] = Field(default_factory=list)
     """Times (RFC 3339) of the restarts inside restartPolicy.windowMinutes (bookkeeping)."""
     next_restart_at: str | None = None
@@ -122,3 +152,53 @@ class RLFineTuneStatus(_Status):
     """Trainer gangs restarted so far: new trainer pods meet at rendezvous
     `<uid>-<gangAttempt>`, so a restarted gang never joins the one its predecessor
     closed (whose host, the old trainer-0, may still be terminating)."""
+    gang_replicas: str | None = Field(None, max_length=16)
+    """`min:max` of the current trainer gang (its torchrun `--nnodes`): a different
+    spec.trainer.replicas restarts the gang to apply it."""
+    create_failure: CreateFailure | None = None
+    """The latest refused create (quota, PodSecurity, an invalid object), until one
+    succeeds: creates wait for its retryAt."""
+
+
+def rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def set_condition(
+    st: RLFineTuneStatus, kind: str, status: str, reason: str, message: str, now: datetime
+) -> bool:
+    """Set a condition; True if its status changed (lastTransitionTime moves only then)."""
+    for i, cond in enumerate(st.conditions):
+        if cond.type == kind:
+            changed = cond.status != status
+            st.conditions[i] = Condition(
+                type=kind,
+                status=status,
+                reason=reason,
+                message=message[:1024],
+                last_transition_time=rfc3339(now) if changed else cond.last_transition_time,
+            )
+            return changed
+    st.conditions.append(
+        Condition(
+            type=kind,
+            status=status,
+            reason=reason,
+            message=message[:1024],
+            last_transition_time=rfc3339(now),
+        )
+    )
+    return True
+
+
+def condition(st: RLFineTuneStatus, kind: str) -> Condition | None:
+    return next((c for c in st.conditions if c.type == kind), None)

@@ -49,6 +49,10 @@ class Verdict:
     stopped: bool = False
     """The rank stopped after an emergency checkpoint (SIGTERM): resume from it. Its
     process may still exit non-zero (see `training.py`): this is what counts."""
+    stalled: bool = False
+    """The rank made no progress for spec.trainer.stallTimeoutSeconds: written by its
+    liveness watch when it stops answering 200 (it cannot write anything once it is
+    killed), kept on any later verdict of the same process, removed if it recovers."""
     step: int | None = None
     last_checkpoint: int | None = None
     """Step of the last committed checkpoint, at `checkpoint_uri`."""
@@ -58,17 +62,26 @@ class Verdict:
 def write(verdict: Verdict, environ: dict[str, str] | None = None) -> None:
     """Record `verdict` as this rank's line, replacing an earlier one of the same rank
     (an in-pod restart); other ranks' lines are kept. Best effort: never raises."""
+    _replace(verdict.rank, encode(verdict), environ)
+
+
+def clear(rank: int, environ: dict[str, str] | None = None) -> None:
+    """Remove this rank's line (a stall it recovered from); best effort, never raises."""
+    _replace(rank, "", environ)
+
+
+def _replace(rank: int, line: str, environ: dict[str, str] | None) -> None:
     path = (os.environ if environ is None else environ).get(ENV)
     if not path:
         return
     with contextlib.suppress(OSError), open(path, "a+") as file:
         fcntl.flock(file, fcntl.LOCK_EX)
         file.seek(0)
-        kept = [v for v in _parse_lines(file.read()) if v.get("rank") != verdict.rank]
+        kept = [v for v in _parse_lines(file.read()) if v.get("rank") != rank]
         file.seek(0)
         file.truncate()
         file.write("".join(json.dumps(v, sort_keys=True) + "\n" for v in kept))
-        file.write(encode(verdict))
+        file.write(line)
 
 
 def encode(verdict: Verdict) -> str:
@@ -91,6 +104,7 @@ def read(message: str) -> Verdict | None:
                     completed=bool(fields.get("completed")),
                     collapsed=bool(fields.get("collapsed")),
                     stopped=bool(fields.get("stopped")),
+                    stalled=bool(fields.get("stalled")),
                     step=_int(fields.get("step")),
                     last_checkpoint=_int(fields.get("last_checkpoint")),
                     checkpoint_uri=fields.get("checkpoint_uri") or None,
@@ -100,7 +114,11 @@ def read(message: str) -> Verdict | None:
             continue
     if not verdicts:
         return None
-    return min(verdicts, key=lambda v: (_SEVERITY.get(v.exit_code, 2), not v.completed))
+    # Among equally severe lines a stalled rank's is the cause: its peers' errors (a
+    # collective broken when it was killed) follow from it.
+    return min(
+        verdicts, key=lambda v: (_SEVERITY.get(v.exit_code, 2), not v.completed, not v.stalled)
+    )
 
 
 def _parse_lines(text: str) -> list[dict]:

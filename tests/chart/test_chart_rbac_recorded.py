@@ -5,8 +5,9 @@ Deployment renders, runs against an emulated API server (kmock-based, not a clus
 records every request, and the authorization check that OwnerReferencesPermissionEnforcement
 admission makes for each child it creates (owner references with blockOwnerDeletion need
 `update` on `rlfinetunes/finalizers`). A job goes through its life: children created, a pod
-OOM-killed and recreated, suspend, deletion through the finalizer. Then, for both modes
-(all namespaces; a list of namespaces):
+OOM-killed and recreated, suspend, an edit while suspended (its ConfigMap re-rendered),
+deletion through the finalizer. Then, for both modes (all namespaces; a list of
+namespaces):
 
 - every request the operator made is allowed by the rendered Roles/ClusterRoles bound to
   its ServiceAccount (RBAC evaluated here, independently of rlft.operator.permissions);
@@ -126,6 +127,14 @@ def _run_lifecycle(tmp_path: Path, monkeypatch, values: dict[str, Any], chart) -
             "patch", "rlft", "life", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}'
         )
         _wait_phase(api, ns, "life", "Suspended")
+        edit = '{"spec":{"trainer":{"steps":77}}}'  # re-renders the ConfigMap (patch)
+        api.kubectl("patch", "rlft", "life", "-n", ns, "--type=merge", "-p", edit)
+        wait_for(
+            lambda: (
+                "steps: 77" in api.get("configmap", "life-config", "-n", ns)["data"]["job.yaml"]
+            ),
+            "the ConfigMap re-rendered",
+        )
         api.kubectl("delete", "rlft", "life", "-n", ns, "--timeout=30s")
         assert api.get("configmap", "life-config", "-n", ns) is None  # the finalizer ran
     finally:

@@ -9,8 +9,10 @@ PersistentVolumeClaim volumes (a claim bound to a hostPath PersistentVolume is i
 the pod's environment and a per-pod /etc/hosts for cluster DNS), and reports what a
 kubelet reports: phase, podIP, Ready, containerStatuses (running; terminated with exit
 code, reason Completed / Error / OOMKilled and the termination message), restarts per
-restartPolicy. A pod marked for deletion gets SIGTERM on its process group, then SIGKILL
-after its grace period, and is removed. What it does not do is listed in README.md.
+restartPolicy. It runs httpGet startup, liveness and readiness probes (`probes.py`): they
+set a container's `started` and `ready`, and a failed liveness or startup probe stops it.
+A pod marked for deletion gets SIGTERM on its process group, then SIGKILL after its grace
+period, and is removed. What it does not do is listed in README.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from cluster_dns import hosts_file  # noqa: E402
 from cluster_images import environment_of  # noqa: E402
 from cluster_resources import memory_limit  # noqa: E402
 from kube_api import Api, ApiError  # noqa: E402
+from probes import ContainerProbes, event_body, probe_specs  # noqa: E402
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 HEARTBEAT_S = 1.0
@@ -67,6 +70,10 @@ class Container:
     state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "Creating"}})
     last_state: dict[str, Any] = field(default_factory=dict)
     restart_at: float | None = None
+    probes: ContainerProbes | None = None
+    """This run's probe workers (probes.py)."""
+    kill_at: float | None = None
+    """When a container its probe failed gets SIGKILL (it got SIGTERM)."""
 
     @property
     def name(self) -> str:
@@ -217,6 +224,7 @@ class Kubelet:
         policy = run.pod["spec"].get("restartPolicy", "Always")
         for container in run.containers:
             if container.running:
+                self._probed(run, container)
                 continue
             if container.process is not None:
                 self._exited(run, container, policy)
@@ -225,7 +233,27 @@ class Kubelet:
                     continue
                 self.start(run, container)
 
+    def _probed(self, run: PodRun, container: Container) -> None:
+        """Post what the probes saw; stop a container whose liveness or startup probe
+        failed as a kubelet does: SIGTERM, then SIGKILL after the probe's grace."""
+        probes = container.probes
+        if probes is None:
+            return
+        for kind, reason, message in probes.drain_events():
+            with contextlib.suppress(ApiError, OSError):  # an Event is best effort
+                body = event_body(run.pod, container.name, self.node, kind, reason, message)
+                self.api.create("events", run.key[0], body)
+        if probes.kill is not None and container.kill_at is None:
+            container.kill_at = time.monotonic() + probes.kill.grace
+            _signal(container, signal.SIGTERM)
+        if container.kill_at is not None and time.monotonic() >= container.kill_at:
+            _signal(container, signal.SIGKILL)
+
     def _exited(self, run: PodRun, container: Container, policy: str) -> None:
+        if container.probes is not None:
+            container.probes.stop()
+            container.probes = None
+        container.kill_at = None
         code = container.process.returncode
         code = 128 - code if code < 0 else code
         oom = _oom_killed(container.cgroup)
@@ -329,6 +357,11 @@ class Kubelet:
         container.log.with_suffix(".pid").write_text(str(container.process.pid))
         container.started_at = now()
         container.state = {"running": {"startedAt": container.started_at}}
+        grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        specs = probe_specs(spec, run.ip, grace)
+        if specs:
+            container.probes = ContainerProbes(container.name, specs)
+            container.probes.start(time.monotonic())
 
     def _environment(
         self, pod: dict[str, Any], spec: dict[str, Any], ip: str, environment: Path
@@ -465,12 +498,13 @@ class Kubelet:
         pod = run.pod
         statuses = []
         for container in run.containers:
+            probes = container.probes
             status = {
                 "name": container.name,
                 "image": container.spec.get("image", ""),
                 "imageID": "",
-                "ready": container.running,
-                "started": container.running,
+                "ready": container.running and (probes is None or probes.ready),
+                "started": container.running and (probes is None or probes.started),
                 "restartCount": container.restarts,
                 "state": container.state,
             }
@@ -504,6 +538,8 @@ class Kubelet:
         if run.kill_at is None:
             run.kill_at = time.monotonic() + grace
             for container in run.containers:
+                if container.probes is not None:  # a pod going away is probed no more
+                    container.probes.stop()
                 _signal(container, signal.SIGTERM)
         if time.monotonic() >= run.kill_at:
             self.kill(run)

@@ -248,3 +248,56 @@ def test_a_trainer_killed_during_a_checkpoint_upload_resumes_from_the_previous_o
     resumed = int(logs.split("resumed from the checkpoint of step ")[1].split()[0])
     assert committed <= resumed < torn, (committed, resumed, torn)
     assert_data_exactly_once(kept_history(seaweed.client(), bucket, name), reference, 16)
+
+
+def test_a_hung_trainer_rank_fails_its_liveness_and_the_gang_restarts(cluster, seaweed, reference):
+    """Rank 1 hangs for good at step 8, before the step's first collective (a planted
+    `hang` in RLFT_PLANT_FAULTS, first gang only), so rank 0 blocks in that collective:
+    neither makes progress. With stallTimeoutSeconds 20 each pod's liveness endpoint
+    answers 503 twenty seconds after its rank's last progress, and each rank's verdict
+    says it stalled before anything kills it; the kubelet's liveness probe kills the
+    container (with restartPolicy Never its pod ends Failed, exit code and reason Error
+    only), the operator reads `stalled`, restarts the gang from the last checkpoint
+    (counted), and the job completes with every step's data trained once."""
+    bucket, name = "faults-hang", "hang"
+    seaweed.create_bucket(bucket)
+    job = faulty_job(name, bucket, steps=16)
+    job["spec"]["trainer"]["stallTimeoutSeconds"] = 20
+    planted = [{"kind": "hang", "rank": 1, "at": 8}]
+    job["spec"]["trainer"]["env"] = [{"name": "RLFT_PLANT_FAULTS", "value": json.dumps(planted)}]
+    cluster.apply(job)
+    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
+    line = "planted fault: rank 1 hangs at step 8"
+
+    def hung_pod() -> str | None:
+        return next((p for p in pods if line in cluster.logs(NS, p)), None)
+
+    hung = wait_for(hung_pod, "rank 1 to hang at step 8", timeout=400, every=1)
+    first_folders = [cluster.pod_folder(NS, p) for p in pods]
+    hung_at = time.monotonic()
+
+    def killed() -> list[dict]:
+        return [
+            e
+            for p in pods
+            for e in events(cluster, p)
+            if e["reason"] == "Killing" and "failed liveness probe" in e["message"]
+        ]
+
+    assert wait_for(killed, "a liveness kill", timeout=120, every=0.5)
+    print(f"killed by its liveness probe {time.monotonic() - hung_at:.1f} s after the hang")
+    done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
+    status = done["status"]
+    first_logs = "".join((f / "main.log").read_text(errors="replace") for f in first_folders)
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1) + first_logs[-4000:]
+    assert status["restarts"] >= 1
+    failure = status["lastFailure"]
+    assert failure["reason"] == "Stalled" and failure["pod"] in pods, failure
+    assert "stalled" in failure["message"] and "no progress for" in failure["message"]
+    restarting = [e for e in events(cluster, name) if e["reason"] == "Restarting"]
+    assert any("stalled" in e["message"].lower() for e in restarting), restarting
+    again = "".join(cluster.logs(NS, p) for p in pods)
+    assert line not in again  # the restarted gang (attempt 1) runs through
+    resumed = int(again.split("resumed from the checkpoint of step ")[1].split()[0])
+    assert resumed < 8, (resumed, hung)
+    assert_data_exactly_once(kept_history(seaweed.client(), bucket, name), reference, 16)

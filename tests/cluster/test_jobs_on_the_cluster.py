@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+import yaml
 from cluster_jobs import (
     ALGORITHMS,
     NS,
@@ -246,3 +247,127 @@ def test_the_trainers_invalid_config_verdict_reaches_the_operator_through_torchr
     # still running then, was deleted with the job).
     (container,) = cluster.pod(NS, failure["pod"])["status"]["containerStatuses"]
     assert container["state"]["terminated"]["exitCode"] == 1  # torchrun's own code
+
+
+def _patch(cluster, name: str, spec: dict[str, Any], namespace: str = NS) -> None:
+    patch = json.dumps({"spec": spec})
+    cluster.kubectl("patch", "rlft", name, "-n", namespace, "--type=merge", "-p", patch)
+
+
+def _job_in(cluster, namespace: str, name: str) -> dict[str, Any] | None:
+    result = cluster.kubectl("get", "rlft", name, "-n", namespace, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def _condition(job: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    conditions = ((job or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind), None)
+
+
+def test_a_suspended_job_edited_and_resumed_runs_with_the_new_values(cluster, seaweed):
+    """Suspended after a checkpoint, its steps raised and its learning rate changed (the
+    API server refuses both while it runs), resumed: the ConfigMap is re-rendered, the
+    new pods resume from the checkpoint and train to the new number of steps at the new
+    learning rate."""
+    bucket, name = "cluster-edit", "tiny-edit"
+    seaweed.create_bucket(bucket)
+    job = tiny_job(name, bucket, ALGORITHMS["grpo"])
+    job["spec"]["trainer"] |= {"steps": 20, "learningRate": 0.001}
+    cluster.apply(job)
+    wait_for(
+        lambda: ((rlft(cluster, name) or {}).get("status") or {}).get("lastCheckpoint"),
+        "a checkpoint",
+        timeout=300,
+    )
+    refused = cluster.kubectl(
+        "patch", "rlft", name, "-n", NS, "--type=merge",
+        "-p", '{"spec":{"trainer":{"steps":24}}}', check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "suspend it first" in refused.stderr, refused.stderr
+    _patch(cluster, name, {"suspend": True})
+    wait_for(
+        lambda: (
+            not [
+                p
+                for p in cluster.api.list("pods", NS)
+                if p["metadata"]["name"].startswith(f"{name}-")
+            ]
+        ),
+        "the suspended job's pods to go (their emergency checkpoint first)",
+        timeout=180,
+    )
+    assert rlft(cluster, name)["status"]["phase"] == "Suspended"
+    _patch(cluster, name, {"trainer": {"steps": 24, "learningRate": 0.0005}})
+
+    def job_file() -> dict[str, Any]:
+        config = cluster.api.get("configmaps", NS, f"{name}-config")
+        return yaml.safe_load(config["data"]["job.yaml"])["spec"]["trainer"]
+
+    wait_for(lambda: job_file()["steps"] == 24, "the ConfigMap re-rendered while suspended")
+    assert job_file()["learningRate"] == 0.0005
+    _patch(cluster, name, {"suspend": False})
+    done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
+    assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+    assert done["status"]["observedGeneration"] == done["metadata"]["generation"]
+    client = seaweed.client()
+    summary = json.loads(
+        client.get_object(Bucket=bucket, Key=f"{name}/outputs/summary.json")["Body"].read()
+    )
+    assert summary["steps"] == 24, summary
+    body = client.get_object(Bucket=bucket, Key=f"{name}/outputs/metrics.jsonl")["Body"].read()
+    records = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
+    rates = {r["step"]: r["lr"] for r in records if "lr" in r}
+    assert max(rates) == 24 and rates[24] == pytest.approx(0.0005), rates
+    assert rates[1] == pytest.approx(0.001), rates  # before the suspend: the old rate
+
+
+def test_a_create_refused_by_a_quota_is_shown_and_made_once_the_quota_is_raised(cluster, seaweed):
+    """A ResourceQuota of two pods in the job's namespace: both trainer pods fit, the
+    rollout pod is refused (403, `exceeded quota`). The job shows Created=False with the
+    API server's message and one Event, retries with backoff, and once the quota is
+    raised creates the pod and runs to the end."""
+    ns, bucket, name = "quota", "cluster-quota", "tiny-quota"
+    seaweed.create_bucket(bucket)
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    cluster.create_secret(ns, "s3-creds", seaweed.credentials())
+
+    def quota(pods: int) -> None:
+        hard = {"pods": str(pods)}
+        cluster.apply(
+            {"apiVersion": "v1", "kind": "ResourceQuota",
+             "metadata": {"name": "job-pods", "namespace": ns}, "spec": {"hard": hard}}
+        )  # fmt: skip
+
+    quota(2)
+    job = tiny_job(name, bucket, ALGORITHMS["grpo"])
+    job["metadata"]["namespace"] = ns
+    cluster.apply(job)
+
+    def refused() -> dict[str, Any] | None:
+        created = _condition(_job_in(cluster, ns, name), "Created")
+        return created if created and created["reason"] == "QuotaExceeded" else None
+
+    created = wait_for(refused, "a Created=False condition", timeout=60)
+    assert created["status"] == "False"
+    assert f'pods "{name}-rollout-0" is forbidden: exceeded quota: job-pods' in created["message"]
+    time.sleep(5)  # retried meanwhile, with backoff: still one Event
+    events = [
+        e for e in cluster.api.list("events", ns)
+        if e["involvedObject"]["name"] == name and e["reason"] == "QuotaExceeded"
+    ]  # fmt: skip
+    assert len(events) == 1 and "exceeded quota" in events[0]["message"], events
+    assert _job_in(cluster, ns, name)["status"]["createFailure"]["attempts"] >= 2
+    quota(3)
+    done = wait_for(
+        lambda: (
+            (j := _job_in(cluster, ns, name))
+            and j["status"].get("phase") in ("Succeeded", "Failed")
+            and j
+        ),
+        f"{name} to finish",
+        timeout=600,
+        every=2,
+    )
+    assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+    assert _condition(done, "Created")["status"] == "True"
+    assert "createFailure" not in done["status"]

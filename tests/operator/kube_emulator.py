@@ -20,10 +20,14 @@ serves the resource endpoints itself, with the semantics kopf and kubectl rely o
   resources are validated like kube-apiserver does (schema, unknown fields per
   fieldValidation, CEL rules: see crd_validation.py); server-side printing (Table) with the
   CRD's printer columns, so `kubectl get` shows them;
-- `v1/namespaces` in discovery, `groupVersion: v1` for the core group.
+- `v1/namespaces` in discovery, `groupVersion: v1` for the core group;
+- ResourceQuota admission of creates (quota.py): a create over a namespace's quota is
+  refused 403 Forbidden with the real message (`pods "x" is forbidden: exceeded quota:
+  …`), before the AlreadyExists check, as admission runs before storage.
 
 Still missing: server-side apply, dry-run, /openapi (kubectl needs --validate=false),
-admission webhooks, and anything a controller or kubelet would do.
+admission webhooks, other admission plugins (PodSecurity, LimitRanger), the quota
+controller's status.used, and anything a controller or kubelet would do.
 
 Run: `python tests/operator/kube_emulator.py --port-file FILE` (prints nothing; writes
 its port to FILE when it serves, stops on SIGTERM).
@@ -51,6 +55,7 @@ import kmock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import crd_validation
+import quota
 
 ALL_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 LOG_LIMIT = 200_000
@@ -113,6 +118,7 @@ BUILTIN = [
     ResourceType("", "v1", "secrets", "Secret", True),
     ResourceType("", "v1", "events", "Event", True, (), ("ev",)),
     ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, (), ("sa",)),
+    ResourceType("", "v1", "resourcequotas", "ResourceQuota", True, ("status",), ("quota",)),
     ResourceType("", "v1", "persistentvolumes", "PersistentVolume", False, ("status",), ("pv",)),
     ResourceType(
         "", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, ("status",), ("pvc",)
@@ -690,6 +696,8 @@ class Emulator(kmock.KubernetesEmulator):
         else:
             meta.pop("namespace", None)
         key = (*rt.key, meta.get("namespace"), meta["name"])
+        if rt.namespaced:
+            self._admit_quota(rt, obj)
         if key in self.store:
             raise ApiStatus(
                 409,
@@ -712,6 +720,26 @@ class Emulator(kmock.KubernetesEmulator):
         self.store[key] = obj
         self._emit(rt, "ADDED", obj)
         return obj, warnings
+
+    def _admit_quota(self, rt: ResourceType, obj: dict[str, Any]) -> None:
+        """The ResourceQuota admission plugin: refuse a create over the namespace's quota."""
+        namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        quotas, existing = [], []
+        for (group, plural, ns, _name), stored in self.store.items():
+            if ns != namespace:
+                continue
+            if (group, plural) == ("", "resourcequotas"):
+                quotas.append(stored)
+            elif (group, plural) == rt.key:
+                existing.append(stored)
+        why = quota.refusal(obj, rt.plural, quotas, existing) if quotas else None
+        if why is not None:
+            raise ApiStatus(
+                403,
+                "Forbidden",
+                f'{rt.plural} "{name}" is forbidden: {why}',
+                {"name": name, "kind": rt.plural},
+            )
 
     def _crd_created(self, crd: dict[str, Any]) -> None:
         spec = crd["spec"]

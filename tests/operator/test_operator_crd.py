@@ -251,20 +251,24 @@ def _running(doc: dict) -> dict:
     return {**doc, "status": {"phase": "Running"}}
 
 
-def test_identity_fields_are_immutable_while_running():
+def test_identity_fields_are_immutable_once_started():
+    """The whole table of what may change when: test_operator_spec_changes.py."""
     old = _running(_example())
     new = yaml.safe_load(yaml.safe_dump(old))
     new["spec"]["model"]["init"]["hiddenSize"] = 256
     _, problems, _ = validate(new, SCHEMA, old)
-    assert any("cannot change while the job runs" in p.message for p in problems)
+    assert [p.field for p in problems] == ["spec.model"], problems
+    assert "cannot change once the job has started" in problems[0].message
     # suspending, or changing what may change, is fine
     new = yaml.safe_load(yaml.safe_dump(old))
     new["spec"]["suspend"] = True
     new["spec"].setdefault("restartPolicy", {})["maxRestarts"] = 3
     assert validate(new, SCHEMA, old)[1] == []
-    # once suspended (or before it ran) the model may change
-    old["status"]["phase"] = "Suspended"
+    # suspended, the model still may not change; before it started, it may
+    old["spec"]["suspend"], old["status"]["phase"] = True, "Suspended"
     new["spec"]["model"]["init"]["hiddenSize"] = 256
+    assert [p.field for p in validate(new, SCHEMA, old)[1]] == ["spec.model"]
+    del old["status"]
     assert validate(new, SCHEMA, old)[1] == []
 
 

@@ -218,7 +218,7 @@ def test_apply_the_example_and_see_children_and_status(api, operator):
     # what a running job trains cannot change under it (CEL transition rule)
     doc = job_doc(name="tiny-grpo", namespace=ns, model={"init": {"hiddenSize": 96}})
     rejected = api.apply(doc, check=False)
-    assert rejected.returncode != 0 and "cannot change while the job runs" in rejected.stderr
+    assert rejected.returncode != 0 and "cannot change once the job has started" in rejected.stderr
 
 
 @pytest.mark.parametrize(

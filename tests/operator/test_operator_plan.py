@@ -48,6 +48,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         "trainer": {"pod": TRAINER_POD, "resources": {"extended": EXTENDED}},
         "rollout": {"pod": ROLLOUT_POD, "resources": {"extended": EXTENDED}},
     },
+    # gang scheduling (operator/gang.py): a PodGroup before the pods, or Kueue's labels
+    "volcano-gang": {
+        "trainer": {"replicas": {"min": 2, "max": 3}, "resources": {"requests": {"cpu": "2"}}},
+        "scheduling": {"gang": {"kind": "volcano", "queueName": "research"}},
+    },
+    "kueue-gang": {"scheduling": {"gang": {"kind": "kueue", "queueName": "team-a"}}},
 }
 
 
@@ -113,7 +119,10 @@ def test_the_plan_is_what_the_operator_creates(monkeypatch, shape, settings):
     doc = job_doc(name=shape, namespace="ml", **SHAPES[shape])
     created = _operator_creates(monkeypatch, doc, settings)
     kinds = [o["kind"] for o in created]
-    assert kinds[:3] == ["ConfigMap", "Service", "Service"] and set(kinds[3:]) == {"Pod"}
+    assert kinds[:3] == ["ConfigMap", "Service", "Service"]
+    gang = SHAPES[shape].get("scheduling", {}).get("gang", {}).get("kind")
+    groups = ["PodGroup"] if gang in ("volcano", "coscheduling") else []
+    assert kinds[3 : 3 + len(groups)] == groups and set(kinds[3 + len(groups) :]) == {"Pod"}
     job = parse_job(doc)
     assert plan.plan(job, "ml", UID, settings) == created  # with the uid: exactly
     # Without it: the same objects, minus the owner references, with the placeholder uid.

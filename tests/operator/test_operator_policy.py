@@ -70,6 +70,18 @@ CASES = [
         False,
     ),
     (dict(phase="Failed", exit_code=3), P.COLLAPSED, False, False),
+    # A liveness kill: the kubelet reports only exit code 137 (or 143) and reason Error;
+    # the rank's own verdict, written as it stopped answering 200, says it stalled.
+    (
+        dict(
+            phase="Failed",
+            exit_code=137,
+            verdict=termination.Verdict(1, "stalled: rank 1 made no progress", 1, stalled=True),
+        ),
+        P.STALLED,
+        False,
+        True,
+    ),
 ]
 
 

@@ -40,19 +40,28 @@ class World:
     status: RLFineTuneStatus = field(default_factory=RLFineTuneStatus)
     pods: dict[str, PodView] = field(default_factory=dict)
     other: set[str] = field(default_factory=set)  # ConfigMaps and Services
+    config: dict[str, str] = field(default_factory=dict)  # each ConfigMap's job file
     now: datetime = T0
     report: TrainerReport | None = None
     events: list[str] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
     serial: int = 0
+    generation: int = 1
+    """metadata.generation: `edit` bumps it, as the API server does on a spec change."""
+
+    def edit(self, **spec: Any) -> None:
+        self.spec.update(copy.deepcopy(spec))
+        self.generation += 1
 
     def step(self) -> Decision:
         job, body = parsed(job_doc(**copy.deepcopy(self.spec)))
+        body["metadata"]["generation"] = self.generation
         observed = Observed(
             pods=list(self.pods.values()),
             config_maps=frozenset(self.other),
             services=frozenset(self.other),
             report=self.report,
+            config_data=dict(self.config),
         )
         d = reconcile(job, body, self.status, observed, self.now)
         self.check(d)
@@ -76,6 +85,10 @@ class World:
                 self.created.append(name)
             else:
                 self.other.add(name)
+                if manifest["kind"] == "ConfigMap":
+                    self.config[name] = manifest["data"]["job.yaml"]
+        for manifest in d.update:
+            self.config[manifest["metadata"]["name"]] = manifest["data"]["job.yaml"]
         if d.set_suspend:
             self.spec["suspend"] = True
         self.events += [e.reason for e in d.events]
@@ -405,12 +418,20 @@ def test_image_pull_warns_then_fails_after_the_timeout():
     assert w.status.phase == "Failed" and w.status.last_failure.reason == P.IMAGE_PULL
 
 
-def test_scaling_down_removes_the_extra_slot():
+def test_scaling_down_restarts_the_gang_without_the_extra_slot():
+    """Every agent has --nnodes in its command: the gang restarts with the new one
+    (test_operator_spec_changes.py has the rules), not counted as a failure."""
     w = _world(trainer={"replicas": {"min": 1, "max": 3}})
     w.step()
     w.spec["trainer"] = {"replicas": {"min": 1, "max": 2}}
     d = w.step()
-    assert d.delete_pods == ["tiny-grpo-trainer-2"]
+    assert sorted(d.delete_pods) == [f"tiny-grpo-trainer-{i}" for i in range(3)]
+    assert w.status.restarts == 0
+    d = w.step()
+    assert sorted(m["metadata"]["name"] for m in d.create) == [
+        "tiny-grpo-trainer-0",
+        "tiny-grpo-trainer-1",
+    ]
 
 
 # --------------------------------------------------------------- property tests

@@ -49,6 +49,7 @@ from rlft.trainer.checkpoint.schedule import SavePolicy
 from rlft.trainer.checkpoint.state import Modules, tensor_state
 from rlft.trainer.storage.backends import TEMP_MARK, FileStorage, Storage, sha256_file
 from rlft.trainer.storage.retry import with_retries
+from rlft.trainer.telemetry import liveness
 
 log = logging.getLogger("rlft.checkpoint")
 RANKS = "ranks.json"
@@ -131,6 +132,8 @@ class Checkpointer:
         self.on_event = on_event
         self.stats = CheckpointStats()
         self._thread: threading.Thread | None = None
+        self._inflight: tuple[int, float] = (0, 0.0)
+        """Step and retry deadline (monotonic) of the checkpoint in flight."""
         self._last_error: str | None = None
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -238,6 +241,7 @@ class Checkpointer:
         self.stats.last_blocking_s = time.monotonic() - started
         if wait:
             return self._run(job)
+        self._inflight = (step, job.started + job.retry_s)
         self._thread = threading.Thread(
             target=self._run, args=(job,), name=f"rlft-checkpoint-{step}", daemon=True
         )
@@ -245,11 +249,19 @@ class Checkpointer:
         return False
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the checkpoint in flight, if any; False if it is still running."""
+        """Wait for the checkpoint in flight, if any; False if it is still running.
+        Waiting is progress (liveness) until the checkpoint's own retry deadline: past
+        it the upload is not slow but stuck."""
         if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                return False
+            end = None if timeout is None else time.monotonic() + timeout
+            step, deadline = self._inflight
+            while self._thread.is_alive():
+                now = time.monotonic()
+                if end is not None and now >= end:
+                    return False
+                if now < deadline:
+                    liveness.beat(f"waiting for the checkpoint of step {step}")
+                self._thread.join(1.0 if end is None else min(1.0, end - now))
             self._thread = None
         return True
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from rlft.trainer import termination
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.telemetry import liveness
 
 WORKER = "rlft.trainer.cli.main"
 """What `--nproc N` has torchrun start: `rlft train` itself, which joins the group."""
@@ -57,7 +58,8 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         return _failed(ExitCode.FAILURE, error, rank)
     code = summary.get("exit_code", ExitCode.OK)
     verdict = _verdict(job, summary, code, rank)
-    termination.write(verdict)
+    termination.write(liveness.current().marked(verdict))
+    liveness.current().end()  # the verdict is final
     if verdict.stopped and code == ExitCode.OK and _other_agents():
         # After its workers exit 0, torchrun's agent waits (up to 300 s, deaf to SIGTERM
         # inside a store call) in an exit barrier for every other agent, and an agent
@@ -97,7 +99,7 @@ def _verdict(job: RLFineTune, summary: dict, code: int, rank: int) -> terminatio
 def _failed(code: int, error: BaseException, rank: int) -> int:
     """Report an error the trainer understands: on stderr, and as the pod's verdict."""
     print(f"rlft: {error}", file=sys.stderr)
-    termination.write(termination.Verdict(code, str(error), rank))
+    termination.write(liveness.current().marked(termination.Verdict(code, str(error), rank)))
     return code
 
 
@@ -139,9 +141,18 @@ def launched_by_torchrun(environ: dict[str, str] | None = None) -> bool:
 
 
 def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
+    from rlft.trainer.telemetry import liveness_server
+
+    # First, before torch is even imported: the pod's probes ask from the moment its
+    # worker runs, and a worker restarted in place must answer again within seconds.
+    try:
+        liveness_server.start(job.spec.trainer.stall_timeout_seconds, int(os.environ["RANK"]))
+    except OSError as error:
+        return _failed(ExitCode.FAILURE, error, int(os.environ["RANK"]))
     from rlft.trainer.distributed.runtime import exit_worker, init_from_env, shutdown
 
     dist = init_from_env()
+    liveness.beat("joined the process group")
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
     try:
         code = _run(job, args, dist)
@@ -151,7 +162,8 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         # stops the group with the failure.
         traceback.print_exc()
         message = f"{type(error).__name__}: {error}"
-        termination.write(termination.Verdict(ExitCode.FAILURE, message, dist.rank))
+        verdict = termination.Verdict(ExitCode.FAILURE, message, dist.rank)
+        termination.write(liveness.current().marked(verdict))
         exit_worker(ExitCode.FAILURE)
     shutdown()
     exit_worker(code)

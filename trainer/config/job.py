@@ -27,6 +27,7 @@ from pydantic import (
 
 from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.config.base import Section
+from rlft.trainer.config.gang import GangSpec
 from rlft.trainer.config.pods import PodCustomisation, check_extended
 from rlft.trainer.config.stability import StabilitySpec
 from rlft.trainer.config.telemetry import TelemetrySpec
@@ -209,11 +210,13 @@ OPERATOR_ENV = frozenset(
         "RLFT_JOB_NAME", "RLFT_NAMESPACE", "RLFT_POD_NAME", "RLFT_POD_IP", "RLFT_STATUS_PORT",
         "RLFT_TERMINATION_LOG", "RLFT_ROLLOUT_URLS", "HOME", "HF_HOME", "PYTHONUNBUFFERED",
         "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-        "AWS_REGION", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "AWS_REGION", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "RLFT_LIVENESS_PORT",
+        "RLFT_GANG_ATTEMPT",
     }
 )  # fmt: skip
-"""Variables the operator sets in every pod: a job's own `env` may not change them (the
-trainer, the rollout server and the operator agree on them)."""
+"""Variables the operator sets in its pods (RLFT_LIVENESS_PORT and RLFT_GANG_ATTEMPT in
+trainer pods only): a job's own `env` may not change them (the trainer, the rollout
+server and the operator agree on them)."""
 
 
 class EnvVar(Section):
@@ -315,6 +318,13 @@ class TrainerSpec(Section):
     pod: PodCustomisation = PodCustomisation()
     """Trainer pods' own volumes and mounts, envFrom, image pull secrets, service account,
     labels, annotations, runtime class and added capabilities (Kubernetes only)."""
+    stall_timeout_seconds: int = Field(1800, ge=0, le=604_800)
+    """A trainer rank that makes no progress for this long is stalled (a hung collective
+    or weight sync): its pod fails its liveness probe, the gang restarts from the last
+    checkpoint, and the status and an Event say `Stalled` (Kubernetes only). Progress is
+    a step, a micro-batch, a rollout group arriving, an evaluation batch, a retried
+    upload or a checkpoint in flight within its retry deadline; the longest single
+    operation (loading the model, one checkpoint shard) must fit. 0 turns it off."""
 
     _env_names = field_validator("env")(_unique_names)
 
@@ -384,6 +394,10 @@ class RolloutSpec(Section):
     """Rollout pods' own volumes and mounts, envFrom, image pull secrets, service account,
     labels, annotations, runtime class and added capabilities, Ray head and worker pods
     included (Kubernetes only)."""
+    startup_timeout_seconds: int = Field(1800, ge=10, le=86_400)
+    """How long a rollout pod may take to start serving (loading a large model and its
+    first weights) before its startup probe fails and the pod is replaced; after that a
+    readiness probe on /healthz reports whether it has weights (Kubernetes only)."""
 
     _env_names = field_validator("env")(_unique_names)
 
@@ -509,6 +523,9 @@ class SchedulingSpec(Section):
     before Kubernetes evicts it and the operator replaces it (the pods' NoExecute
     tolerations; Kubernetes' own default is 300). A pod still Terminating past its
     grace (its kubelet gone) is then force-deleted so its slot can be filled."""
+    gang: GangSpec = GangSpec()
+    """Gang scheduling and queueing: Kueue, Volcano or scheduler-plugins' coscheduling
+    admit and place the trainer gang whole or not at all (default: none)."""
 
 
 # ----------------------------------------------------------------------- top level

@@ -13,6 +13,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from rlft.trainer.telemetry import liveness
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -40,12 +42,26 @@ class Dist:
         if not self.active:
             return value
         box = [value if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
+        if self.rank == src:
+            dist.broadcast_object_list(box, src=src)
+        else:  # waiting for what rank `src` makes (rollouts, an evaluation): its to judge
+            with liveness.waiting(f"waiting for rank {src}"):
+                dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def barrier(self) -> None:
         if self.active:
-            dist.barrier()
+            _barrier(self.rank)
+
+
+def _barrier(rank: int) -> None:
+    """Every rank's arrival; ranks other than 0 wait for rank 0's own work here (its
+    output folder, its final files), which rank 0's liveness judges."""
+    if rank == 0:
+        dist.barrier()
+        return
+    with liveness.waiting("waiting for rank 0"):
+        dist.barrier()
 
 
 def init_from_env(timeout_s: float = 600.0) -> Dist:
@@ -70,7 +86,7 @@ def shutdown() -> None:
     """Leave the process group once every rank is done with it (a rank destroying it
     while another still talks aborts the other in gloo's threads)."""
     if dist.is_initialized():
-        dist.barrier()
+        _barrier(dist.get_rank())
         dist.destroy_process_group()
 
 

@@ -1,8 +1,18 @@
-"""Faults planted on purpose, for drills and tests of the collapse guard: the real loop
-runs, with the gradient scaled on chosen steps as a loss spike or a blow-up would.
+"""Faults planted on purpose, for drills and tests of the collapse guard and the trainer
+pods' liveness: the real loop runs, with the gradient scaled on chosen steps as a loss
+spike or a blow-up would, or one rank hanging as in a wedged collective.
 
-Set `RLFT_PLANT_FAULTS` to a JSON list, e.g.
-`[{"kind": "grad_scale", "from": 25, "to": 26, "factor": 100}]` (steps `from` ≤ s < `to`).
+Set `RLFT_PLANT_FAULTS` to a JSON list of faults:
+
+- `{"kind": "grad_scale", "from": 25, "to": 26, "factor": 100}`: every gradient scaled
+  by `factor` on steps `from` ≤ s < `to`;
+- `{"kind": "hang", "rank": 1, "at": 8}`: rank `rank` stops for good at step `at` of the
+  job's algorithm, after its batch is drawn and before the step's first collective, so
+  its peers block in that collective: a hung rank, for its liveness probe to find. It
+  hangs only in gang attempt `attempt` (default 0: the first gang the operator starts;
+  `$RLFT_GANG_ATTEMPT`, the status's gangAttempt, is 0 when unset), so the restarted gang
+  runs through however far back its checkpoint is.
+
 Nothing is planted when it is unset; a malformed value is an error, not ignored.
 """
 
@@ -10,11 +20,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
 
 ENV = "RLFT_PLANT_FAULTS"
+GANG_ENV = "RLFT_GANG_ATTEMPT"
+"""Set by the operator on trainer pods: which gang attempt (status.gangAttempt) this is."""
 
 
 @dataclass(frozen=True)
@@ -27,32 +41,75 @@ class GradScale:
         return self.start <= step < self.stop
 
 
-def planted_from_env() -> list[GradScale]:
-    text = os.environ.get(ENV)
+@dataclass(frozen=True)
+class Hang:
+    rank: int
+    at: int
+    attempt: int = 0
+
+    def active(self, rank: int, step: int, attempt: int) -> bool:
+        return (rank, step, attempt) == (self.rank, self.at, self.attempt)
+
+
+Fault = GradScale | Hang
+
+
+def _parse(item: dict) -> Fault:
+    if item["kind"] == "grad_scale":
+        return GradScale(int(item["from"]), int(item["to"]), float(item["factor"]))
+    if item["kind"] == "hang":
+        return Hang(int(item["rank"]), int(item["at"]), int(item.get("attempt", 0)))
+    raise ValueError(f"unknown kind {item['kind']!r}")
+
+
+def planted_from_env(environ: dict[str, str] | None = None) -> list[Fault]:
+    text = (os.environ if environ is None else environ).get(ENV)
     if not text:
         return []
     try:
-        items = json.loads(text)
-        faults = [
-            GradScale(int(i["from"]), int(i["to"]), float(i["factor"]))
-            for i in items
-            if i["kind"] == "grad_scale"
-        ]
+        return [_parse(item) for item in json.loads(text)]
     except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{ENV}: expected a JSON list of grad_scale faults ({error})") from None
-    if len(faults) != len(items):
-        raise ValueError(f"{ENV}: only kind grad_scale is known")
-    return faults
+        raise ValueError(
+            f"{ENV}: expected a JSON list of grad_scale and hang faults ({error})"
+        ) from None
 
 
-def apply(faults: list[GradScale], step: int, parameters) -> None:
-    """Scale every gradient by the factors of the faults active at `step`."""
+def apply(faults: list[Fault], step: int, parameters) -> None:
+    """Scale every gradient by the factors of the grad_scale faults active at `step`."""
     factor = 1.0
     for fault in faults:
-        if fault.active(step):
+        if isinstance(fault, GradScale) and fault.active(step):
             factor *= fault.factor
     if factor != 1.0:
         with torch.no_grad():
             for parameter in parameters:
                 if parameter.grad is not None:
                     parameter.grad.mul_(factor)
+
+
+def gang_attempt(environ: dict[str, str] | None = None) -> int:
+    value = (os.environ if environ is None else environ).get(GANG_ENV, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def planted_hang(
+    faults: list[Fault], rank: int, step: int, environ: dict[str, str] | None = None
+) -> Hang | None:
+    """The hang planted for this rank, step and gang attempt, if any."""
+    attempt = gang_attempt(environ)
+    return next((f for f in faults if isinstance(f, Hang) and f.active(rank, step, attempt)), None)
+
+
+def hang_if_planted(faults: list[Fault], rank: int, step: int) -> None:
+    """Never returns when a hang is planted here: sleeps without a beat, as a rank
+    blocked in a collective or a weight sync would, until it is killed."""
+    hang = planted_hang(faults, rank, step)
+    if hang is None:
+        return
+    print(
+        f"rlft: planted fault: rank {rank} hangs at step {step} (gang attempt {hang.attempt})",
+        file=sys.stderr,
+        flush=True,
+    )
+    while True:
+        time.sleep(3600)

@@ -18,6 +18,7 @@ from rlft.trainer.algorithms.batch import SequenceBatch, empty_like, micro_batch
 from rlft.trainer.algorithms.objectives import Models, Prepared
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.fsdp import full_tensor
+from rlft.trainer.telemetry import liveness
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ def backward(objective, models: Models, plan: StepPlan, dist: Dist, faults: Faul
     if faults.drop_last_micro_batch:
         pairs = pairs[:-1]
     sums: dict[str, float] = {}
-    for micro, prepared in pairs:
+    for i, (micro, prepared) in enumerate(pairs):
+        liveness.beat(f"backward pass: micro-batch {i + 1} of {len(pairs)}")
         norms = plan.norms
         if faults.per_micro_batch_normaliser:
             norms = _local_norms(micro, objective.unit)

@@ -25,6 +25,7 @@ from rlft.trainer.rollout.protocol import (
     WeightsRequest,
     completion_from_json,
 )
+from rlft.trainer.telemetry import liveness
 
 
 def _answers(url: str) -> bool:
@@ -227,6 +228,7 @@ class RolloutClient:
                 if not told and log is not None:
                     log(f"rlft: waiting for rollout instance {index} at {instance.url}")
                     told = True
+                liveness.beat(f"waiting for rollout instance {index} to start")  # bounded
                 time.sleep(0.5)
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -239,6 +241,7 @@ class RolloutClient:
                     raise NoInstanceError(
                         f"{instance.url} did not become ready in {timeout_s:.0f} s"
                     )
+                liveness.beat("waiting for the rollout instances' weights")  # bounded
                 time.sleep(0.1)
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ from rlft.trainer.checkpoint.rng import (
 from rlft.trainer.rollout.batches import Rollouts, collect, sample_and_score, select_groups
 from rlft.trainer.rollout.engine import SamplingParams
 from rlft.trainer.rollout.staleness import gate, may_start, required_step
+from rlft.trainer.telemetry import liveness
 
 Produce = Callable[[random.Random, torch.Generator], Rollouts]
 
@@ -222,7 +223,7 @@ class RolloutPipeline:
         waited = time.perf_counter()
         if self.threaded:
             self.start()
-            item = self._queue.get()
+            item = self._wait_for_batch()
             if isinstance(item, BaseException):
                 raise RuntimeError(f"rollout generation failed: {item}") from item
             produced = item
@@ -242,6 +243,19 @@ class RolloutPipeline:
             "gen_tokens_per_s": produced.tokens / produced.seconds if produced.seconds > 0 else 0.0,
         }
         return (rollouts if rollouts.completions else None), stats
+
+    def _wait_for_batch(self) -> Produced | BaseException:
+        """The next batch from the thread. Completions arriving meanwhile are progress
+        (liveness); a wait for weights that never ship (a hung weight sync) is not."""
+        seen = self.tokens()
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                tokens = self.tokens()
+                if tokens != seen:
+                    seen = tokens
+                    liveness.beat("waiting for rollouts: completions arriving")
 
     def step_done(self, version: int) -> None:
         """The trainer finished a step; `version` is what it published after it."""

@@ -8,6 +8,7 @@ One protocol for every engine, so the orchestrator never knows which one it talk
 - `POST /weights` {version, uri?} or {version, broadcast: {address, rank, world_size,
   names?}} → {policy_version, seconds}
 - `GET /healthz` → {ok, policy_version, engine, model}; 503 until weights are loaded
+- `GET /livez` → {ok, engine}: 200 once the server serves, weights or not
 - `GET /metrics` → Prometheus text
 
 Pure data, no torch: the orchestrator side imports it too.

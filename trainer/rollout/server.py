@@ -7,7 +7,10 @@ is produced by exactly one policy version, which it reports.
 
 Start-up: the engine is built from the newest version under the publication location
 (catch-up after a restart), or from `spec.model.path`, or from the first `POST /weights`;
-until then `/healthz` answers 503.
+until then `/healthz` answers 503 (a rollout pod's readiness). `/livez` answers 200 as
+soon as the server serves, weights or not (its startup probe: a job whose model is built
+by the trainer has no weights until the trainer's first publication, after its warm
+start).
 """
 
 from __future__ import annotations
@@ -206,6 +209,8 @@ class _Handler(BaseHTTPRequestHandler):
             if version is None:
                 body["reason"] = "no weights loaded yet"
             self._reply(200 if version is not None else 503, body)
+        elif self.path == "/livez":
+            self._reply(200, {"ok": True, "engine": self.server.kind})
         elif self.path == "/metrics":
             self._reply(200, self.server.metrics.text(), "text/plain; version=0.0.4")
         else:

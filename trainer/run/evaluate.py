@@ -7,6 +7,7 @@ from collections.abc import Callable
 from rlft.trainer.data import Problem
 from rlft.trainer.data.rewards import exact_match
 from rlft.trainer.rollout import SamplingParams, TransformersEngine
+from rlft.trainer.telemetry import liveness
 
 GREEDY_BATCH = 256
 
@@ -24,6 +25,7 @@ def greedy_accuracy(
     greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     correct = 0.0
     for start in range(0, len(problems), GREEDY_BATCH):
+        liveness.beat(f"evaluating: problem {start + 1} of {len(problems)}")
         chunk = problems[start : start + GREEDY_BATCH]
         completions = engine.generate([encode_prompt(p.prompt) for p in chunk], 1, greedy)
         for problem, completion in zip(chunk, completions, strict=True):

@@ -36,6 +36,7 @@ from rlft.trainer.run.progress import Reporter
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.run.supervisor import RunEnded, Supervisor
 from rlft.trainer.storage.retry import with_retries
+from rlft.trainer.telemetry import liveness
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml")
 
@@ -90,12 +91,14 @@ def run_job(
     # Everything that can reject the job (data, rewards, model, output folder) runs
     # before anything is written, so a bad job leaves no half-made output behind.
     parts = build_parts(job)
+    liveness.beat("built the model, tokenizer and data")
     resume = "never" if overwrite else (resume or job.spec.checkpoint.resume)
     existing = dist.broadcast(existing_run_files(out) if dist.is_main else None)
     if dist.is_main and (overwrite or not existing):
         prepare_output(out, overwrite)
     dist.barrier()
     run = _assemble(job, out, parts, dist, reporter)
+    liveness.beat("sharded the model")
     try:
         if resume == "never" or not _resume(run, parts, resume):
             if existing and not overwrite:
@@ -158,6 +161,7 @@ def _resume(run: Run, parts: JobParts, which: str | int) -> bool:
     """Restore the checkpoint `which` selects into the run; False when there is none."""
     prepare_main_phase(run, parts.policy.config)  # the shapes a checkpoint restores into
     resumed = run.checkpoints.resume(which, run.learner)
+    liveness.beat("looked for a checkpoint to resume from")
     if resumed is None:
         return False
     run.cursor = resumed
@@ -224,6 +228,7 @@ def _publish_outputs(run: Run) -> None:
     # Retried through a store outage as checkpoint uploads are: the run is done by now.
     deadline = time.monotonic() + run.spec.checkpoint.upload_retry_minutes * 60
     for key, path in files:
+        liveness.beat(f"publishing {key}")
         with_retries(
             lambda key=key, path=path: storage.put_file(key, path),
             deadline_s=max(0.0, deadline - time.monotonic()),
@@ -259,4 +264,5 @@ def _start_main_phase(run: Run, config) -> None:
     eval_start = run.eval_accuracy()
     run.reporter.log(f"rlft: held-out accuracy before {spec.algorithm.name}: {eval_start:.3f}")
     prepare_main_phase(run, config)
+    liveness.beat("prepared the main phase")
     run.cursor.results["eval_accuracy_start"] = eval_start

@@ -29,6 +29,7 @@ from rlft.trainer.data import Problem, Task
 from rlft.trainer.data.rewards import RewardModel
 from rlft.trainer.distributed import Dist
 from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.learner import faults
 from rlft.trainer.learner.learner import Learner, StepResult
 from rlft.trainer.model.encoding import Encoder
 from rlft.trainer.rollout.batches import reference_logprobs
@@ -39,6 +40,7 @@ from rlft.trainer.run.sources import BatchSource, Drawn
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.run.step_metrics import update_metrics
 from rlft.trainer.run.supervisor import RunEnded, Supervisor
+from rlft.trainer.telemetry import liveness
 from rlft.trainer.telemetry.tracing import StepTracer
 
 
@@ -145,6 +147,7 @@ def warmup_lr(step: int, warmup_steps: int, peak: float) -> float:
 def train(run: Run, phase: Phase) -> int:
     """Steps `first_step`..`steps` of `phase`; returns the last step taken."""
     run.reporter.start(phase.title, phase.steps)
+    liveness.begin()  # judged from here on: what came before is the startup probe's
     phase.source.start(run)
     step = phase.first_step - 1
     try:
@@ -183,11 +186,14 @@ class Outcome:
 def train_step(run: Run, phase: Phase, step: int) -> None:
     tracer = run.tracer
     with tracer.step(step, run.cursor.policy_version, phase.title):
+        liveness.beat(f"{phase.title} step {step}: started")
         timings = Timings(time.perf_counter())
         lr = warmup_lr(step, phase.warmup_steps, phase.learning_rate)
         lr *= run.supervisor.lr_multiplier
         run.learner.set_lr(lr)
         drawn = phase.source.next(run, step) if run.main is not None else Drawn(None)
+        if phase.guarded and run.learner.planted:  # a drill: a rank hung before a collective
+            faults.hang_if_planted(run.learner.planted, run.dist.rank, step)
         timings.generated = timings.started + drawn.waited_s
         for name, start_ns, end_ns in drawn.phases:
             tracer.record(name, start_ns, end_ns)
@@ -196,6 +202,7 @@ def train_step(run: Run, phase: Phase, step: int) -> None:
             base |= drawn.fields
             result = _update(run, phase, run.dist.broadcast(drawn.batch), base, step)
         timings.trained = time.perf_counter()
+        liveness.beat(f"{phase.title} step {step}: updated")
         with tracer.phase("publish_weights"):
             run.learner.sync_engine_model()
             if phase.guarded and result.applied:
@@ -245,6 +252,7 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
     with run.tracer.phase("checkpoint"):
         run.checkpoints.end_of_step(run.cursor, run.learner)
     run.supervisor.record({"checkpoint_time_s": time.perf_counter() - started})
+    liveness.beat(f"{phase.title} step {step}: done")
 
 
 def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from rlft.trainer.storage.errors import StorageError
+from rlft.trainer.telemetry import liveness
 
 T = TypeVar("T")
 
@@ -64,4 +65,6 @@ def with_retries(
                 raise
             if on_retry is not None:
                 on_retry(attempt, error, delay)
+            # Retrying within a deadline is slow, not stuck (counts only on the loop's thread).
+            liveness.beat(f"retrying a storage call (attempt {attempt})")
             sleep(delay)

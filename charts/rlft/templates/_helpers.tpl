@@ -44,9 +44,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.watchNamespaces -}}namespaced{{- else -}}clusterwide{{- end -}}
 {{- end -}}
 
-{{/* The generated RBAC rules (files/permissions.yaml) of this mode and a scope. */}}
+{{/* The generated RBAC rules (files/permissions.yaml) of this mode and a scope; the served
+ones include the gang schedulers' PodGroups with rbac.gangScheduling. */}}
 {{- define "rlft.rules" -}}
 {{- $all := .root.Files.Get "files/permissions.yaml" | fromYaml -}}
 {{- $mode := index $all (include "rlft.mode" .root) -}}
-{{- index $mode .scope | toYaml -}}
+{{- $rules := index $mode .scope -}}
+{{- if and (eq .scope "served") .root.Values.rbac.gangScheduling -}}
+{{- $rules = concat $rules (index $mode "gangScheduling") -}}
+{{- end -}}
+{{- $rules | toYaml -}}
 {{- end -}}

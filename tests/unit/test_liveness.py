@@ -1,0 +1,280 @@
+"""A trainer rank's liveness: progress answers 200, a stall 503 (over real sockets), the
+stall is written as the rank's verdict before anything can kill it, a wait for rank 0
+is not judged, and the long legitimate operations keep beating while they are alive."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rlft.trainer import termination
+from rlft.trainer.checkpoint.saver import Checkpointer
+from rlft.trainer.learner import faults
+from rlft.trainer.rollout.engine import Completion
+from rlft.trainer.rollout.pipeline import RolloutPipeline
+from rlft.trainer.run.evaluate import greedy_accuracy
+from rlft.trainer.storage.errors import StorageError
+from rlft.trainer.storage.retry import with_retries
+from rlft.trainer.telemetry import liveness
+from rlft.trainer.telemetry.liveness import Liveness
+from rlft.trainer.telemetry.liveness_server import LivenessServer, Watch, start, watch_interval
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def verdict_in(log: dict[str, str]) -> termination.Verdict | None:
+    return termination.read(Path(log[termination.ENV]).read_text())
+
+
+@pytest.fixture
+def log(tmp_path) -> dict[str, str]:
+    return {termination.ENV: str(tmp_path / "termination-log")}
+
+
+@pytest.fixture
+def installed() -> Iterator[Clock]:
+    """A liveness with a hand-driven clock installed for the process, then the default."""
+    clock = Clock()
+    before = liveness.current()
+    liveness.install(Liveness(60, clock=clock))
+    yield clock
+    liveness.install(before)
+
+
+def test_progress_is_live_and_a_stall_is_not_over_http(log):
+    clock = Clock()
+    live = Liveness(20, rank=1, clock=clock, environ=log)
+    server = LivenessServer(live)
+    started = server.url.replace("/livez", "/started")
+    try:
+        clock.now += 600  # importing torch, loading the model: the startup probe's to judge
+        assert get(server.url)[0] == 200 and get(started)[0] == 503
+        live.begin()
+        assert get(started)[0] == 200
+        clock.now += 19
+        code, body = get(server.url)
+        assert code == 200 and body["alive"] and body["last"] == "the loop began"
+        live.beat("GRPO step 7: done")
+        clock.now += 21
+        code, body = get(server.url)
+        assert code == 503 and not body["alive"] and body["idleSeconds"] == 21
+        assert body["last"] == "GRPO step 7: done" and body["stallTimeoutSeconds"] == 20
+        live.beat("GRPO step 8: started")
+        assert get(server.url)[0] == 200
+    finally:
+        server.close()
+
+
+def test_a_stall_is_the_ranks_verdict_until_it_recovers(log):
+    clock = Clock()
+    live = Liveness(20, rank=1, clock=clock, environ=log)
+    live.begin()
+    live.beat("GRPO step 7: done")
+    clock.now += 25
+    assert not live.check().alive and live.stalled
+    verdict = verdict_in(log)
+    assert verdict is not None and verdict.stalled and verdict.rank == 1
+    assert verdict.exit_code == 1 and "no progress for 25 s" in verdict.message
+    assert "GRPO step 7: done" in verdict.message
+    # A later verdict of the same process (its collective broke when a peer was killed)
+    # still says it stalled; progress clears it.
+    assert live.marked(termination.Verdict(1, "RuntimeError: connection reset", 1)).stalled
+    live.beat("GRPO step 8: started")
+    assert not live.stalled and verdict_in(log) is None
+    assert not live.marked(termination.Verdict(1, "boom", 1)).stalled
+
+
+def test_the_watch_declares_a_stall_without_a_probe_asking(log):
+    live = Liveness(0.3, rank=0, environ=log)
+    live.begin()
+    watch = Watch(live, watch_interval(0.3))
+    try:
+        deadline = time.monotonic() + 5
+        while not live.stalled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live.stalled
+        assert verdict_in(log).stalled
+    finally:
+        watch.close()
+
+
+def test_waiting_for_rank_0_is_not_judged_and_other_threads_do_not_count(log):
+    clock = Clock()
+    live = Liveness(20, rank=1, clock=clock, environ=log)
+    live.begin()
+    with live.waiting("waiting for rank 0"):
+        clock.now += 500  # rank 0 generating or evaluating meanwhile: its own probe judges
+        state = live.check()
+        assert state.alive and state.waiting == "waiting for rank 0"
+    assert live.check().alive and live.state().idle_s == 0  # the wait ended: progress
+    helper = threading.Thread(target=live.beat, args=("an upload thread",))
+    clock.now += 21
+    helper.start()
+    helper.join()
+    assert not live.check().alive  # only the loop's own thread is progress
+
+
+def test_a_wait_that_broke_is_no_progress_and_a_finished_rank_is_not_judged(log):
+    clock = Clock()
+    live = Liveness(20, rank=1, clock=clock, environ=log)
+    live.begin()
+    clock.now += 5
+    with pytest.raises(RuntimeError), live.waiting("waiting for rank 0"):
+        raise RuntimeError("Connection closed by peer")  # rank 0 was killed
+    assert live.state().idle_s == 5
+    live.end()  # its verdict is written: a peer slow to reach the last barrier is fine
+    clock.now += 100
+    assert live.check().alive and not live.stalled
+
+
+def test_off_means_always_live(log):
+    clock = Clock()
+    live = Liveness(0, clock=clock, environ=log)
+    live.begin()
+    clock.now += 10**6
+    assert live.check().alive and not live.stalled
+
+
+def test_start_serves_only_on_local_rank_0_with_the_operators_port(log):
+    env = {liveness.PORT_ENV: "0", "LOCAL_RANK": "0", "RLFT_POD_IP": "127.0.0.1", **log}
+    running = start(30, 0, env)
+    try:
+        assert running.server is not None and running.watch is not None
+        assert running.server.url.startswith("http://127.0.0.1:")
+        assert get(running.server.url)[0] == 200
+    finally:
+        running.close()
+    running = start(30, 3, {**env, "LOCAL_RANK": "1"})
+    assert running.server is None and running.watch is not None
+    running.close()
+    assert start(0, 0, env).server is None  # off: nothing probes it
+
+
+# ------------------------------------------------------ slow but alive keeps beating
+
+
+def test_a_retried_storage_call_beats_on_each_attempt(installed):
+    attempts = []
+
+    def flaky() -> str:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise StorageError("store down", transient=True)
+        return "ok"
+
+    installed.now += 59
+    slept: list[float] = []
+    assert with_retries(flaky, deadline_s=60, sleep=slept.append, clock=lambda: 0) == "ok"
+    state = liveness.current().state()
+    assert state.last == "retrying a storage call (attempt 2)" and state.idle_s == 0
+
+
+def test_waiting_for_a_checkpoint_in_flight_beats_until_its_retry_deadline(installed):
+    upload = threading.Thread(target=time.sleep, args=(1.5,))
+    upload.start()
+    saver = SimpleNamespace(_thread=upload, _inflight=(12, time.monotonic() + 600))
+    installed.now += 59
+    assert Checkpointer.wait(saver)
+    assert liveness.current().state().last == "waiting for the checkpoint of step 12"
+    stuck = threading.Thread(target=time.sleep, args=(1.5,))
+    stuck.start()
+    past = SimpleNamespace(_thread=stuck, _inflight=(14, time.monotonic() - 1))
+    installed.now += 59
+    assert Checkpointer.wait(past)  # past its deadline the upload is stuck, not slow
+    assert liveness.current().state().idle_s == 59
+
+
+def test_waiting_for_rollouts_beats_only_while_completions_arrive(installed):
+    tokens = [0]
+    pipeline = RolloutPipeline.__new__(RolloutPipeline)  # only what the wait reads
+    pipeline._queue = queue.Queue()
+    pipeline.tokens = lambda: tokens[0]
+
+    def generate() -> None:
+        time.sleep(1.2)
+        tokens[0] += 40  # a request answered
+        time.sleep(1.2)
+        pipeline._queue.put("batch")
+
+    threading.Thread(target=generate).start()
+    installed.now += 59
+    assert pipeline._wait_for_batch() == "batch"
+    assert liveness.current().state().last == "waiting for rollouts: completions arriving"
+    installed.now += 59
+    threading.Thread(target=lambda: (time.sleep(1.2), pipeline._queue.put("next"))).start()
+    assert pipeline._wait_for_batch() == "next"  # no tokens: a hung weight sync, say
+    assert liveness.current().state().idle_s == 59
+
+
+def test_evaluation_beats_per_batch(installed):
+    class Engine:
+        def generate(self, prompts, n, sampling):
+            return [Completion(0, [1], [0.0], "stop", 0) for _ in prompts]
+
+    problems = [SimpleNamespace(prompt="1+1=", answer="2") for _ in range(300)]
+    installed.now += 59
+    greedy_accuracy(Engine(), problems, lambda p: [1], lambda ids: "2", 4)
+    assert liveness.current().state().last == "evaluating: problem 257 of 300"
+
+
+# --------------------------------------------------------------- the planted hang
+
+
+def test_a_planted_hang_is_for_one_rank_step_and_gang_attempt():
+    planted = faults.planted_from_env(
+        {faults.ENV: json.dumps([{"kind": "hang", "rank": 1, "at": 8}])}
+    )
+    assert planted == [faults.Hang(1, 8, 0)]
+    assert faults.planted_hang(planted, 1, 8, {}) == faults.Hang(1, 8, 0)
+    assert faults.planted_hang(planted, 1, 8, {faults.GANG_ENV: "0"}) is not None
+    assert faults.planted_hang(planted, 1, 8, {faults.GANG_ENV: "1"}) is None  # restarted
+    assert faults.planted_hang(planted, 0, 8, {}) is None
+    assert faults.planted_hang(planted, 1, 7, {}) is None
+    mixed = [{"kind": "grad_scale", "from": 2, "to": 3, "factor": 10}]
+    mixed.append({"kind": "hang", "rank": 0, "at": 5, "attempt": 2})
+    assert faults.planted_from_env({faults.ENV: json.dumps(mixed)})[1] == faults.Hang(0, 5, 2)
+    with pytest.raises(ValueError, match="RLFT_PLANT_FAULTS"):
+        faults.planted_from_env({faults.ENV: '[{"kind": "freeze"}]'})
+
+
+def test_a_rollout_server_is_started_before_it_has_weights():
+    """Its startup probe asks /livez (serving at all), its readiness probe /healthz (503
+    until weights are loaded: a job whose trainer builds the model has none before the
+    trainer's first publication)."""
+    from rlft.trainer.rollout.server import start_server
+
+    server = start_server("transformers")
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert get(f"{url}/livez") == (200, {"ok": True, "engine": "transformers"})
+        code, body = get(f"{url}/healthz")
+        assert code == 503 and body["reason"] == "no weights loaded yet"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
