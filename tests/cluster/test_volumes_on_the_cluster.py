@@ -95,6 +95,8 @@ def test_a_job_whose_model_and_data_come_from_a_claim_succeeds(cluster, seaweed,
     status = done["status"]
     logs = cluster.logs(NS, f"{name}-trainer-0") + cluster.logs(NS, f"{name}-trainer-1")
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1) + logs[-3000:]
+    # The rollout pod started from the claim's model folder, before any publication.
+    assert status.get("restarts", 0) == 0, json.dumps(status, indent=1)
     trainer = cluster.pod(NS, f"{name}-trainer-0")
     mounts = trainer["spec"]["containers"][0]["volumeMounts"]
     assert {"name": "assets", "mountPath": "/assets", "readOnly": True} in mounts

@@ -120,6 +120,25 @@ def test_weights_request_needs_a_published_version(server, tmp_path: Path) -> No
     assert status == 500 and "not a published weight version" in body["error"]
 
 
+def test_a_server_starts_from_the_jobs_own_model_folder(server, tmp_path: Path) -> None:
+    """spec.model.path (on Kubernetes, a folder on a mounted claim) is a plain Hugging Face
+    folder with no READY marker: before the trainer publishes anything the server serves
+    it as version 0, greedy-equal to the model itself."""
+    model, tokenizer = tiny_model()
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert not (folder / "READY").exists()
+    server.server.host.load_model(folder)
+    assert http_json(f"{server.url}/healthz", None, 5)["policy_version"] == 0
+    client = RolloutClient([server.url], timeout_s=60)
+    request = GenerateRequest(PROMPTS, 1, GREEDY, seed=1, stop_ids=[tokenizer.eos_token_id])
+    answer = client.generate(request)
+    assert answer.policy_version == 0
+    assert [c.token_ids for c in answer.completions] == greedy_reference(model, tokenizer)
+    client.close()
+
+
 def test_weight_updates_are_atomic_with_respect_to_requests(server, tmp_path: Path) -> None:
     """Requests and updates race; every answer is exactly one version's greedy output."""
     store = store_at(tmp_path)

@@ -120,6 +120,14 @@ class EngineHost:
             self._metrics.version(request.version)
         return {"policy_version": request.version, "seconds": seconds}
 
+    def load_model(self, folder: Path) -> None:
+        """The job's own model folder (spec.model.path) as version 0, before the trainer
+        publishes anything."""
+        with self._use(writer=True):
+            self.engine = self._build(folder, 0)
+        if self._metrics is not None:
+            self._metrics.version(0)
+
     def _receive(self, request: WeightsRequest):
         """Join (or re-join) the trainer's broadcast group and receive one version. Runs
         outside the engine lock: generation goes on while the bytes arrive."""
@@ -268,8 +276,9 @@ def start_server(
     return RolloutHTTPServer((host, port), engine_host, metrics, kind)
 
 
-def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | None:
-    """What to load before serving: the newest published version, else spec.model.path."""
+def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | Path | None:
+    """What to load before serving: the newest published version, else the folder of
+    spec.model.path (the user's own model: complete, with no READY marker to look for)."""
     from rlft.trainer.weights.store import WeightStore
 
     uri = args.weights_uri or (job.spec.rollout.weights_uri if job is not None else None)
@@ -278,7 +287,7 @@ def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | None:
         if latest is not None:
             return WeightsRequest(version=latest[0], uri=latest[1])
     if job is not None and job.spec.model.path:
-        return WeightsRequest(version=0, uri=Path(job.spec.model.path).resolve().as_uri())
+        return Path(job.spec.model.path).resolve()
     return None
 
 
@@ -298,7 +307,9 @@ def run(args: argparse.Namespace) -> int:
             return error.exit_code
     server = start_server(kind, args.host, args.port, args.tensor_parallel, args.expert_parallel)
     initial = _initial_weights(args, job)
-    if initial is not None:
+    if isinstance(initial, Path):
+        server.host.load_model(initial)
+    elif initial is not None:
         server.host.load(initial)
     port = server.server_address[1]
     if args.ready_file:
