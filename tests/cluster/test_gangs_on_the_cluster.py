@@ -51,6 +51,7 @@ def test_two_gangs_that_cannot_both_fit_run_one_after_the_other(cluster, seaweed
     done: dict[str, float] = {}
     first_bound: dict[str, float] = {}
     waited_as_a_gang: set[str] = set()
+    placed: dict[str, tuple[str | None, str | None]] = {}
     timeline: list[tuple[float, dict[str, int]]] = []
     start = time.monotonic()
     while len(done) < len(names) and time.monotonic() - start < 900:
@@ -67,6 +68,10 @@ def test_two_gangs_that_cannot_both_fit_run_one_after_the_other(cluster, seaweed
         # the other's room (a gang draining at its end is the only partial one).
         assert not (a and b), f"both gangs hold capacity: {timeline}"
         for p in pods:
+            placed[p["metadata"]["name"]] = (
+                (p["metadata"].get("labels") or {}).get("scheduling.x-k8s.io/pod-group"),
+                p["spec"].get("schedulerName"),
+            )
             condition = next(
                 (
                     c
@@ -97,9 +102,9 @@ def test_two_gangs_that_cannot_both_fit_run_one_after_the_other(cluster, seaweed
         assert group["spec"]["minResources"] == {"cpu": "6"}
         (owner,) = group["metadata"]["ownerReferences"]
         assert owner["kind"] == "RLFineTune" and owner["name"] == name
-        for i in range(gang_size):
-            pod = cluster.pod(NS, f"{name}-trainer-{i}")
-            assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == f"{name}-gang"
-            assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+        for i in range(gang_size):  # as seen while they ran (a finished job's pods go)
+            group_label, scheduler = placed[f"{name}-trainer-{i}"]
+            assert group_label == f"{name}-gang"
+            assert scheduler == "scheduler-plugins-scheduler"
     for name in names:
         cluster.kubectl("delete", "rlft", name, "-n", NS, "--wait=false")
