@@ -55,8 +55,16 @@ $(VLLM_STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/rlft train examples/tiny-grpo.yaml --out runs/tiny-grpo --overwrite
 
-test: setup vllm
-	$(PY) -m pytest -q
+# The suite on TEST_WORKERS pytest-xdist workers, a test file per worker at a time (each
+# file's module fixtures built once), the test cluster's files on one worker one after
+# another (tests/conftest.py): most of their time is spent waiting on pods, probes and
+# timeouts, which the other workers' tests fill.
+TEST_WORKERS ?= 3
+
+# The two environments are built side by side (pip spends much of its time unpacking).
+test:
+	@$(MAKE) --no-print-directory -j2 setup vllm
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The test cluster on this machine (emulated API server, process kubelets, SeaweedFS, the
 # real operator) with the example job applied; prints how to watch it with kubectl.

@@ -32,3 +32,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# Tests are handed to pytest-xdist's workers (make test: `-n`, `--dist loadgroup`) a file
+# at a time, so each module-scoped fixture (a server, a warm-started model) is built once.
+# The test cluster's files share one group, so one worker runs them one after another:
+# the cluster's pods listen on fixed ports of 0.0.0.0 (there are no network namespaces),
+# so two test clusters at once would clash.
+CLUSTER_FILES = ("tests/cluster/test_process_kubelet.py", "tests/cluster/test_")
+ON_THE_CLUSTER = "_on_the_cluster.py"
+
+
+def xdist_group_of(path: str) -> str:
+    if path == CLUSTER_FILES[0] or (
+        path.startswith(CLUSTER_FILES[1]) and path.endswith(ON_THE_CLUSTER)
+    ):
+        return "test-cluster"
+    return path
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.location[0])))

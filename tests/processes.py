@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
+from pathlib import Path
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 10, sig: int = signal.SIGTERM) -> None:
@@ -16,3 +19,32 @@ def stop_process(process: subprocess.Popen, timeout: float = 10, sig: int = sign
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (from /proc), children before grandchildren. torchrun
+    starts its workers in sessions of their own, so killing the agent's process group
+    leaves them running."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop(0)
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            queue += children
+    return found
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL `process` and all its descendants, by process id; reaps `process`."""
+    for pid in [*descendants(process.pid), process.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()

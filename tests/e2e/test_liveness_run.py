@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from processes import kill_tree
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
 from rlft.trainer import termination
@@ -92,7 +92,5 @@ def test_a_hung_rank_stops_answering_and_says_it_stalled(tmp_path):
             assert "made no progress for" in verdict.message, verdict.message
         assert all(p.poll() is None for p in pods)  # stalled, not crashed: the kubelet kills
     finally:
-        for pod in pods:
-            if pod.poll() is None:
-                os.killpg(pod.pid, signal.SIGKILL)
-            pod.wait()
+        for pod in pods:  # the agents and their workers (in sessions of their own)
+            kill_tree(pod)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 from checkpoint_fixtures import s3_options
+from processes import kill_tree
 from prometheus_fixtures import free_port
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
@@ -239,10 +240,9 @@ def test_a_gang_started_with_different_resume_arguments_loads_one_checkpoint(tmp
         # Ranks that chose different checkpoints deadlock in the load's collectives.
         outputs = [agent.communicate(timeout=240)[0] for agent in gang]
     finally:
-        for agent in gang:
+        for agent in gang:  # the agents and their workers (in sessions of their own)
             if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
+                kill_tree(agent)
     assert [agent.returncode for agent in gang] == [0, 0], "\n".join(outputs)
     main = 0 if (tmp_path / "pod-a" / "model").exists() else 1
     chosen = 4 if main == 0 else 6

@@ -27,6 +27,11 @@ from rlft.trainer.algorithms.losses import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
+from rlft.trainer.algorithms.prefix import (
+    completion_layout,
+    completion_view,
+    shared_prefix_logits,
+)
 from rlft.trainer.config.algorithm import AlgorithmSpec
 
 Prepared = dict[str, torch.Tensor]
@@ -78,6 +83,30 @@ def forward(model: torch.nn.Module, micro: SequenceBatch) -> Forward:
     return Forward(out.logits, out.aux_loss, torch.stack(counts).to(torch.float64))
 
 
+def policy_forward(model: torch.nn.Module, micro: SequenceBatch) -> tuple[Forward, SequenceBatch]:
+    """The policy's forward for a surrogate loss: each group's shared prompt read once,
+    with the micro-batch in the completion layout (`prefix.py`), where that saves work;
+    else the plain forward and the micro-batch as it is. MoE models (their router loss is
+    per forward), activation checkpointing (it drops the cache) and FSDP-sharded models
+    take the plain one: FSDP2 reshards a layer after its forward and unshards it again
+    only for gradients that come back through the layer's output, while the prefix's
+    gradient comes back through the cache."""
+    if not is_moe(model) and not _checkpoints_activations(model) and not _sharded(model):
+        layout = completion_layout(micro)
+        if layout is not None:
+            logits = shared_prefix_logits(model, micro, layout)
+            return Forward(logits, None, None), completion_view(micro, layout)
+    return forward(model, micro), micro
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    return hasattr(next(model.parameters()), "to_local")  # DTensor parameters
+
+
+def _checkpoints_activations(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def router_term(fwd: Forward, micro: SequenceBatch, norms: Normalisers, coef: float):
     """The router loss weighted by this micro-batch's share of the batch's tokens, so its
     total weight is `coef` however the batch is split."""
@@ -95,6 +124,9 @@ class PolicyGradient:
     """grpo, rloo and reinforce++: the clipped surrogate with precomputed advantages."""
 
     unit = 1
+    shares_prompts = True
+    """Read each group's prompt once (`policy_forward`); PPO's critic and GAE need the
+    whole layout."""
 
     def __init__(self, spec: AlgorithmSpec, temperature: float, constant: float | None):
         self.spec = spec
@@ -108,8 +140,13 @@ class PolicyGradient:
     def prepare(self, models: Models, micro: SequenceBatch) -> Prepared:
         if not self.corrects_mismatch:
             return {}
-        logits = forward(models.policy, micro).logits
-        return {"old_logp": token_logprobs(logits, micro.targets, self.temperature)}
+        fwd, micro = self._forward(models.policy, micro)
+        return {"old_logp": token_logprobs(fwd.logits, micro.targets, self.temperature)}
+
+    def _forward(self, model: torch.nn.Module, micro: SequenceBatch):
+        if self.shares_prompts:
+            return policy_forward(model, micro)
+        return forward(model, micro), micro
 
     def advantages(self, micro: SequenceBatch, prepared: Prepared) -> torch.Tensor:
         return micro.advantages
@@ -117,8 +154,8 @@ class PolicyGradient:
     def loss(
         self, models: Models, micro: SequenceBatch, prepared: Prepared, norms: Normalisers
     ) -> tuple[torch.Tensor, Sums]:
+        fwd, micro = self._forward(models.policy, micro)
         spec, mask = self.spec, micro.mask
-        fwd = forward(models.policy, micro)
         logp, entropy_per_token = token_logprobs_and_entropy(
             fwd.logits, micro.targets, self.temperature
         )

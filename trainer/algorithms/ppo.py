@@ -19,6 +19,8 @@ class PPO(PolicyGradient):
     """PPO: the clipped surrogate with GAE advantages from a critic, and the clipped value
     loss for the critic (its own parameters, so one backward serves both)."""
 
+    shares_prompts = False
+
     def prepare(self, models: Models, micro: SequenceBatch) -> Prepared:
         prepared = super().prepare(models, micro)
         values = _values(models.critic, micro)

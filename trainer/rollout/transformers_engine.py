@@ -40,11 +40,13 @@ class TransformersEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows = [p for p in prompts for _ in range(n)]
-        input_ids, attention = _left_pad(rows, self.pad_id)
+        input_ids, attention = _left_pad(prompts, self.pad_id)
         was_training = self.model.training
         self.model.eval()
         try:
-            tokens, logprobs, finished_at = self._sample(input_ids, attention, sampling, generator)
+            tokens, logprobs, finished_at = self._sample(
+                input_ids, attention, n, sampling, generator
+            )
         finally:
             self.model.train(was_training)
         completions = []
@@ -67,10 +69,11 @@ class TransformersEngine:
         self,
         input_ids: torch.Tensor,
         attention: torch.Tensor,
+        n: int,
         sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch = input_ids.shape[0]
+        """Each prompt is read once; its KV cache is then copied for its `n` rows."""
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         out = self.model(
             input_ids=input_ids,
@@ -82,6 +85,12 @@ class TransformersEngine:
         cache = getattr(out, self._cache_arg)
         logits = out.logits[:, -1, :]
         next_position = positions[:, -1:] + 1
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            attention = attention.repeat_interleave(n, dim=0)
+            next_position = next_position.repeat_interleave(n, dim=0)
+        batch = logits.shape[0]
         finished_at = torch.full((batch,), -1, dtype=torch.long)
         all_tokens, all_logprobs = [], []
         for step in range(sampling.max_new_tokens):
