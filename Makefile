@@ -64,7 +64,7 @@ TEST_WORKERS ?= 3
 # The two environments are built side by side (pip spends much of its time unpacking).
 test:
 	@$(MAKE) --no-print-directory -j2 setup vllm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The test cluster on this machine (emulated API server, process kubelets, SeaweedFS, the
 # real operator) with the example job applied; prints how to watch it with kubectl.

@@ -34,24 +34,34 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-# Tests are handed to pytest-xdist's workers (make test: `-n`, `--dist loadgroup`) a file
-# at a time, so each module-scoped fixture (a server, a warm-started model) is built once.
-# The test cluster's files share one group, so one worker runs them one after another:
+# make test runs the suite on pytest-xdist workers (`-n`, `--dist loadfile`): a test file
+# at a time per worker, so each module-scoped fixture (a server, a test cluster) is built
+# once, and the test cluster's files all in one lane, one after another on one worker:
 # the cluster's pods listen on fixed ports of 0.0.0.0 (there are no network namespaces),
-# so two test clusters at once would clash.
-CLUSTER_FILES = ("tests/cluster/test_process_kubelet.py", "tests/cluster/test_")
-ON_THE_CLUSTER = "_on_the_cluster.py"
+# so two test clusters at once would clash. (The lanes are a scheduler of their own
+# because xdist 3.8's `xdist_group` marks have no effect under pytest 9: xdist renames
+# `item._nodeid`, which pytest 9 no longer reads.)
+CLUSTER_LANE = "tests/cluster (one test cluster at a time)"
 
 
-def xdist_group_of(path: str) -> str:
-    if path == CLUSTER_FILES[0] or (
-        path.startswith(CLUSTER_FILES[1]) and path.endswith(ON_THE_CLUSTER)
+def lane_of(path: str) -> str:
+    """The scheduling unit of a test file: itself, or the test cluster's lane."""
+    name = Path(path).name
+    if path.startswith("tests/cluster/") and (
+        name.endswith("_on_the_cluster.py") or name == "test_process_kubelet.py"
     ):
-        return "test-cluster"
+        return CLUSTER_LANE
     return path
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.location[0])))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Lanes(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid.split("::", 1)[0])
+
+    return Lanes(config, log)
