@@ -103,7 +103,7 @@ def test_children_of_the_example():
         assert obj["metadata"]["namespace"] == "ml"
         assert obj["metadata"]["labels"][N.LABEL_JOB] == "tiny-grpo"
     job_file = yaml.safe_load(d.config_maps["tiny-grpo-config"]["data"]["job.yaml"])
-    assert job_file["kind"] == "RLFineTune" and job_file["spec"]["trainer"]["steps"] == 300
+    assert job_file["kind"] == "RLFineTune" and job_file["spec"]["trainer"]["steps"] == 150
     trainer = d.services["tiny-grpo-trainer"]["spec"]
     assert trainer["clusterIP"] == "None" and trainer["publishNotReadyAddresses"]
 
