@@ -54,7 +54,6 @@ def grouped_batch(filler: bool = True):
     batch = pack(prompts, completions, 0, logp, advantages).to(torch.float64)
     if filler:
         extra = empty_like(batch)
-        batch = batch.slice(0, len(batch))
         batch = type(batch)(
             **{
                 name: torch.cat([getattr(batch, name), getattr(extra, name)])
