@@ -28,7 +28,14 @@ def _own_namespace() -> str:
 
 def pod_settings(args: argparse.Namespace) -> Settings:
     """The pods' settings from the options of `options.add_pod_arguments`."""
-    return Settings(status_port=args.trainer_status_port, grace_seconds=args.grace_seconds)
+    return Settings(
+        status_port=args.trainer_status_port,
+        rdzv_port=args.rendezvous_port,
+        rollout_port=args.rollout_port,
+        liveness_port=args.liveness_port,
+        ray_port=args.ray_port,
+        grace_seconds=args.grace_seconds,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

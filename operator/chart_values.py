@@ -86,6 +86,14 @@ class OperatorOptions(Values):
     """Every job is reconciled (and its trainer's /status polled) at least this often."""
     trainer_status_port: int = Field(options.TRAINER_STATUS_PORT, ge=1024, le=65535)
     """Port of the trainers' /status and /metrics (the operator polls it)."""
+    rendezvous_port: int = Field(options.RENDEZVOUS_PORT, ge=1024, le=65535)
+    """Port of torchrun's rendezvous store on each job's trainer pod 0."""
+    rollout_port: int = Field(options.ROLLOUT_PORT, ge=1024, le=65535)
+    """Port of the rollout pods' protocol (/generate, /weights, /healthz, /metrics)."""
+    liveness_port: int = Field(options.LIVENESS_PORT, ge=1024, le=65535)
+    """Port of each trainer pod's /livez (jobs with trainer.stallTimeoutSeconds)."""
+    ray_port: int = Field(options.RAY_PORT, ge=1024, le=65535)
+    """Port of the Ray head of a rollout instance that spans several nodes."""
     grace_seconds: int = Field(options.GRACE_SECONDS, ge=0, le=86400)
     """terminationGracePeriodSeconds of the rollout pods. Trainer pods get their job's
     spec.checkpoint.gracePeriodSeconds (the emergency checkpoint's time) plus a margin."""

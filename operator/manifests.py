@@ -28,7 +28,7 @@ import yaml
 
 from rlft.operator import gang as G
 from rlft.operator import names as N
-from rlft.operator import pod_options, probes
+from rlft.operator import options, pod_options, probes
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.config.algorithm import SOURCES
 
@@ -52,17 +52,17 @@ CREDENTIAL_KEYS = (
 class Settings:
     """Operator-wide knobs of the pods it builds (not part of a job's spec)."""
 
-    status_port: int = 8080
+    status_port: int = options.TRAINER_STATUS_PORT
     """Port of the trainer's /metrics and /status (rank 0 serves /status)."""
-    rdzv_port: int = 29400
+    rdzv_port: int = options.RENDEZVOUS_PORT
     """Port of torchrun's c10d rendezvous store on trainer pod 0."""
-    rollout_port: int = 8000
+    rollout_port: int = options.ROLLOUT_PORT
     """Port of the rollout protocol (POST /generate, POST /weights, GET /healthz)."""
-    liveness_port: int = 8081
+    liveness_port: int = options.LIVENESS_PORT
     """Port of each trainer pod's liveness endpoint (local rank 0 serves GET /livez)."""
-    ray_port: int = 6379
+    ray_port: int = options.RAY_PORT
     """Port of a multi-node rollout instance's Ray head."""
-    grace_seconds: int = 300
+    grace_seconds: int = options.GRACE_SECONDS
     """terminationGracePeriodSeconds of rollout pods (trainer pods: their job's own grace)."""
     last_call_timeout: int = 5
     """torchrun rendezvous: seconds to wait for more nodes once `min` have joined."""

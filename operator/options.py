@@ -12,6 +12,10 @@ PEERING_LIFETIME_SECONDS = 60
 METRICS_BIND = "0.0.0.0:9090"
 POLL_SECONDS = 15.0
 TRAINER_STATUS_PORT = 8080
+RENDEZVOUS_PORT = 29400
+ROLLOUT_PORT = 8000
+LIVENESS_PORT = 8081
+RAY_PORT = 6379
 GRACE_SECONDS = 300
 
 
@@ -72,6 +76,32 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=TRAINER_STATUS_PORT,
         help="port of the trainers' /status and /metrics",
+    )
+    # Pods that share a network (hostNetwork, or the test cluster) need ports of their own
+    # per operator; in a pod network the defaults serve every job.
+    parser.add_argument(
+        "--rendezvous-port",
+        type=int,
+        default=RENDEZVOUS_PORT,
+        help="port of torchrun's rendezvous store on each job's trainer pod 0",
+    )
+    parser.add_argument(
+        "--rollout-port",
+        type=int,
+        default=ROLLOUT_PORT,
+        help="port of the rollout pods' protocol (/generate, /weights, /healthz, /metrics)",
+    )
+    parser.add_argument(
+        "--liveness-port",
+        type=int,
+        default=LIVENESS_PORT,
+        help="port of each trainer pod's /livez (jobs with trainer.stallTimeoutSeconds)",
+    )
+    parser.add_argument(
+        "--ray-port",
+        type=int,
+        default=RAY_PORT,
+        help="port of the Ray head of a rollout instance that spans several nodes",
     )
     parser.add_argument(
         "--grace-seconds",

@@ -36,21 +36,29 @@ def one_torch_thread():
 
 # make test runs the suite on pytest-xdist workers (`-n`, `--dist loadfile`): a test file
 # at a time per worker, so each module-scoped fixture (a server, a test cluster) is built
-# once, and the test cluster's files all in one lane, one after another on one worker:
-# the cluster's pods listen on fixed ports of 0.0.0.0 (there are no network namespaces),
-# so two test clusters at once would clash. (The lanes are a scheduler of their own
-# because xdist 3.8's `xdist_group` marks have no effect under pytest 9: xdist renames
-# `item._nodeid`, which pytest 9 no longer reads.)
-CLUSTER_LANE = "tests/cluster (one test cluster at a time)"
+# once. The test cluster's files run in two lanes, each one file after another on one
+# worker: two test clusters at a time side by side (testcluster.Slot keeps their
+# addresses, ports and cgroups apart), while their jobs mostly wait on pods, probes and
+# timeouts, which the other workers' tests fill. The lanes hold about the same time; a
+# file not listed here is a lane of its own. (A scheduler of our own because xdist 3.8's
+# `xdist_group` marks have no effect under pytest 9: xdist renames `item._nodeid`, which
+# pytest 9 no longer reads.)
+CLUSTER_LANES = {
+    "test_jobs_on_the_cluster.py": "tests/cluster (lane 1)",
+    "test_probes_on_the_cluster.py": "tests/cluster (lane 1)",
+    "test_volumes_on_the_cluster.py": "tests/cluster (lane 1)",
+    "test_gangs_on_the_cluster.py": "tests/cluster (lane 1)",
+    "test_faults_on_the_cluster.py": "tests/cluster (lane 2)",
+    "test_platform_faults_on_the_cluster.py": "tests/cluster (lane 2)",
+    "test_elastic_on_the_cluster.py": "tests/cluster (lane 2)",
+    "test_process_kubelet.py": "tests/cluster (lane 2)",
+}
 
 
 def lane_of(path: str) -> str:
-    """The scheduling unit of a test file: itself, or the test cluster's lane."""
-    name = Path(path).name
-    if path.startswith("tests/cluster/") and (
-        name.endswith("_on_the_cluster.py") or name == "test_process_kubelet.py"
-    ):
-        return CLUSTER_LANE
+    """The scheduling unit of a test file: itself, or its test-cluster lane."""
+    if path.startswith("tests/cluster/"):
+        return CLUSTER_LANES.get(Path(path).name, path)
     return path
 
 

@@ -111,6 +111,7 @@ class Kubelet:
         state: Path,
         labels: dict[str, str],
         taints: list[dict[str, str]],
+        cgroup_parent: str = "rlft-test-cluster",
     ):
         self.api, self.node, self.index = api, node, index
         self.capacity, self.labels, self.taints = capacity, labels, taints
@@ -118,7 +119,7 @@ class Kubelet:
         self.runs: dict[str, PodRun] = {}  # by pod uid
         self.next_ip = 2
         self.stopping = False
-        self.cgroups = CGROUP_ROOT / "rlft-test-cluster" / node
+        self.cgroups = CGROUP_ROOT / cgroup_parent / node
 
     # ------------------------------------------------------------------ node
     def register(self) -> None:
@@ -678,6 +679,11 @@ def main() -> None:
     parser.add_argument("--label", action="append", default=[], help="KEY=VALUE")
     parser.add_argument("--taint", action="append", default=[], help="KEY=VALUE:EFFECT")
     parser.add_argument("--state", required=True, type=Path)
+    parser.add_argument(
+        "--cgroup-parent",
+        default="rlft-test-cluster",
+        help="memory cgroup folder of this cluster's nodes (one per test cluster)",
+    )
     args = parser.parse_args()
     capacity = {"cpu": args.cpu, "memory": args.memory, "pods": "110"}
     if args.gpus:
@@ -688,7 +694,9 @@ def main() -> None:
         pair, _, effect = item.rpartition(":")
         key, _, value = pair.partition("=")
         taints.append({"key": key, "value": value, "effect": effect})
-    kubelet = Kubelet(Api(args.api), args.node, args.index, capacity, args.state, labels, taints)
+    kubelet = Kubelet(
+        Api(args.api), args.node, args.index, capacity, args.state, labels, taints, args.cgroup_parent
+    )
 
     def stop(*_: object) -> None:
         kubelet.stopping = True

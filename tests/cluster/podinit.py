@@ -15,6 +15,7 @@ import ctypes
 import json
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def main(spec_path: str) -> None:
     keep = [(path, os.open(path, os.O_PATH)) for path in spec.get("keepVisible", [])]
     for mount, fd in zip(spec["mounts"], sources, strict=True):
         target = Path(mount["target"])
-        _mount_point(target, Path(mount["source"]).is_file())
+        # The opened source, not its path: a volume mounted earlier (an emptyDir on /tmp)
+        # may cover the path, and a file's mount point made a folder stays one on the host.
+        _mount_point(target, stat.S_ISREG(os.fstat(fd).st_mode))
         _mount(f"/proc/self/fd/{fd}", str(target), MS_BIND)
         if mount.get("readOnly"):
             _mount(None, str(target), MS_REMOUNT | MS_BIND | MS_RDONLY)

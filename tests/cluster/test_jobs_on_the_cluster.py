@@ -175,7 +175,8 @@ def test_a_rollout_instance_spanning_two_nodes_forms_a_ray_cluster(cluster, seaw
     head = cluster.logs(NS, f"{name}-rollout-0-head")
     worker = cluster.logs(NS, f"{name}-rollout-0-worker-1")
     head_ip = cluster.pod(NS, f"{name}-rollout-0-head")["status"]["podIP"]
-    assert f"Ray cluster at {head_ip}:6379 has 2 nodes" in head, head[-3000:] + worker[-3000:]
+    ray = f"{head_ip}:{cluster.ports['ray']}"
+    assert f"Ray cluster at {ray} has 2 nodes" in head, head[-3000:] + worker[-3000:]
     assert "Ray runtime started" in worker
     assert done["status"]["phase"] == "Failed", done["status"]
     message = json.dumps(done["status"])

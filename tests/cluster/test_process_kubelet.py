@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import textwrap
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,37 @@ def test_environment_volumes_dns_read_only_root_and_termination_message(cluster)
     # kubectl reads what the kubelet reported
     out = cluster.kubectl("get", "pod", "facts", "-o", "jsonpath={.status.phase}").stdout
     assert out == "Failed"
+
+
+@pytest.fixture
+def host_mount_point() -> Iterator[Path]:
+    """A termination-message path that does not exist on this machine yet (the kubelet
+    creates a missing mount point on the host, as its mount needs one); removed after."""
+    folder = Path("/run") / f"rlft-test-{uuid.uuid4().hex[:8]}"
+    yield folder / "termination-log"
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_missing_termination_message_path_behind_an_emptydir_on_tmp_is_a_file(
+    cluster, host_mount_point
+):
+    """The kubelet keeps the message's source under /tmp, which an emptyDir on /tmp hides:
+    the mount point must still be made a file (a folder there, left on the host, failed
+    every later pod that mounts its message at that path: 'Not a directory')."""
+    path = str(host_mount_point)
+    manifest = pod(
+        "message-behind-tmp",
+        f"open({path!r}, 'w').write('said through a fresh path'); raise SystemExit(4)",
+        container={
+            "terminationMessagePath": path,
+            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        },
+        volumes=[{"name": "tmp", "emptyDir": {}}],
+    )
+    cluster.apply(manifest)
+    state = terminated(cluster.wait_pod(NS, "message-behind-tmp", "Failed"))
+    assert (state["exitCode"], state["message"]) == (4, "said through a fresh path")
+    assert host_mount_point.is_file()
 
 
 def test_pods_on_two_nodes_reach_each_other_through_a_service(cluster):

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,46 @@ from kubelet import CGROUP_ROOT, kill_cgroup  # noqa: E402
 from processes import stop_process  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+SLOTS = 12
+"""Test clusters that can run at once on this machine (pytest-xdist workers)."""
+POD_PORTS = ("trainer-status", "rendezvous", "rollout", "liveness", "ray")
+
+
+class Slot:
+    """What keeps test clusters on one machine apart: pods share the machine's network
+    (no network namespaces), so each cluster gets its own node addresses (127.0.I.x with
+    I from `first_node`), its own ports for the operator's pods (below the ephemeral
+    range, so no client socket holds one), and its own memory cgroups. Claimed by an
+    exclusive lock on a file, held until `release`, so it is free again when the process
+    that held it dies."""
+
+    def __init__(self) -> None:
+        for number in range(SLOTS):
+            lock = Path(tempfile.gettempdir()) / f"rlft-test-cluster-slot-{number}.lock"
+            handle = lock.open("w")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                continue
+            self.number, self.handle = number, handle
+            return
+        raise RuntimeError(f"all {SLOTS} test cluster slots are taken on this machine")
+
+    @property
+    def first_node(self) -> int:
+        return 10 + 20 * self.number
+
+    @property
+    def cgroup_parent(self) -> str:
+        return f"rlft-test-cluster/slot-{self.number}"
+
+    def ports(self) -> dict[str, int]:
+        base = 20000 + 100 * self.number
+        return {name: base + i for i, name in enumerate(POD_PORTS)}
+
+    def release(self) -> None:
+        self.handle.close()
 
 
 class Node:
@@ -42,6 +79,7 @@ class Node:
 
     def __init__(self, cluster: ProcessCluster, name: str, index: int, **options: Any):
         self.name, self.index = name, index
+        self.cgroups = CGROUP_ROOT / cluster.slot.cgroup_parent / name
         self.state = cluster.workdir / "nodes" / name
         self.state.mkdir(parents=True, exist_ok=True)
         command = [
@@ -61,6 +99,8 @@ class Node:
             str(options.get("memory", "8Gi")),
             "--gpus",
             str(options.get("gpus", 0)),
+            "--cgroup-parent",
+            cluster.slot.cgroup_parent,
         ]
         command += [f"--label={k}={v}" for k, v in (options.get("labels") or {}).items()]
         command += [f"--taint={t}" for t in options.get("taints") or []]
@@ -94,7 +134,7 @@ class Node:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(int(pid_file.name), signal.SIGKILL)
             pid_file.unlink(missing_ok=True)
-        groups = CGROUP_ROOT / "rlft-test-cluster" / self.name
+        groups = self.cgroups
         for group in groups.iterdir() if groups.is_dir() else []:
             kill_cgroup(group)
 
@@ -102,7 +142,14 @@ class Node:
 class ProcessCluster:
     def __init__(self, workdir: Path, nodes: int | list[dict[str, Any]] = 2):
         self.workdir = workdir
-        self.api_server = EmulatedApiServer(workdir / "api", graceful_pods=True)
+        self.slot = Slot()
+        self.ports = self.slot.ports()
+        """The operator's pod ports in this cluster (`POD_PORTS`)."""
+        try:
+            self.api_server = EmulatedApiServer(workdir / "api", graceful_pods=True)
+        except BaseException:
+            self.slot.release()
+            raise
         self.api = Api(self.api_server.url)
         self.nodes: list[Node] = []
         self.operator: OperatorProcess | None = None
@@ -123,7 +170,7 @@ class ProcessCluster:
             raise
 
     def add_node(self, name: str, **options: Any) -> Node:
-        node = Node(self, name, 10 + len(self.nodes), **options)
+        node = Node(self, name, self.slot.first_node + len(self.nodes), **options)
         self.nodes.append(node)
         wait_for(lambda: self.node_ready(name), f"node {name} to be Ready", timeout=30)
         return node
@@ -213,7 +260,7 @@ class ProcessCluster:
             "--peering", "rlft-test-cluster",
             "--priority", "100",
             "--poll-seconds", "1",
-            "--trainer-status-port", str(free_port()),
+            *(f"--{name}-port={port}" for name, port in self.ports.items()),
             "--grace-seconds", "20",
         ]  # fmt: skip
         self.operator = OperatorProcess(self.api_server, *self.operator_args)
@@ -247,6 +294,7 @@ class ProcessCluster:
             self.scheduler.wait(timeout=10)
         self.scheduler_log.close()
         self.api_server.stop()
+        self.slot.release()
 
     def __enter__(self) -> ProcessCluster:
         return self

@@ -274,3 +274,26 @@ def test_rlft_plan_prints_a_yaml_stream(tmp_path):
     objects = list(yaml.safe_load_all(result.stdout))
     assert all("ownerReferences" not in o["metadata"] for o in objects)
     assert {o["metadata"]["namespace"] for o in objects} == {"ml"}
+
+
+def test_the_operators_port_options_are_the_ports_of_every_pod_and_service():
+    """`--…-port` options (a chart value each) move every port the job's pods listen on;
+    none of the defaults is left (pods on a shared network need ports of their own)."""
+    from rlft.operator.__main__ import pod_settings
+    from rlft.operator.options import build_parser
+
+    ports = {"trainer-status": 21000, "rendezvous": 21001, "rollout": 21002}
+    ports |= {"liveness": 21003, "ray": 21004}
+    args = build_parser().parse_args([f"--{name}-port={port}" for name, port in ports.items()])
+    settings = pod_settings(args)
+    doc = job_doc(name="gpu-ray", namespace="ml", **SHAPES["gpu-ray"])
+    doc["spec"]["trainer"]["stallTimeoutSeconds"] = 600  # a liveness port
+    text = yaml.safe_dump(plan.plan(parse_job(doc), "ml", UID, settings))
+    defaults = M.Settings()
+    for port in (defaults.status_port, defaults.rdzv_port, defaults.rollout_port):
+        assert f": {port}\n" not in text and f":{port}" not in text, port
+    for port in (defaults.liveness_port, defaults.ray_port):
+        assert str(port) not in text, port
+    for port in ports.values():
+        assert str(port) in text, port
+    assert f"--rdzv-endpoint=trainer-0.gpu-ray-trainer.ml.svc:{ports['rendezvous']}" in text
