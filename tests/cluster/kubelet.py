@@ -695,7 +695,14 @@ def main() -> None:
         key, _, value = pair.partition("=")
         taints.append({"key": key, "value": value, "effect": effect})
     kubelet = Kubelet(
-        Api(args.api), args.node, args.index, capacity, args.state, labels, taints, args.cgroup_parent
+        Api(args.api),
+        args.node,
+        args.index,
+        capacity,
+        args.state,
+        labels,
+        taints,
+        args.cgroup_parent,
     )
 
     def stop(*_: object) -> None:
