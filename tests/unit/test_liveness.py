@@ -101,7 +101,9 @@ def test_a_stall_is_the_ranks_verdict_until_it_recovers(log):
     assert "GRPO step 7: done" in verdict.message
     # A later verdict of the same process (its collective broke when a peer was killed)
     # still says it stalled; progress clears it.
-    assert live.marked(termination.Verdict(1, "RuntimeError: connection reset", 1)).stalled
+    later = live.marked(termination.Verdict(1, "RuntimeError: connection reset", 1))
+    assert later.stalled and later.message.startswith(verdict.message)
+    assert later.message.endswith("; then RuntimeError: connection reset")
     live.beat("GRPO step 8: started")
     assert not live.stalled and verdict_in(log) is None
     assert not live.marked(termination.Verdict(1, "boom", 1)).stalled

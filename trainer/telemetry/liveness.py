@@ -101,6 +101,7 @@ class Liveness:
         self._started = False
         self._ended = False
         self._stalled = False
+        self._stall_message = ""
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------- the main thread
@@ -157,7 +158,9 @@ class Liveness:
         with self._lock:
             state = self.state()
             if not state.alive and not self._stalled:
-                termination.write(self.stalled_verdict(state), self._environ)
+                verdict = self.stalled_verdict(state)
+                termination.write(verdict, self._environ)
+                self._stall_message = verdict.message
                 self._stalled = True  # after the write: `stalled` means the verdict is there
             return state
 
@@ -170,8 +173,12 @@ class Liveness:
 
     def marked(self, verdict: termination.Verdict) -> termination.Verdict:
         """`verdict` as this process reports it: still `stalled` after a stall it never
-        recovered from (its collective broke when a peer was killed, say)."""
-        return dataclasses.replace(verdict, stalled=True) if self._stalled else verdict
+        recovered from (its collective broke when a peer was killed, say), its message
+        the stall's first and then its own: the stall is the cause, the error follows."""
+        if not self._stalled:
+            return verdict
+        message = self._stall_message + (f"; then {verdict.message}" if verdict.message else "")
+        return dataclasses.replace(verdict, stalled=True, message=message)
 
     def _recovered(self) -> None:
         with self._lock:
