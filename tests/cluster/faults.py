@@ -51,17 +51,17 @@ time.sleep(2)
 
 def start_oom(cluster: ProcessCluster, pod: str) -> subprocess.Popen:
     """Push `pod`'s container over its memory limit: a process joins its real memory
-    cgroup and allocates past what the limit leaves; the trainer's worker is made the
-    OOM killer's first choice (oom_score_adj 1000, what a kubelet gives a BestEffort
+    cgroup and allocates more than the whole limit, so the cgroup goes over it whatever
+    the trainer holds at that moment (what it held when measured can be freed before the
+    allocation ends: buffers of a checkpoint just written). The trainer's worker is made
+    the OOM killer's first choice (oom_score_adj 1000, what a kubelet gives a BestEffort
     container; lowering the allocator's own needs CAP_SYS_RESOURCE). Returns the
-    allocator, which may be killed too once the worker's memory is freed."""
+    allocator, which is killed too once the worker's memory is freed."""
     folder = cluster.pod_folder(NS, pod)
     group = Path(json.loads((folder / "main.sandbox.json").read_text())["cgroup"])
     limit = int((group / "memory.limit_in_bytes").read_text())
-    stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
-    used = int(stat["total_rss"])  # what cannot be reclaimed (page cache can)
     Path(f"/proc/{worker_of(cluster, pod)}/oom_score_adj").write_text("1000")
-    size = limit - used + (128 << 20)
+    size = limit + (256 << 20)
     return subprocess.Popen(
         [sys.executable, "-c", ALLOCATE, str(group), str(size)],
         stdout=subprocess.DEVNULL,
