@@ -17,6 +17,14 @@ ROLLOUT_PORT = 8000
 LIVENESS_PORT = 8081
 RAY_PORT = 6379
 GRACE_SECONDS = 300
+POD_PORTS = {
+    "trainer-status": (TRAINER_STATUS_PORT, "port of the trainers' /status and /metrics"),
+    "rendezvous": (RENDEZVOUS_PORT, "port of torchrun's rendezvous store on trainer pod 0"),
+    "rollout": (ROLLOUT_PORT, "port of the rollout pods' protocol (/generate, /weights, …)"),
+    "liveness": (LIVENESS_PORT, "port of each trainer pod's /livez (stallTimeoutSeconds)"),
+    "ray": (RAY_PORT, "port of the Ray head of a rollout instance spanning several nodes"),
+}
+"""The ports the job's pods listen on: option `--NAME-port`, its default, its meaning."""
 
 
 def metrics_port(bind: str = METRICS_BIND) -> int:
@@ -71,38 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that shape the pods the operator builds (`manifests.Settings`): shared
     with `rlft plan`, whose plan must match an operator started with the same values."""
-    parser.add_argument(
-        "--trainer-status-port",
-        type=int,
-        default=TRAINER_STATUS_PORT,
-        help="port of the trainers' /status and /metrics",
-    )
     # Pods that share a network (hostNetwork, or the test cluster) need ports of their own
     # per operator; in a pod network the defaults serve every job.
-    parser.add_argument(
-        "--rendezvous-port",
-        type=int,
-        default=RENDEZVOUS_PORT,
-        help="port of torchrun's rendezvous store on each job's trainer pod 0",
-    )
-    parser.add_argument(
-        "--rollout-port",
-        type=int,
-        default=ROLLOUT_PORT,
-        help="port of the rollout pods' protocol (/generate, /weights, /healthz, /metrics)",
-    )
-    parser.add_argument(
-        "--liveness-port",
-        type=int,
-        default=LIVENESS_PORT,
-        help="port of each trainer pod's /livez (jobs with trainer.stallTimeoutSeconds)",
-    )
-    parser.add_argument(
-        "--ray-port",
-        type=int,
-        default=RAY_PORT,
-        help="port of the Ray head of a rollout instance that spans several nodes",
-    )
+    for name, (default, meaning) in POD_PORTS.items():
+        parser.add_argument(f"--{name}-port", type=int, default=default, help=meaning)
     parser.add_argument(
         "--grace-seconds",
         type=int,

@@ -31,9 +31,10 @@ from kube_api import Api  # noqa: E402
 from kubelet import CGROUP_ROOT, kill_cgroup  # noqa: E402
 from processes import stop_process  # noqa: E402
 
+from rlft.operator.options import POD_PORTS  # noqa: E402
+
 SLOTS = 12
 """Test clusters that can run at once on this machine (pytest-xdist workers)."""
-POD_PORTS = ("trainer-status", "rendezvous", "rollout", "liveness", "ray")
 
 
 class Slot:
