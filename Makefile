@@ -56,9 +56,9 @@ run: setup
 	$(VENV)/bin/rlft train examples/tiny-grpo.yaml --out runs/tiny-grpo --overwrite
 
 # The suite on TEST_WORKERS pytest-xdist workers, a test file per worker at a time (each
-# file's module fixtures built once), the test cluster's files on one worker one after
-# another (tests/conftest.py): most of their time is spent waiting on pods, probes and
-# timeouts, which the other workers' tests fill.
+# file's module fixtures built once), the test cluster's files in two lanes, each one file
+# after another on one worker (tests/conftest.py: CLUSTER_LANES), so two test clusters run
+# side by side while the third worker takes the other files.
 TEST_WORKERS ?= 3
 
 # The two environments are built side by side (pip spends much of its time unpacking).

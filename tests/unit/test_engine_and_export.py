@@ -251,6 +251,24 @@ def test_tiny_top_p_is_greedy(policy) -> None:
     assert [c.token_ids for c in sampled] == [c.token_ids for c in decoded]
 
 
+def test_sampled_tokens_follow_the_probabilities_and_skip_impossible_ones() -> None:
+    """The sampler draws each token as often as its probability says, and never one of
+    probability 0 (masked by -inf or cut by top-p)."""
+    from rlft.trainer.rollout.transformers_engine import _choose
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    rows = 100_000
+    logp = probs.log().repeat(rows, 1)
+    generator = torch.Generator().manual_seed(0)
+    tokens = _choose(logp, SamplingParams(), generator)
+    frequency = torch.bincount(tokens, minlength=len(probs)) / rows
+    # 5 standard deviations of a frequency of 100k draws is below 0.008
+    torch.testing.assert_close(frequency, probs, atol=0.008, rtol=0)
+    assert frequency[1] == 0 and frequency[5] == 0
+    nucleus = _choose(logp, SamplingParams(top_p=0.7), generator)
+    assert set(nucleus.tolist()) == {0, 2}  # 0.5 + 0.3 reach 0.7; the rest are cut
+
+
 def test_policy_version_is_reported(policy) -> None:
     _, model, tokenizer = policy
     engine = engine_of(model, tokenizer)
