@@ -205,15 +205,23 @@ class Result:
     def accuracy_at(self, mark: float) -> Snapshot | None:
         return next((s for s in self.snapshots if s.mark == mark), None)
 
+    def window(self) -> list[float]:
+        """Held-out accuracies of the snapshots in the budget's last fifth (FINAL)."""
+        return [s.accuracy for m in FINAL if (s := self.accuracy_at(m)) is not None]
+
     def window_accuracy(self) -> float | None:
-        """Mean held-out accuracy of the snapshots in the budget's last fifth (FINAL)."""
-        found = [s.accuracy for m in FINAL if (s := self.accuracy_at(m)) is not None]
+        """Their mean: the accuracy at equal wall time (None unless all were taken)."""
+        found = self.window()
         return statistics.mean(found) if len(found) == len(FINAL) else None
 
     def window_spread(self) -> float:
-        """Half the range of those snapshots: how far one of them could land from the mean."""
-        found = [s.accuracy for m in FINAL if (s := self.accuracy_at(m)) is not None]
+        """Half their range: how far one of them could land from the mean."""
+        found = self.window()
         return (max(found) - min(found)) / 2 if found else float("nan")
+
+    def last_accuracy(self) -> float | None:
+        s = self.accuracy_at(1.0)
+        return None if s is None else s.accuracy
 
 
 def log(message: str) -> None:
@@ -857,14 +865,7 @@ def report(
     def get(name: str) -> Result | None:
         return results.get(name)
 
-    def final(name: str) -> float | None:
-        r = get(name)
-        s = r.accuracy_at(1.0) if r is not None else None
-        return None if s is None else round(s.accuracy, 4)
-
-    def window(name: str) -> float | None:
-        r = get(name)
-        value = r.window_accuracy() if r is not None else None
+    def rounded(value: float | None) -> float | None:
         return None if value is None else round(value, 4)
 
     rlft, trl = get("rlft"), get("trl")
@@ -874,7 +875,7 @@ def report(
     overhead_record = (
         rlft.median(rlft.extra["step_time"]) / bare.median(bare.wall) if rlft and bare else None
     )
-    accuracy = {name: window(name) for name in results}
+    accuracy = {n: rounded(r.window_accuracy()) for n, r in results.items()}
     summary = {
         "seconds": seconds,
         "load_average": [round(load_before, 2), round(load_after, 2)],
@@ -892,7 +893,7 @@ def report(
         "mean_over_median_step": {n: round(r.burstiness, 3) for n, r in results.items()},
         "accuracy_start": round(start_accuracy, 4),
         "accuracy_at_equal_wall_time": accuracy,
-        "accuracy_last_snapshot": {name: final(name) for name in results},
+        "accuracy_last_snapshot": {n: rounded(r.last_accuracy()) for n, r in results.items()},
         "goals_met": {
             "speedup_vs_trl_ge_1.5": None if speedup is None else speedup >= 1.5,
             "overhead_vs_bare_le_1.05": None if overhead is None else overhead <= 1.05,
