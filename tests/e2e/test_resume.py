@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 from checkpoint_fixtures import s3_options
-from processes import kill_tree
+from processes import descendants, kill_tree
 from prometheus_fixtures import free_port
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
@@ -156,6 +156,56 @@ def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
     )
     assert listing.returncode == 0, listing.stderr
     steps = len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines())
+    rows = [line.split() for line in listing.stdout.splitlines()[1:]]
+    assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", listing.stdout
+
+
+def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
+    tmp_path,
+) -> None:
+    """A suspend deletes every pod of a job at once: the trainer's SIGTERM comes while it
+    waits for a batch from a rollout server that will not answer (here: stopped with
+    SIGSTOP). The trainer stops waiting, checkpoints the step it finished and exits 0,
+    well inside its grace period, instead of being killed at its end with no checkpoint."""
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = 400
+    spec["spec"]["rollout"] |= {"local": "servers", "instances": 1, "maxStaleness": 0}
+    spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 30}
+    job.write_text(yaml.safe_dump(spec))
+    process = start(tmp_path, "out")
+    try:
+        wait_for_step(tmp_path / "out", 3, process)
+        servers = [
+            pid
+            for pid in descendants(process.pid)
+            if b"rlft.trainer.rollout.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(servers) == 1, servers
+        os.kill(servers[0], signal.SIGSTOP)
+        time.sleep(1.0)  # the request of the next batch is out, or will be
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        checkpoints = tmp_path / "out" / "checkpoints"
+        while not (checkpoints / LATEST).exists() and time.monotonic() - sent < 40:
+            assert process.poll() is None or process.returncode == 0, process.stdout.read()
+            time.sleep(0.2)
+        committed_after = time.monotonic() - sent
+        os.kill(servers[0], signal.SIGCONT)  # let it see the trainer's SIGTERM and go
+        output = process.communicate(timeout=60)[0]
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    assert process.returncode == 0, output
+    assert committed_after < 15, (committed_after, output)
+    assert "stopping while waiting for rollouts; checkpointing step" in output, output
+    steps = len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines())
+    listing = subprocess.run(
+        [sys.executable, "-m", "rlft.trainer.cli.main", "checkpoints", "list", str(checkpoints)],
+        capture_output=True,
+        text=True,
+    )
+    assert listing.returncode == 0, listing.stderr
     rows = [line.split() for line in listing.stdout.splitlines()[1:]]
     assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", listing.stdout
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -14,7 +16,12 @@ from hypothesis import strategies as st
 
 from rlft.trainer.rollout.batches import Rollouts, collect
 from rlft.trainer.rollout.engine import Completion
-from rlft.trainer.rollout.pipeline import RolloutPipeline, apply_gate, select_groups
+from rlft.trainer.rollout.pipeline import (
+    RolloutPipeline,
+    StopWaiting,
+    apply_gate,
+    select_groups,
+)
 from rlft.trainer.rollout.staleness import gate, may_start, required_step
 
 
@@ -204,3 +211,52 @@ def test_threaded_pipeline_state_round_trips_and_replays_what_was_in_flight() ->
 def test_maxstaleness_needs_the_threaded_pipeline() -> None:
     with pytest.raises(ValueError, match="rollout servers"):
         RolloutPipeline(_produce(CountingEngine()), random.Random(), torch.Generator(), 1, 3, False)
+
+
+def test_a_stop_ends_the_wait_for_a_batch_that_may_never_come() -> None:
+    """SIGTERM while the trainer waits on rollout servers that stop with it (a suspend
+    deletes every pod at once): StopWaiting within about a second, instead of a wait
+    until the grace period kills the trainer before its emergency checkpoint."""
+    released, stopping = threading.Event(), threading.Event()
+    first = threading.Event()
+
+    def produce(rng, generator):
+        if first.is_set():
+            released.wait()  # the rollout server is gone: no answer
+            raise ConnectionError("rollout server closed the connection")
+        first.set()
+        return _produce(CountingEngine())(rng, generator)
+
+    pipeline = RolloutPipeline(
+        produce, random.Random(3), torch.Generator().manual_seed(3), 0, 3, threaded=True
+    )
+    try:
+        got, _ = pipeline.next(0, stopping.is_set)
+        assert got is not None  # a batch that is there is used, stop or not
+        pipeline.step_done(1)
+        threading.Timer(0.5, stopping.set).start()
+        started = time.monotonic()
+        with pytest.raises(StopWaiting, match="waiting for rollouts"):
+            pipeline.next(1, stopping.is_set)
+        assert time.monotonic() - started < 3.0
+        released.set()  # the generation fails once its server is gone
+        time.sleep(0.2)
+        with pytest.raises(StopWaiting, match="generation failed while stopping"):
+            pipeline.next(1, stopping.is_set)
+    finally:
+        released.set()
+        pipeline.close()
+
+
+def test_a_generation_failure_without_a_stop_is_an_error() -> None:
+    def produce(rng, generator):
+        raise ConnectionError("rollout server closed the connection")
+
+    pipeline = RolloutPipeline(
+        produce, random.Random(3), torch.Generator().manual_seed(3), 0, 3, threaded=True
+    )
+    try:
+        with pytest.raises(RuntimeError, match="rollout generation failed: rollout server"):
+            pipeline.next(0, lambda: False)
+    finally:
+        pipeline.close()

@@ -40,6 +40,16 @@ from rlft.trainer.telemetry import liveness
 Produce = Callable[[random.Random, torch.Generator], Rollouts]
 
 
+class StopWaiting(Exception):
+    """SIGTERM came while the trainer waited for a batch: the rollout servers may be
+    stopping too (a suspend deletes every pod of the job at once), so the batch may never
+    come. The trainer checkpoints the step it finished instead of waiting out its grace."""
+
+
+def _never() -> bool:
+    return False
+
+
 def rollout_producer(
     engine, task, encoder, rewards, algorithm, prompts_per_step: int, sampling: SamplingParams
 ) -> Produce:
@@ -217,14 +227,20 @@ class RolloutPipeline:
             self._queue.put(error)
 
     # ---------------------------------------------------------------- consume
-    def next(self, trainer_version: int) -> tuple[Rollouts | None, dict[str, float]]:
+    def next(
+        self, trainer_version: int, stopping: Callable[[], bool] = _never
+    ) -> tuple[Rollouts | None, dict[str, float]]:
         """The next step's rollouts after the staleness gate (None: nothing trainable),
-        with the step's rollout statistics."""
+        with the step's rollout statistics. StopWaiting when `stopping()` turns true
+        before the batch is there (checked every second), or when generation failed
+        after it did (the servers were stopped with the trainer)."""
         waited = time.perf_counter()
         if self.threaded:
             self.start()
-            item = self._wait_for_batch()
+            item = self._wait_for_batch(stopping)
             if isinstance(item, BaseException):
+                if stopping():
+                    raise StopWaiting(f"rollout generation failed while stopping: {item}")
                 raise RuntimeError(f"rollout generation failed: {item}") from item
             produced = item
         else:
@@ -244,7 +260,7 @@ class RolloutPipeline:
         }
         return (rollouts if rollouts.completions else None), stats
 
-    def _wait_for_batch(self) -> Produced | BaseException:
+    def _wait_for_batch(self, stopping: Callable[[], bool] = _never) -> Produced | BaseException:
         """The next batch from the thread. Completions arriving meanwhile are progress
         (liveness); a wait for weights that never ship (a hung weight sync) is not."""
         seen = self.tokens()
@@ -252,6 +268,8 @@ class RolloutPipeline:
             try:
                 return self._queue.get(timeout=1.0)
             except queue.Empty:
+                if stopping():
+                    raise StopWaiting("stopping while waiting for rollouts") from None
                 tokens = self.tokens()
                 if tokens != seen:
                     seen = tokens

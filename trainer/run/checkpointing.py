@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rlft.trainer.checkpoint import GracefulStop, NoCheckpointError, checkpointer_from_spec
 from rlft.trainer.checkpoint import load as load_checkpoint
@@ -40,6 +40,8 @@ class Checkpointing:
         self.dist = dist
         self.supervisor = supervisor
         self.metrics = out / "metrics.jsonl"
+        self.resumed_step: int | None = None
+        """The step this run resumed from (its checkpoint is committed)."""
         self.stop = GracefulStop(spec.grace_period_seconds).install()
         self.checkpointer = checkpointer_from_spec(
             spec,
@@ -61,6 +63,10 @@ class Checkpointing:
     @property
     def stats(self):
         return self.checkpointer.stats
+
+    def stopping(self) -> bool:
+        """SIGTERM arrived (this rank's own signal)."""
+        return self.stop.requested
 
     def resume(self, which: str | int, learner) -> Cursor | None:
         """Restore the newest checkpoint `which` selects; None when there is none.
@@ -87,6 +93,7 @@ class Checkpointing:
                 return None
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}))
         cursor = Cursor.from_json(resumed.extra["cursor"])
+        self.resumed_step = cursor.step
         if self.dist.is_main:
             self._restore_history(resumed.extra.get("metrics"), cursor.step)
         return cursor
@@ -142,6 +149,17 @@ class Checkpointing:
         if decision.stop:
             self.close()
             raise StopRequested(cursor.step)
+
+    def stop_between_steps(self, cursor: Cursor, learner) -> NoReturn:
+        """SIGTERM came while rank 0 waited for the next step's batch: checkpoint the
+        step finished last, unless a checkpoint of it is committed or in flight (saving
+        it again would withdraw its manifest while the files are replaced), and raise
+        StopRequested. Every rank calls this (the loop broadcast the stop)."""
+        self.checkpointer.wait()
+        if cursor.step not in (self.checkpointer.stats.last_step, self.resumed_step, 0):
+            self._save(cursor, learner, wait=True)
+        self.close()
+        raise StopRequested(cursor.step)
 
     def final(self, cursor: Cursor, learner) -> None:
         """The last step's checkpoint, committed before the run reports success."""

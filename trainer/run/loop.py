@@ -33,6 +33,7 @@ from rlft.trainer.learner import faults
 from rlft.trainer.learner.learner import Learner, StepResult
 from rlft.trainer.model.encoding import Encoder
 from rlft.trainer.rollout.batches import reference_logprobs
+from rlft.trainer.rollout.pipeline import StopWaiting
 from rlft.trainer.run.checkpointing import Checkpointing
 from rlft.trainer.run.evaluate import greedy_accuracy
 from rlft.trainer.run.progress import Reporter
@@ -191,16 +192,20 @@ def train_step(run: Run, phase: Phase, step: int) -> None:
         lr = warmup_lr(step, phase.warmup_steps, phase.learning_rate)
         lr *= run.supervisor.lr_multiplier
         run.learner.set_lr(lr)
-        drawn = phase.source.next(run, step) if run.main is not None else Drawn(None)
+        drawn = _draw(run, phase, step)
         if phase.guarded and run.learner.planted:  # a drill: a rank hung before a collective
             faults.hang_if_planted(run.learner.planted, run.dist.rank, step)
+        batch = run.dist.broadcast(STOPPED if drawn is None else drawn.batch)
+        if isinstance(batch, str):
+            run.checkpoints.stop_between_steps(run.cursor, run.learner)
+        assert drawn is not None
         timings.generated = timings.started + drawn.waited_s
         for name, start_ns, end_ns in drawn.phases:
             tracer.record(name, start_ns, end_ns)
         with tracer.phase("train"):
             base = {"step": step, "policy_version": run.cursor.policy_version, "lr": lr}
             base |= drawn.fields
-            result = _update(run, phase, run.dist.broadcast(drawn.batch), base, step)
+            result = _update(run, phase, batch, base, step)
         timings.trained = time.perf_counter()
         liveness.beat(f"{phase.title} step {step}: updated")
         with tracer.phase("publish_weights"):
@@ -210,6 +215,22 @@ def train_step(run: Run, phase: Phase, step: int) -> None:
             phase.source.step_done(run)
         timings.published = time.perf_counter()
         finish_step(run, phase, Outcome(step, base, drawn, result, timings))
+
+
+STOPPED = "stopped before the batch"
+"""Broadcast instead of a batch: SIGTERM came while rank 0 waited for it."""
+
+
+def _draw(run: Run, phase: Phase, step: int) -> Drawn | None:
+    """The step's batch on rank 0 (an empty Drawn elsewhere); None when SIGTERM came
+    while rank 0 waited for it."""
+    if run.main is None:
+        return Drawn(None)
+    try:
+        return phase.source.next(run, step)
+    except StopWaiting as stopped:
+        run.reporter.log(f"rlft: {stopped}; checkpointing step {run.cursor.step} instead")
+        return None
 
 
 def _update(run: Run, phase: Phase, batch, base: dict, step: int) -> StepResult:

@@ -199,7 +199,8 @@ class RolloutSource(_Source):
 
     def next(self, run: Run, step: int) -> Drawn:
         started = time.perf_counter()
-        rollouts, flow = self.session.pipeline.next(run.cursor.policy_version)
+        stopping = run.checkpoints.stopping
+        rollouts, flow = self.session.pipeline.next(run.cursor.policy_version, stopping)
         waited = time.perf_counter() - started
         if rollouts is None:
             return Drawn(None, waited_s=waited, flow=flow)
