@@ -310,6 +310,8 @@ def test_a_suspended_job_edited_and_resumed_runs_with_the_new_values(cluster, se
     done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
     assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
     assert done["status"]["observedGeneration"] == done["metadata"]["generation"]
+    resumed = cluster.logs(NS, f"{name}-trainer-0")
+    assert "rlft: resumed from the checkpoint of step" in resumed, resumed[-4000:]
     client = seaweed.client()
     summary = json.loads(
         client.get_object(Bucket=bucket, Key=f"{name}/outputs/summary.json")["Body"].read()
@@ -319,6 +321,7 @@ def test_a_suspended_job_edited_and_resumed_runs_with_the_new_values(cluster, se
     records = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
     rates = {r["step"]: r["lr"] for r in records if "lr" in r}
     assert max(rates) == 24 and rates[24] == pytest.approx(0.0005), rates
+    assert [r["step"] for r in records] == list(range(1, 25)), (records, resumed[-4000:])
     assert rates[1] == pytest.approx(0.001), rates  # before the suspend: the old rate
 
 

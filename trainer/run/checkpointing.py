@@ -25,10 +25,14 @@ from rlft.trainer.run.state import Cursor
 
 
 class StopRequested(Exception):
-    """SIGTERM arrived; the emergency checkpoint of `step` is committed."""
+    """SIGTERM arrived; the checkpoint of `step` is committed (none at step 0)."""
 
     def __init__(self, step: int):
-        super().__init__(f"stopped after the emergency checkpoint of step {step}")
+        super().__init__(
+            f"stopped after the emergency checkpoint of step {step}"
+            if step
+            else "stopped before the first step (nothing to checkpoint)"
+        )
         self.step = step
 
 
