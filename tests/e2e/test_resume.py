@@ -5,6 +5,7 @@ resume runs on 2 ranks. SIGTERM writes an emergency checkpoint and exits 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -174,6 +175,7 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 30}
     job.write_text(yaml.safe_dump(spec))
     process = start(tmp_path, "out")
+    servers: list[int] = []
     try:
         wait_for_step(tmp_path / "out", 3, process)
         servers = [
@@ -196,6 +198,9 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     finally:
         if process.poll() is None:
             kill_tree(process)
+        for pid in servers:  # a trainer that died at its grace left its server behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert process.returncode == 0, output
     assert committed_after < 15, (committed_after, output)
     assert "stopping while waiting for rollouts; checkpointing step" in output, output
