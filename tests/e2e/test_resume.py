@@ -129,6 +129,26 @@ def test_resume_on_two_ranks_continues_within_float_tolerance(tmp_path) -> None:
         torch.testing.assert_close(final[name], expected[name], rtol=1e-4, atol=1e-6)
 
 
+def assert_last_checkpoint_is_an_emergency_one_of_the_last_step(out: Path) -> None:
+    """`rlft checkpoints list`'s newest row: the last recorded step, committed, emergency."""
+    listing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlft.trainer.cli.main",
+            "checkpoints",
+            "list",
+            str(out / "checkpoints"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert listing.returncode == 0, listing.stderr
+    steps = len((out / "metrics.jsonl").read_text().splitlines())
+    rows = [line.split() for line in listing.stdout.splitlines()[1:]]
+    assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", listing.stdout
+
+
 def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
     job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
     spec = yaml.safe_load(job.read_text())
@@ -143,22 +163,7 @@ def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
     assert process.returncode == 0, output
     assert time.monotonic() - sent < 30
     assert "emergency checkpoint" in output
-    listing = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlft.trainer.cli.main",
-            "checkpoints",
-            "list",
-            str(tmp_path / "out" / "checkpoints"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert listing.returncode == 0, listing.stderr
-    steps = len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines())
-    rows = [line.split() for line in listing.stdout.splitlines()[1:]]
-    assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", listing.stdout
+    assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
 
 
 def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
@@ -204,15 +209,7 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     assert process.returncode == 0, output
     assert committed_after < 15, (committed_after, output)
     assert "stopping while waiting for rollouts; checkpointing step" in output, output
-    steps = len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines())
-    listing = subprocess.run(
-        [sys.executable, "-m", "rlft.trainer.cli.main", "checkpoints", "list", str(checkpoints)],
-        capture_output=True,
-        text=True,
-    )
-    assert listing.returncode == 0, listing.stderr
-    rows = [line.split() for line in listing.stdout.splitlines()[1:]]
-    assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", listing.stdout
+    assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
 
 
 def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
