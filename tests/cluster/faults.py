@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,12 +56,17 @@ def start_oom(cluster: ProcessCluster, pod: str) -> subprocess.Popen:
     the trainer holds at that moment (what it held when measured can be freed before the
     allocation ends: buffers of a checkpoint just written). The trainer's worker is made
     the OOM killer's first choice (oom_score_adj 1000, what a kubelet gives a BestEffort
-    container; lowering the allocator's own needs CAP_SYS_RESOURCE). Returns the
-    allocator, which is killed too once the worker's memory is freed."""
+    container; lowering the allocator's own needs CAP_SYS_RESOURCE). The worker is
+    stopped (SIGSTOP) first, so it is still there, in its cgroup, when the allocation
+    fills it: a tiny job can otherwise end within the second the allocator takes, and
+    the kernel then kills the allocator alone. Returns the allocator, which is killed
+    too once the worker's memory is freed."""
     folder = cluster.pod_folder(NS, pod)
     group = Path(json.loads((folder / "main.sandbox.json").read_text())["cgroup"])
     limit = int((group / "memory.limit_in_bytes").read_text())
-    Path(f"/proc/{worker_of(cluster, pod)}/oom_score_adj").write_text("1000")
+    worker = worker_of(cluster, pod)
+    Path(f"/proc/{worker}/oom_score_adj").write_text("1000")
+    os.kill(worker, signal.SIGSTOP)  # SIGKILL, the OOM killer's signal, still ends it
     size = limit + (256 << 20)
     return subprocess.Popen(
         [sys.executable, "-c", ALLOCATE, str(group), str(size)],
