@@ -59,6 +59,9 @@ class Learner:
         # Rank 0 samples with an unsharded copy when the policy is sharded; in a single
         # process the engine shares the policy itself, so its weights are always current.
         self.engine_model = copy.deepcopy(policy) if dist.active and dist.is_main else policy
+        self.engine_current = True
+        """Whether rank 0's engine model holds the policy's latest weights (the same on
+        every rank: every rank steps, and syncs, at the same points)."""
         self.models = Models(shard_model(policy, trainer.parallelism, dist))
         self.optimizer = self._adamw(self.models.policy, trainer.learning_rate)
         self.critic_optimizer: torch.optim.Optimizer | None = None
@@ -130,6 +133,7 @@ class Learner:
                 result.applied, result.reason = False, result.action
                 break
             self.optimizer.step()
+            self.engine_current = not self.dist.active  # one process samples the policy itself
             if self.critic_optimizer is not None:
                 clip_and_norm(list(self.models.critic.parameters()), self.trainer.grad_clip)
                 self.critic_optimizer.step()
@@ -163,6 +167,15 @@ class Learner:
         state = get_model_state_dict(self.models.policy, options=options)
         if self.dist.is_main:
             self.engine_model.load_state_dict(state)
+        self.engine_current = True
+
+    def refresh_engine_model(self) -> None:
+        """`sync_engine_model` when an update since the last sync left the engine model
+        behind: only what samples, evaluates or saves from it pays for the gather (each
+        step while generating; once per probe and at the end of a warm start). Every rank
+        calls it at the same point."""
+        if not self.engine_current:
+            self.sync_engine_model()
 
     def full_policy_state(self) -> dict[str, torch.Tensor]:
         """The whole policy state on every rank (collective when sharded)."""

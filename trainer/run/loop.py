@@ -99,6 +99,7 @@ class Run:
 
     def eval_accuracy(self) -> float:
         """Held-out greedy accuracy, computed on rank 0 and shared with every rank."""
+        self.learner.refresh_engine_model()
         value = None
         if self.main is not None:
             value = self.accuracy(self.task.eval_problems()[: self.spec.eval.max_problems])
@@ -156,6 +157,7 @@ def train(run: Run, phase: Phase) -> int:
             train_step(run, phase, step)
             if phase.stop_after is not None and phase.stop_after(step):
                 break
+        run.learner.refresh_engine_model()  # what comes next evaluates, samples or saves
     finally:
         run.reporter.stop()
         phase.source.close()
@@ -209,7 +211,6 @@ def train_step(run: Run, phase: Phase, step: int) -> None:
         timings.trained = time.perf_counter()
         liveness.beat(f"{phase.title} step {step}: updated")
         with tracer.phase("publish_weights"):
-            run.learner.sync_engine_model()
             if phase.guarded and result.applied:
                 run.set_policy_version(run.cursor.policy_version + 1)
             phase.source.step_done(run)

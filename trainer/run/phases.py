@@ -22,6 +22,7 @@ def warm_start_phase(run: Run) -> Phase:
     def reached_target(step: int) -> bool:
         if sft.stop_at_accuracy is None or step % sft.probe_every_steps:
             return False
+        run.learner.refresh_engine_model()
         accuracy = None
         if run.main is not None:
             probe = [run.task.train_problem(probe_rng) for _ in range(sft.probe_problems)]

@@ -149,6 +149,7 @@ class PairSource(_Source):
 def held_out_preferences(run: Run) -> float:
     """Share of held-out pairs whose chosen answer the policy finds more likely than the
     rejected one (summed log-probs), on rank 0."""
+    run.learner.refresh_engine_model()
     value = None
     if run.dist.is_main:
         problems = run.task.eval_problems()[: min(256, run.spec.eval.max_problems)]
@@ -217,6 +218,7 @@ class RolloutSource(_Source):
         return Drawn(batch, rollout_metrics(rollouts), waited, flow, rollouts.phases, digest)
 
     def step_done(self, run: Run) -> None:
+        run.learner.refresh_engine_model()  # the next batch is sampled from the new weights
         if self.session is not None:
             self.session.step_done(run.learner.engine_model, run.cursor)
 
