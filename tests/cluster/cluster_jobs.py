@@ -66,6 +66,8 @@ def tiny_job(
                 "promptsPerStep": 4,
                 "microBatchSize": 8,
                 "replicas": {"min": 2, "max": 2},
+                # Tiny models: keep gathered weights to the backward (half the gathers).
+                "parallelism": {"reshardAfterForward": False},
             },
             "rollout": {
                 "instances": 1,
