@@ -247,6 +247,18 @@ def _own_env(job: RLFineTune, role: str) -> list[dict[str, Any]]:
     return [e.model_dump(by_alias=True, exclude_none=True) for e in env]
 
 
+def _thread_env(resources: dict[str, Any], own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`own` (the job's variables) after OMP_NUM_THREADS from the container's CPUs, its
+    limit or else its request, rounded down (at least 1): torch otherwise starts a thread
+    per core of the node however few the pod may use, and the pods of a job sharing a
+    node fight for them. A job that sets the variable itself keeps its value."""
+    cpu = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu")
+    if cpu is None or any(e["name"] == "OMP_NUM_THREADS" for e in own):
+        return own
+    threads = max(1, math.floor(G.quantity(cpu)))
+    return [{"name": "OMP_NUM_THREADS", "value": str(threads)}, *own]
+
+
 def _volumes(job: RLFineTune) -> list[dict[str, Any]]:
     return [
         {"name": "job", "configMap": {"name": N.config_map_name(job.metadata.name)}},
@@ -300,7 +312,7 @@ def _pod(
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": command,
-        "env": _env(job, body, s) + _own_env(job, role),
+        "env": _env(job, body, s) + _thread_env(resources, _own_env(job, role)),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
         "volumeMounts": [dict(m) for m in _MOUNTS],
         "securityContext": _container_security(),

@@ -165,7 +165,8 @@ def test_every_pod_leaves_a_lost_node_after_node_lost_seconds():
 
 def test_a_roles_own_env_follows_the_operators_which_it_cannot_change():
     """spec.trainer.env reaches trainer pods, spec.rollout.env the rollout pods, after the
-    operator's variables; every variable the operator sets is one the job file refuses."""
+    operator's variables; every variable the operator sets is one the job file refuses
+    (but OMP_NUM_THREADS, which the operator sets only when the job does not)."""
     from rlft.trainer.config.job import OPERATOR_ENV
 
     secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
@@ -185,6 +186,33 @@ def test_a_roles_own_env_follows_the_operators_which_it_cannot_change():
         assert own in env
         operator_names = {e["name"] for e in env} - {own["name"]}
         assert operator_names <= OPERATOR_ENV, operator_names - OPERATOR_ENV
+
+
+def _threads(trainer: dict, rollout: dict | None = None) -> dict[str, list[str]]:
+    """OMP_NUM_THREADS values of each role's pods for a job with these sections."""
+    job, body = parsed(job_doc(trainer=trainer, rollout=rollout or {}))
+    found: dict[str, list[str]] = {}
+    for pod in M.desired(job, body, SETTINGS, "auto").pods.values():
+        env = pod["spec"]["containers"][0]["env"]
+        role = pod["metadata"]["labels"][N.LABEL_ROLE]
+        found.setdefault(role, []).extend(e["value"] for e in env if e["name"] == "OMP_NUM_THREADS")
+    return found
+
+
+def test_torch_threads_follow_the_containers_cpus_unless_the_job_sets_them():
+    """OMP_NUM_THREADS is the CPU limit, else the request, rounded down and at least 1;
+    no CPU given, no variable (torch's own default); the job's own value wins, once."""
+    cpus = {"requests": {"cpu": "16"}}
+    threads = _threads({"resources": cpus}, {"resources": {"limits": {"cpu": "2500m"}}})
+    assert set(threads[N.ROLE_TRAINER]) == {"16"} and threads[N.ROLE_ROLLOUT] == ["2"]
+    both = {"requests": {"cpu": "8"}, "limits": {"cpu": "4"}}
+    assert set(_threads({"resources": both})[N.ROLE_TRAINER]) == {"4"}
+    assert set(_threads({"resources": {"requests": {"cpu": "500m"}}})[N.ROLE_TRAINER]) == {"1"}
+    assert _threads({}) == {N.ROLE_TRAINER: [], N.ROLE_ROLLOUT: []}
+    own = {"resources": cpus, "env": [{"name": "OMP_NUM_THREADS", "value": "3"}]}
+    trainer_threads = _threads(own)[N.ROLE_TRAINER]
+    assert trainer_threads and set(trainer_threads) == {"3"}
+    assert len(trainer_threads) == len(_threads({"resources": cpus})[N.ROLE_TRAINER])
 
 
 def test_credentials_come_from_the_secret_never_the_config_map():
