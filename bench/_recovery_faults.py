@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster_jobs import ALGORITHMS, NS
+from cluster_jobs import ALGORITHMS, NS, one_trainer_per_node
 from faults import children, start_oom, worker_of
 from node_lifecycle import NODE_GRACE_S
 from s3_proxy import S3Proxy
@@ -113,7 +113,7 @@ def _store_down(ctx: Context) -> float:
 
 
 def _with_memory_limit(job: dict[str, Any]) -> None:
-    job["spec"]["trainer"]["resources"] = {"limits": {"memory": "3Gi"}}
+    job["spec"]["trainer"]["resources"]["limits"] = {"memory": "3Gi"}
 
 
 def _oom(ctx: Context) -> float:
@@ -150,7 +150,7 @@ def _kill_in_upload(ctx: Context) -> float:
 
 
 def _one_pod_per_node(job: dict[str, Any]) -> None:
-    job["spec"]["trainer"]["resources"] = {"requests": {"cpu": "3"}}
+    one_trainer_per_node(job)
     # The default schedulingTimeoutSeconds: it is also the rendezvous' join timeout, and
     # pods of a gang that start seconds apart on a busy machine must still meet.
     job["spec"]["scheduling"] = {"nodeLostSeconds": NODE_LOST_S}

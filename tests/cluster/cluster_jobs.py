@@ -68,6 +68,9 @@ def tiny_job(
                 "replicas": {"min": 2, "max": 2},
                 # Tiny models: keep gathered weights to the backward (half the gathers).
                 "parallelism": {"reshardAfterForward": False},
+                # A CPU each: the operator gives the ranks OMP_NUM_THREADS=1, so two ranks
+                # on a 2-core machine do not run 4 threads.
+                "resources": {"requests": {"cpu": "1"}},
             },
             "rollout": {
                 "instances": 1,
@@ -86,6 +89,14 @@ def tiny_job(
     }
 
 
+def one_trainer_per_node(job: dict[str, Any]) -> None:
+    """Each trainer pod asks for 3 of a node's 4 CPUs, so that one fits per node; its
+    ranks still run one thread each (the job's own OMP_NUM_THREADS, where the operator
+    would give 3 on this 2-core machine)."""
+    job["spec"]["trainer"]["resources"] = {"requests": {"cpu": "3"}}
+    job["spec"]["trainer"]["env"] = [{"name": "OMP_NUM_THREADS", "value": "1"}]
+
+
 def learnable_job(name: str, bucket: str) -> dict[str, Any]:
     """`make run`'s job (examples/tiny-grpo.yaml), shortened to 45 RL steps, on the
     cluster: a model big enough that GRPO visibly beats its warm start on held-out
@@ -94,6 +105,7 @@ def learnable_job(name: str, bucket: str) -> dict[str, Any]:
     job = tiny_job(name, bucket, {})
     spec = example["spec"]
     spec["trainer"] |= {"steps": 45, "replicas": {"min": 2, "max": 2}}
+    spec["trainer"]["resources"] = job["spec"]["trainer"]["resources"]
     # The warm start this test's margin was measured with (the example's is faster now).
     spec["algorithm"]["sft"]["learningRate"] = 0.003
     spec["rollout"] = job["spec"]["rollout"] | {"sampling": spec["rollout"]["sampling"]}

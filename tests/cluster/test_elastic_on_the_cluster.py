@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from cluster_jobs import NS, finished
+from cluster_jobs import NS, finished, one_trainer_per_node
 from faults import assert_data_exactly_once, checkpointed, faulty_job, job_status, kept_history
 from testcluster import ProcessCluster, wait_for
 
@@ -31,7 +31,7 @@ def test_an_elastic_gang_shrinks_on_a_lost_node_and_grows_back(cluster, seaweed,
     seaweed.create_bucket(bucket)
     job = faulty_job(name, bucket, steps=30)
     job["spec"]["trainer"] |= {"replicas": {"min": 2, "max": 3}}
-    job["spec"]["trainer"]["resources"] = {"requests": {"cpu": "3"}}  # one per node
+    one_trainer_per_node(job)
     job["spec"]["scheduling"] = {"nodeLostSeconds": 5}
     cluster.apply(job)
     wait_for(lambda: checkpointed(cluster, name), "a committed checkpoint", 300, every=0.5)

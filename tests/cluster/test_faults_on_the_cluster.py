@@ -143,7 +143,7 @@ def test_a_trainer_pod_oom_killed_by_its_memory_limit_is_restarted(cluster, seaw
     # 24 steps: with 16 the job could end before the allocator (started once the first
     # checkpoint is committed, on a loaded machine) filled the cgroup.
     job = faulty_job(name, bucket, steps=24)
-    job["spec"]["trainer"]["resources"] = {"limits": {"memory": "3Gi"}}
+    job["spec"]["trainer"]["resources"]["limits"] = {"memory": "3Gi"}
     cluster.apply(job)
     pod = f"{name}-trainer-0"
     saved = wait_for(lambda: checkpointed(cluster, name), "a committed checkpoint", 300, 0.5)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cluster_jobs import ALGORITHMS, NS, finished, tiny_job
+from cluster_jobs import ALGORITHMS, NS, finished, one_trainer_per_node, tiny_job
 
 CRD = Path(__file__).resolve().parents[1] / "operator" / "data" / "gang"
 COSCHEDULING_CRD = CRD / "coscheduling-podgroups-crd.yaml"
@@ -25,7 +25,7 @@ def _gang_job(name: str, bucket: str) -> dict[str, Any]:
     """DPO (no rollout pods: the gang is the 2 trainer pods), each pod 3 of a node's 4
     CPUs: one job fills both nodes' room for a trainer."""
     job = tiny_job(name, bucket, ALGORITHMS["dpo"])
-    job["spec"]["trainer"]["resources"] = {"requests": {"cpu": "3"}}
+    one_trainer_per_node(job)
     job["spec"]["scheduling"] = {"gang": {"kind": "coscheduling"}}
     return job
 

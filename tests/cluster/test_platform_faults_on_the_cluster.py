@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from cluster_jobs import NS, finished
+from cluster_jobs import NS, finished, one_trainer_per_node
 from faults import (
     assert_data_exactly_once,
     checkpointed,
@@ -152,7 +152,7 @@ def test_a_gang_below_replicas_min_waits_says_so_and_resumes_when_capacity_retur
     bucket, name = "faults-capacity", "below-min"
     seaweed.create_bucket(bucket)
     job = faulty_job(name, bucket, steps=16)
-    job["spec"]["trainer"]["resources"] = {"requests": {"cpu": "3"}}
+    one_trainer_per_node(job)
     job["spec"]["scheduling"] = {"schedulingTimeoutSeconds": 5}
     cluster.apply(job)
     wait_for(lambda: checkpointed(cluster, name), "a committed checkpoint", 300, every=0.5)
