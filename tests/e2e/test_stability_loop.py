@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -122,9 +123,13 @@ def test_persistent_blowup_is_rolled_back_and_the_run_finishes(tmp_path) -> None
     actions = {s: r["guard_action"] for s, r in by_step.items() if r["guard_action"] != "apply"}
     assert "rollback" in actions.values(), actions
     assert set(actions) <= set(range(40, 46)), actions  # only the planted steps
-    assert "rolled back to the healthy checkpoint of step 35" in output
+    # To the newest healthy checkpoint before the blow-up: step 35's, or on a loaded
+    # machine a later step's below 40, when the save due at 35 waited for step 30's upload
+    # (`poll` defers a due save while one is in flight), or step 30's if it waited past 40.
+    restored = re.search(r"rolled back to the healthy checkpoint of step (\d+)", output)
+    assert restored and 30 <= int(restored[1]) < 40, output[-3000:]
     rollback = min(s for s, a in actions.items() if a == "rollback")
-    # The restored policy (step 35's) is published as a new version: versions only grow.
+    # The restored policy is published as a new version: versions only grow.
     versions = [by_step[s]["policy_version"] for s in sorted(by_step)]
     assert versions == sorted(versions)
     assert by_step[rollback + 1]["lr"] < by_step[rollback - 1]["lr"]  # scaled down
