@@ -253,6 +253,9 @@ def test_new_instance_catches_up_from_the_store(tmp_path: Path) -> None:
         assert answer.policy_version == 2
         assert [c.token_ids for c in answer.completions] == greedy_reference(model, tokenizer)
         client.close()
+    # The ready files' folder goes with the servers; the logs stay where they were asked.
+    assert not servers._scratch.exists()
+    assert (tmp_path / "rollout-0.log").exists()
 
 
 def test_weights_published_to_s3_reach_new_and_running_instances(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,9 @@ class LocalServers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5)
+        if self._scratch != self.log_dir:
+            # Only ready files live here; a run per job left one folder behind in /tmp.
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> LocalServers:
         return self
