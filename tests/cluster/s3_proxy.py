@@ -3,9 +3,11 @@ fault tests point a job's object store at it and stall its checkpoint uploads, s
 trainer can be killed while one is in flight.
 
 Requests go to the server unchanged (the Host header too, so S3 signatures still
-verify), one connection per request. `hold(fragment)` makes every request whose path
-contains `fragment` wait until `release()`, which answers the held ones with 503 (the
-client's retry or its death decides what happens next).
+verify), one connection per request. `hold(fragment)` makes every upload (PUT, or a
+multipart POST) whose path contains `fragment` wait until `release()`, which answers the
+held ones with 503 (the client's retry or its death decides what happens next). Reads
+pass: retention's scan after a commit reads the manifests of committed steps, and holding
+one of those is not an upload in flight.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+WRITES = {"PUT", "POST"}
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection"}
 
 
@@ -59,7 +62,8 @@ class S3Proxy:
 
             def _forward(self) -> None:
                 body = self._body()
-                if proxy.held_fragment is not None and proxy.held_fragment in self.path:
+                fragment = proxy.held_fragment
+                if fragment is not None and fragment in self.path and self.command in WRITES:
                     with proxy._lock:
                         proxy.held += 1
                         proxy.held_paths.append(self.path)

@@ -25,7 +25,7 @@ from prometheus_fixtures import free_port
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
-from rlft.trainer.checkpoint.manifest import LATEST
+from rlft.trainer.checkpoint.manifest import LATEST, MANIFEST
 from rlft.trainer.storage.backends import Storage, open_storage
 
 
@@ -275,7 +275,10 @@ def test_a_gang_started_with_different_resume_arguments_loads_one_checkpoint(tmp
     """A replaced trainer pod may start with --resume=4 (say) while the survivor restarts
     with auto (→ step 6): rank 0's choice counts for both, so the run equals one that
     resumed from that checkpoint on every rank (ranks that chose differently would
-    deadlock in the load's collectives, or train a model made of two checkpoints)."""
+    deadlock in the load's collectives, or train a model made of two checkpoints).
+    The explicit step is the newest committed one but the latest: a save due at step 4
+    waits while step 2's is still being written, so on a loaded machine the first run
+    may keep 2, 5, 6 instead of 2, 4, 6."""
     spec = arithmetic_rl_spec(
         {"name": "grpo", "groupSize": 4},
         STEPS,
@@ -285,9 +288,17 @@ def test_a_gang_started_with_different_resume_arguments_loads_one_checkpoint(tmp
     first = start(tmp_path, "first", "--max-steps", "6")
     assert first.wait(timeout=600) == 0, first.stdout.read()
     shutil.copytree(tmp_path / "shared", tmp_path / "shared-copy")
+    committed = sorted(
+        int(m.parent.name[5:]) for m in (tmp_path / "shared").glob(f"step-*/{MANIFEST}")
+    )
+    assert len(committed) >= 2 and committed[-1] == 6, committed
+    explicit, latest = committed[-2], committed[-1]
 
     port = free_port()
-    gang = [_agent(tmp_path, "pod-a", "4", port), _agent(tmp_path, "pod-b", "auto", port)]
+    gang = [
+        _agent(tmp_path, "pod-a", str(explicit), port),
+        _agent(tmp_path, "pod-b", "auto", port),
+    ]
     try:
         # Ranks that chose different checkpoints deadlock in the load's collectives.
         outputs = [agent.communicate(timeout=240)[0] for agent in gang]
@@ -297,7 +308,7 @@ def test_a_gang_started_with_different_resume_arguments_loads_one_checkpoint(tmp
                 kill_tree(agent)
     assert [agent.returncode for agent in gang] == [0, 0], "\n".join(outputs)
     main = 0 if (tmp_path / "pod-a" / "model").exists() else 1
-    chosen = 4 if main == 0 else 6
+    chosen = explicit if main == 0 else latest
     assert f"resumed from the checkpoint of step {chosen}" in outputs[main], outputs[main]
 
     # The same resume on both ranks, from the untouched copy of the checkpoints.
