@@ -117,14 +117,23 @@ def _program(rule: str) -> Any:
 
 def _cel(value: Any, old: Any, schema: dict[str, Any], where: str) -> list[Problem]:
     problems: list[Problem] = []
+    if old is not None and value == old:
+        # Ratcheting (kube-apiserver ≥ 1.30): rules on a value the update left unchanged
+        # are not evaluated again, so a status write does not re-check the spec.
+        return problems
+    converted: dict[str, Any] = {}  # self and oldSelf, converted once for all the rules
     for rule in schema.get("x-kubernetes-validations") or []:
         text = rule["rule"]
         uses_old = "oldSelf" in text
         if uses_old and old is None:
             continue  # transition rules only run on updates
-        activation = {"self": celpy.json_to_cel(value)}
+        if not converted:
+            converted["self"] = celpy.json_to_cel(value)
+        if uses_old and "oldSelf" not in converted:
+            converted["oldSelf"] = celpy.json_to_cel(old)
+        activation = {"self": converted["self"]}
         if uses_old:
-            activation["oldSelf"] = celpy.json_to_cel(old)
+            activation["oldSelf"] = converted["oldSelf"]
         try:
             ok = bool(_program(text).evaluate(activation))
         except Exception as error:  # a rule that cannot evaluate rejects, as in the API server

@@ -272,6 +272,21 @@ def test_identity_fields_are_immutable_once_started():
     assert validate(new, SCHEMA, old)[1] == []
 
 
+def test_rules_on_values_an_update_leaves_unchanged_are_ratcheted():
+    """As kube-apiserver (≥ 1.30) does: a status write does not re-check rules on a
+    spec it left as it was (an object stored before a rule tightened stays writable),
+    while the same value written as a change is checked."""
+    stored = _running(_example())
+    stored["spec"]["trainer"]["replicas"] = {"min": 3, "max": 2}  # breaks a CEL rule
+    status_write = yaml.safe_load(yaml.safe_dump(stored))
+    status_write["status"]["step"] = 7
+    assert validate(status_write, SCHEMA, stored)[1] == []
+    before = yaml.safe_load(yaml.safe_dump(stored))
+    before["spec"]["trainer"]["replicas"] = {"min": 1, "max": 2}
+    problems = validate(status_write, SCHEMA, before)[1]
+    assert [p.field for p in problems] == ["spec.trainer.replicas.min"], problems
+
+
 # ------------------------------------------------------- a role's own pod settings
 
 _SOURCES = {
