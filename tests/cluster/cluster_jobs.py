@@ -4,6 +4,9 @@ RLFineTune's status through kubectl, Prometheus targets, held-out accuracy."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,20 +100,76 @@ def one_trainer_per_node(job: dict[str, Any]) -> None:
     job["spec"]["trainer"]["env"] = [{"name": "OMP_NUM_THREADS", "value": "1"}]
 
 
-def learnable_job(name: str, bucket: str) -> dict[str, Any]:
-    """`make run`'s job (examples/tiny-grpo.yaml), shortened to 45 RL steps, on the
-    cluster: a model big enough that GRPO visibly beats its warm start on held-out
-    problems (on two trainer pods here, 2026-12-01: 0.470 → 0.746 in 60 steps)."""
-    example = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
+EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
+
+
+def warm_start_of_the_example(folder: Path) -> Path:
+    """`make run`'s warm start (and its first GRPO step), run here in one process as
+    `rlft train`: the Hugging Face folder a user would bring to a cluster job. One
+    process does these supervised steps in a fraction of the CPU two ranks need."""
+    run = folder / "run"
+    command = [sys.executable, "-m", "rlft.trainer.cli.main", "train", str(EXAMPLE)]
+    command += ["--out", str(run), "--max-steps", "1"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return run / "model"
+
+
+def learnable_job(name: str, bucket: str, model_path: str) -> dict[str, Any]:
+    """`make run`'s job (examples/tiny-grpo.yaml) from a warm-started model folder at
+    `model_path`, 45 RL steps on the cluster: a model big enough that GRPO visibly beats
+    its start on held-out problems (two trainer pods here, 2026-12-02: 0.360 → 0.768)."""
+    example = yaml.safe_load(EXAMPLE.read_text())
     job = tiny_job(name, bucket, {})
     spec = example["spec"]
+    spec["model"] = {"path": model_path}
+    spec["algorithm"]["sft"] = {"steps": 0}
     spec["trainer"] |= {"steps": 45, "replicas": {"min": 2, "max": 2}}
     spec["trainer"]["resources"] = job["spec"]["trainer"]["resources"]
-    # The warm start this test's margin was measured with (the example's is faster now).
-    spec["algorithm"]["sft"]["learningRate"] = 0.003
     spec["rollout"] = job["spec"]["rollout"] | {"sampling": spec["rollout"]["sampling"]}
     spec["checkpoint"] = job["spec"]["checkpoint"] | {"intervalSteps": 20}
     return job | {"spec": spec}
+
+
+def mount_a_claim(
+    cluster: ProcessCluster, job: dict[str, Any], folder: Path, claim: str, at: str
+) -> None:
+    """`folder` as a hostPath PersistentVolume, bound to the claim `claim`, mounted
+    read-only at `at` in the job's trainer and rollout pods (through `spec.<role>.pod`):
+    how a user brings a model and data that are not in the image."""
+    cluster.api.create(
+        "persistentvolumes",
+        None,
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{claim}-volume"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadOnlyMany"],
+                "hostPath": {"path": str(folder)},
+            },
+        },
+    )
+    cluster.api.create(
+        "persistentvolumeclaims",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": NS},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "resources": {"requests": {"storage": "1Gi"}},
+                "volumeName": f"{claim}-volume",
+            },
+        },
+    )
+    volume = {"name": "assets", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    pod = {"volumes": [volume], "volumeMounts": [{"name": "assets", "mountPath": at}]}
+    job["spec"]["trainer"]["pod"] = pod
+    job["spec"]["rollout"]["pod"] = pod
 
 
 def held_out_accuracy(job: dict[str, Any], model_dir: Path, tmp_path: Path) -> float:

@@ -17,8 +17,10 @@ from cluster_jobs import (
     finished,
     held_out_accuracy,
     learnable_job,
+    mount_a_claim,
     rlft,
     tiny_job,
+    warm_start_of_the_example,
 )
 from testcluster import wait_for
 from tiny_jobs import TINY_INIT
@@ -33,7 +35,12 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     seaweed.create_bucket(bucket)
     name = f"tiny-{algorithm}"
     learns = algorithm == "grpo"
-    job = learnable_job(name, bucket) if learns else tiny_job(name, bucket, ALGORITHMS[algorithm])
+    if learns:  # from a warm-started model on a claim, as a user brings one
+        warm = warm_start_of_the_example(tmp_path / "warm")
+        job = learnable_job(name, bucket, "/assets/model")
+        mount_a_claim(cluster, job, warm, "warm-start", "/assets/model")
+    else:
+        job = tiny_job(name, bucket, ALGORITHMS[algorithm])
     cluster.apply(job)
     seen_steps: list[int] = []
     seen_checkpoint = []
@@ -83,7 +90,9 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
             target.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, key, str(target))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    assert model.config.hidden_size == job["spec"]["model"]["init"]["hiddenSize"]
+    started = AutoModelForCausalLM.from_pretrained(warm) if learns else None
+    expected = started.config.hidden_size if learns else TINY_INIT["hiddenSize"]
+    assert model.config.hidden_size == expected
     if learns:  # ...and beats the warm start on held-out problems
         accuracy = held_out_accuracy(job, model_dir, tmp_path)
         assert accuracy == pytest.approx(summary["eval_accuracy_final"], abs=0.01), summary

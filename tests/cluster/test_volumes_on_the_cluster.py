@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-from cluster_jobs import ALGORITHMS, NS, finished, tiny_job
+from cluster_jobs import ALGORITHMS, NS, finished, mount_a_claim, tiny_job
 from testcluster import wait_for
 from tiny_jobs import TINY_INIT
 
@@ -49,34 +49,6 @@ def test_a_job_whose_model_and_data_come_from_a_claim_succeeds(cluster, seaweed,
     volume.mkdir()
     _write_assets(volume)
     before = _files(volume)
-    cluster.api.create(
-        "persistentvolumes",
-        None,
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": "assets-volume"},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadOnlyMany"],
-                "hostPath": {"path": str(volume)},
-            },
-        },
-    )
-    cluster.api.create(
-        "persistentvolumeclaims",
-        NS,
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": CLAIM, "namespace": NS},
-            "spec": {
-                "accessModes": ["ReadOnlyMany"],
-                "resources": {"requests": {"storage": "1Gi"}},
-                "volumeName": "assets-volume",
-            },
-        },
-    )
     bucket, name = "volumes", "from-a-claim"
     seaweed.create_bucket(bucket)
     job = tiny_job(name, bucket, ALGORITHMS["grpo"])
@@ -86,10 +58,7 @@ def test_a_job_whose_model_and_data_come_from_a_claim_succeeds(cluster, seaweed,
         "source": "jsonl",
         "jsonl": {"train": "/assets/data/train.jsonl", "eval": "/assets/data/eval.jsonl"},
     }
-    claim = {"name": "assets", "persistentVolumeClaim": {"claimName": CLAIM, "readOnly": True}}
-    pod = {"volumes": [claim], "volumeMounts": [{"name": "assets", "mountPath": "/assets"}]}
-    spec["trainer"]["pod"] = pod
-    spec["rollout"]["pod"] = pod
+    mount_a_claim(cluster, job, volume, CLAIM, "/assets")
     cluster.apply(job)
     done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
     status = done["status"]
