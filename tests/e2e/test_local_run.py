@@ -174,7 +174,10 @@ def test_rlft_console_script_runs_validate() -> None:
     assert "valid RLFineTune 'tiny-grpo'" in result.stdout
 
 
-def test_warm_start_stops_once_the_probe_reaches_its_target(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_warm_start_stops_once_the_probe_reaches_its_target(tmp_path: Path, ranks: int) -> None:
+    """On two ranks rank 0's probe decides for both (ranks stopping at different steps
+    would deadlock in the next step's collectives)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"{i}?", "answer": "7"}) + "\n" for i in range(30))
@@ -198,7 +201,9 @@ def test_warm_start_stops_once_the_probe_reaches_its_target(tmp_path: Path) -> N
         "rollout": {"sampling": {"maxNewTokens": 2}},
     }
     out = tmp_path / "out"
-    assert main(["train", str(write_job(tmp_path / "job.yaml", spec)), "--out", str(out)]) == 0
+    job = str(write_job(tmp_path / "job.yaml", spec))
+    assert main(["train", job, "--out", str(out), "--nproc", str(ranks)]) == 0
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == ranks
     assert summary["sft_steps"] < 300 and summary["sft_steps"] % 5 == 0
     assert summary["eval_accuracy_sft"] >= 0.9
