@@ -178,7 +178,9 @@ class S3Storage:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._client = _session(credentials).client("s3", endpoint_url=options.endpoint_url, config=config)
+        self._client = _session(credentials).client(
+            "s3", endpoint_url=options.endpoint_url, config=config
+        )
         part = options.part_size_mb << 20
         self._transfer = TransferConfig(
             multipart_threshold=part,
