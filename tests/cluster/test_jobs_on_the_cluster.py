@@ -24,7 +24,7 @@ from cluster_jobs import (
 )
 from testcluster import wait_for
 from tiny_jobs import TINY_INIT
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -36,9 +36,9 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     name = f"tiny-{algorithm}"
     learns = algorithm == "grpo"
     if learns:  # from a warm-started model on a claim, as a user brings one
-        warm = warm_start_of_the_example(tmp_path / "warm")
-        job = learnable_job(name, bucket, "/assets/model")
-        mount_a_claim(cluster, job, warm, "warm-start", "/assets/model")
+        warm, at = warm_start_of_the_example(tmp_path / "warm"), "/assets/model"
+        job = learnable_job(name, bucket, at)
+        mount_a_claim(cluster, job, warm, "warm-start", at)
     else:
         job = tiny_job(name, bucket, ALGORITHMS[algorithm])
     cluster.apply(job)
@@ -90,9 +90,9 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
             target.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, key, str(target))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    started = AutoModelForCausalLM.from_pretrained(warm) if learns else None
-    expected = started.config.hidden_size if learns else TINY_INIT["hiddenSize"]
-    assert model.config.hidden_size == expected
+    expected = AutoConfig.from_pretrained(warm) if learns else None
+    hidden = expected.hidden_size if learns else TINY_INIT["hiddenSize"]
+    assert model.config.hidden_size == hidden
     if learns:  # ...and beats the warm start on held-out problems
         accuracy = held_out_accuracy(job, model_dir, tmp_path)
         assert accuracy == pytest.approx(summary["eval_accuracy_final"], abs=0.01), summary
