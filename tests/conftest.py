@@ -7,6 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# One thread per process, for the test processes and all they start (rlft train, torchrun
+# ranks, rollout servers) unless a test sets its own: make test runs three workers and
+# their jobs on two cores, where torch's default of a thread per core leaves threads
+# spinning for cores the other processes hold. Speed is measured by bench/, not here.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
 from hypothesis import settings
 

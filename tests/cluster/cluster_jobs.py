@@ -79,6 +79,11 @@ def tiny_job(
                 "instances": 1,
                 "engine": "transformers",
                 "sampling": {"maxNewTokens": 4},
+                # No CPU request (the scheduling tests count the trainers' CPUs only), so
+                # the operator sets no thread count: one thread, as `rlft train`'s local
+                # rollout servers run, instead of torch's one per core spinning beside
+                # the ranks on a loaded 2-core machine.
+                "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
                 **(rollout or {}),
             },
             "checkpoint": {
