@@ -66,8 +66,32 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         # stopped by SIGTERM never arrives there: the pod would hold its name and slot
         # until its grace runs out. Exiting non-zero ends the agent at once; the verdict
         # (exit code 0, stopped) is what the operator reads.
+        if not summary.get("signalled", True):
+            _await_own_agent(AGENT_NOTICE_SECONDS)
         return ExitCode.FAILURE
     return code
+
+
+AGENT_NOTICE_SECONDS = 5.0
+"""How long a rank stopped by a peer's SIGTERM waits for its own agent's (see below)."""
+
+
+def _await_own_agent(seconds: float) -> None:
+    """Wait up to `seconds` for this worker's own SIGTERM. When a node joins an elastic
+    gang, each torchrun agent stops its workers when it next polls the rendezvous (up to
+    about a second apart); the first worker stopped shares the stop with every rank, and
+    a rank that exited before its agent noticed would read to that agent as a worker
+    failure, ending the gang instead of growing it. A peer preempted alone sends no
+    SIGTERM here: after the wait this rank exits as before."""
+    import signal
+    import threading
+
+    arrived = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: arrived.set())
+    try:
+        arrived.wait(seconds)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _other_agents() -> bool:

@@ -121,7 +121,9 @@ def run_job(
         extra = phase.source.summary(run)
     except StopRequested as stop:
         reporter.log(f"rlft: {stop}; exiting so the job can resume later")
-        return {"stopped_at_step": stop.step, "exit_code": ExitCode.OK}
+        # `signalled`: this process's own SIGTERM, not only a peer's shared by the loop.
+        signalled = run.checkpoints.stop.requested
+        return {"stopped_at_step": stop.step, "exit_code": ExitCode.OK, "signalled": signalled}
     except RunEnded as ended:
         reporter.log(f"rlft: {ended}")
         return {"ended": str(ended), "exit_code": ended.code}
