@@ -30,9 +30,10 @@ def cluster(tmp_path_factory, seaweed) -> Iterator[ProcessCluster]:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> list[tuple[int, str]]:
-    """(step, data digest) of the fault tests' job run without a fault, 30 steps: the
-    sequence every faulty run's kept history must repeat."""
-    return uninterrupted(faulty_job("reference", "none"), tmp_path_factory.mktemp("ref"), 30)
+    """(step, data digest) of the fault tests' job run without a fault, 45 steps (the
+    longest of them, the elastic gang's): the sequence every faulty run's kept history
+    must repeat."""
+    return uninterrupted(faulty_job("reference", "none"), tmp_path_factory.mktemp("ref"), 45)
 
 
 @pytest.fixture(scope="module")
