@@ -85,6 +85,8 @@ class Decision:
 
 STUCK_TERMINATING_SECONDS = 15.0
 """How long past its grace period a Terminating pod may stay before it is force-deleted."""
+SCHEDULER_REASON_POLL_SECONDS = 2.0
+"""After the scheduling timeout, how soon to look again for the scheduler's reason."""
 
 
 class _Run:
@@ -655,6 +657,10 @@ class _Run:
             )
             if set_condition(st, "Scheduled", "False", "Unschedulable", message, now):
                 self.event("Warning", "Unschedulable", message)
+            if not why:
+                # The scheduler has not said why yet (it may not have tried the pod since
+                # the timeout began): look again soon, so the condition names the reason.
+                self.requeue(SCHEDULER_REASON_POLL_SECONDS)
         else:
             set_condition(
                 st,

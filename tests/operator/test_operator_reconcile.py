@@ -5,7 +5,7 @@ restarts than maxRestarts in the window, never a lost checkpoint reference."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -179,6 +179,28 @@ def test_scheduling_timeout_sets_scheduled_false_once():
     assert "Insufficient nvidia.com/gpu" in scheduled.message
     assert w.status.phase == "Pending"  # waiting is not failing
     w.step()
+    assert w.events.count("Unschedulable") == 1
+
+
+def test_a_timeout_before_the_schedulers_reason_looks_again_until_it_is_named():
+    """The scheduler had not tried the pending pod when the timeout ran out (a loaded
+    scheduler): the condition says Unschedulable at once and names the reason as soon
+    as the pod carries it, with one Event."""
+    w = _world(scheduling={"schedulingTimeoutSeconds": 5})
+    w.step()
+    tried = dict(w.pods)
+    w.pods = {name: replace(pod, unschedulable="") for name, pod in tried.items()}
+    w.tick(6)
+    d = w.step()
+    scheduled = {c.type: c for c in w.status.conditions}["Scheduled"]
+    assert scheduled.status == "False" and scheduled.reason == "Unschedulable"
+    assert "Insufficient" not in scheduled.message
+    assert d.requeue_after is not None and d.requeue_after <= 5
+    w.pods = tried  # the scheduler has tried them now
+    w.tick(d.requeue_after)
+    w.step()
+    scheduled = {c.type: c for c in w.status.conditions}["Scheduled"]
+    assert "Insufficient nvidia.com/gpu" in scheduled.message
     assert w.events.count("Unschedulable") == 1
 
 
