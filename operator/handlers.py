@@ -31,10 +31,11 @@ from rlft.operator import crd
 from rlft.operator import creation as C
 from rlft.operator import manifests as M
 from rlft.operator import names as N
+from rlft.operator.decision import Decision, Observed, invalid_spec
 from rlft.operator.kube import ApiError, Connection, Kube, fetch_json
 from rlft.operator.metrics import OperatorMetrics
 from rlft.operator.observe import PodView, pod_view, trainer_report
-from rlft.operator.reconcile import Decision, Observed, invalid_spec, reconcile
+from rlft.operator.reconcile import reconcile
 from rlft.operator.status import RLFineTuneStatus
 from rlft.trainer.config import JobFileError, parse_job
 

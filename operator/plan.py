@@ -27,7 +27,8 @@ import yaml
 
 from rlft.operator import crd
 from rlft.operator import manifests as M
-from rlft.operator.reconcile import Observed, reconcile
+from rlft.operator.decision import Observed
+from rlft.operator.reconcile import reconcile
 from rlft.operator.status import RLFineTuneStatus
 from rlft.trainer.config import RLFineTune, dump_job, parse_job
 

@@ -16,15 +16,11 @@ from jobs import job_doc, parsed
 from pods import view
 
 from rlft.operator import failures as P
+from rlft.operator.decision import Decision, Observed
 from rlft.operator.observe import PodView, TrainerReport
-from rlft.operator.reconcile import (
-    STUCK_TERMINATING_SECONDS,
-    Decision,
-    Observed,
-    parse_time,
-    reconcile,
-)
-from rlft.operator.status import RLFineTuneStatus
+from rlft.operator.reconcile import reconcile
+from rlft.operator.responses import STUCK_TERMINATING_SECONDS
+from rlft.operator.status import RLFineTuneStatus, parse_time
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.termination import Verdict
 

@@ -1,0 +1,68 @@
+"""What one reconcile sees and decides: the operator's state machine (reconcile.py) takes
+`Observed` and returns a `Decision`, which handlers.py applies to the API server."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from rlft.operator import failures as P
+from rlft.operator.observe import PodView, TrainerReport
+from rlft.operator.status import FailureRecord, rfc3339
+from rlft.operator.status import RLFineTuneStatus as Status
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post on the RLFineTune: one per decision."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What exists now."""
+
+    pods: list[PodView] = field(default_factory=list)
+    config_maps: frozenset[str] = frozenset()
+    services: frozenset[str] = frozenset()
+    report: TrainerReport | None = None
+    config_data: Mapping[str, str] = field(default_factory=dict)
+    """The job file in each ConfigMap (by name), where known."""
+
+
+@dataclass
+class Decision:
+    status: Status
+    create: list[dict[str, Any]] = field(default_factory=list)
+    update: list[dict[str, Any]] = field(default_factory=list)
+    """ConfigMaps to re-render (their `data` replaces the stored one), before any create."""
+    delete_pods: list[str] = field(default_factory=list)
+    force_delete_pods: list[str] = field(default_factory=list)
+    """Pods still Terminating STUCK_TERMINATING_SECONDS (responses.py) past their grace: their kubelet is
+    gone (a lost node), so only a force deletion frees the slot for a replacement."""
+    events: list[Event] = field(default_factory=list)
+    set_suspend: bool = False
+    """Ask for spec.suspend=true (a collapse with onCollapse=suspend): the user resumes."""
+    requeue_after: float | None = None
+    """Reconcile again after this many seconds even if nothing changes."""
+
+
+def invalid_spec(status: Status, problems: list[str], now: datetime) -> Decision:
+    """A custom resource the API server accepted but pydantic rejects (the CRD cannot say
+    everything): fail it once, naming every field."""
+    st = status.model_copy(deep=True)
+    message = "invalid spec: " + "; ".join(problems)
+    d = Decision(status=st)
+    if st.phase != "Failed" or st.message != message[:1024]:
+        d.events.append(Event("Warning", "InvalidSpec", message[:1024]))
+    st.phase = "Failed"
+    st.message = message[:1024]
+    st.last_failure = FailureRecord(
+        reason=P.INVALID_CONFIG, time=rfc3339(now), message=message[:1024], action="fail the job"
+    )
+    return d

@@ -1,0 +1,293 @@
+"""How the operator answers a failed or vanished pod (one reconcile's rules, mixed into
+reconcile.py's `_Run`): fail the job, restart the trainer gang or one pod within the
+restart budget, force-delete a pod whose node is gone. Pure, like reconcile.py."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from rlft.operator import failures as P
+from rlft.operator import names as N
+from rlft.operator.decision import Decision, Event
+from rlft.operator.observe import PodView
+from rlft.operator.status import FailureRecord, parse_time, rfc3339, set_condition
+from rlft.operator.status import RLFineTuneStatus as Status
+from rlft.trainer.config import RLFineTuneSpec
+
+STUCK_TERMINATING_SECONDS = 15.0
+"""How long past its grace period a Terminating pod may stay before it is force-deleted."""
+
+
+def gang_uid(gang_entry: str) -> str:
+    """The pod uid of a `status.gangPods` entry (`name/uid`)."""
+    return gang_entry.rpartition("/")[2]
+
+
+class FailureResponses:
+    """The failure rules of one reconcile; `_Run` provides the state below."""
+
+    st: Status
+    d: Decision
+    spec: RLFineTuneSpec
+    now: datetime
+    pods: dict[str, PodView]
+    handled: set[str]
+    deleted: set[str]
+    group_restart: bool
+
+    def event(self, kind: str, reason: str, message: str) -> None:
+        self.d.events.append(Event(kind, reason, message))
+
+    def delete(self, pod: PodView) -> None:
+        # Gone by the operator's hand: no loss.
+        self.st.gang_pods = [e for e in self.st.gang_pods if gang_uid(e) != pod.uid]
+        if pod.name not in self.deleted and not pod.deleting:
+            self.deleted.add(pod.name)
+            self.d.delete_pods.append(pod.name)
+
+    def requeue(self, seconds: float) -> None:
+        seconds = max(seconds, 0.05)
+        if self.d.requeue_after is None or seconds < self.d.requeue_after:
+            self.d.requeue_after = seconds
+
+    def fail(self, reason: str, message: str, failure: P.Failure | None = None) -> None:
+        self.st.phase = "Failed"
+        self.st.message = message
+        self.st.next_restart_at = None
+        self.st.last_failure = FailureRecord(
+            reason=reason,
+            pod=failure.pod if failure else "",
+            time=rfc3339(self.now),
+            exit_code=failure.exit_code if failure else None,
+            message=(failure.message if failure else "")[-1024:],
+            action="fail the job",
+        )
+        set_condition(self.st, "Ready", "False", reason, message, self.now)
+        set_condition(self.st, "Progressing", "False", "Failed", message, self.now)
+        self.event("Warning", "Failed", message)
+
+    def handle_failures(self) -> None:
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            # A pod being deleted is ours to judge only when the cluster says why (a
+            # preemption, an eviction: DisruptionTarget), once its container has ended.
+            if pod.uid in self.handled or (pod.deleting and not pod.disruption):
+                continue
+            failure = P.classify(pod)
+            if failure is None:
+                continue
+            self.handled.add(pod.uid)
+            self.respond(failure)
+            if self.st.phase == "Failed" or self.d.set_suspend:
+                return
+
+    def respond(self, f: P.Failure) -> None:
+        st = self.st
+        what = f"{f.kind} of pod {f.pod}" + (f" (exit code {f.exit_code})" if f.exit_code else "")
+        if f.permanent:
+            self.fail(f.kind, f"{what}: permanent error, not restarted", f)
+            return
+        if f.kind == P.COLLAPSED:
+            # The trainer owns the response to a collapse (it rolls back in process, per
+            # spec.stability); exiting 3 means its policy ended the run.
+            why = f": {f.message}" if f.message else ""
+            self.fail(P.COLLAPSED, f"{what}: the trainer's stability guard ended the run{why}", f)
+            return
+        if f.kind == P.RENDEZVOUS and self.gang_unplaced():
+            # A gang that could not meet because one of its pods has no node yet is
+            # waiting for capacity, not failing: it costs no restart budget.
+            self.event(
+                "Normal",
+                "Waiting",
+                f"{what}: a trainer pod is not scheduled yet, so the gang could not meet; "
+                "restarting its rendezvous (not counted against restartPolicy)",
+            )
+            self.record(f, "restart the trainer gang, waiting for capacity")
+            st.phase, st.message = "Restarting", "waiting for the trainer gang to be placed"
+            st.resume = "latest-healthy"
+            self.restart_gang()
+            return
+        budget = P.ask_restart(
+            [t for t in (parse_time(x) for x in st.restart_history) if t is not None],
+            self.now,
+            max_restarts=self.spec.restart_policy.max_restarts,
+            window_minutes=self.spec.restart_policy.window_minutes,
+            backoff=self.spec.restart_policy.backoff_seconds,
+        )
+        if not budget.allowed:
+            limit = self.spec.restart_policy.max_restarts
+            window = self.spec.restart_policy.window_minutes
+            self.fail(
+                "TooManyRestarts",
+                f"{what}: {len(budget.history)} restarts in the last {window:g} min, "
+                f"maxRestarts is {limit}",
+                f,
+            )
+            return
+        st.restart_history = [rfc3339(t) for t in budget.history]
+        st.restarts += 1
+        next_at = self.now + timedelta(seconds=budget.delay)
+        current = parse_time(st.next_restart_at)
+        if current is None or next_at > current:
+            st.next_restart_at = rfc3339(next_at)
+        # A trainer is one rank of a gang whose other ranks cannot go on without it (the
+        # rendezvous lives on trainer-0; torchrun restarts nothing): restart them all.
+        gang = f.group or f.role == N.ROLE_TRAINER
+        scope = "the trainer gang" if gang else f"pod {f.pod}"
+        action = (
+            f"restart {scope} in {budget.delay:g} s (restart {len(budget.history)} of "
+            f"{self.spec.restart_policy.max_restarts} in the window)"
+        )
+        self.record(f, action)
+        self.event("Warning", "Restarting", f"{what}: {action}")
+        if f.role == N.ROLE_TRAINER:
+            st.resume = "latest-healthy"
+            st.phase = "Restarting"
+            st.message = f"restarting after {f.kind}"
+        if gang:
+            self.restart_gang()
+        elif f.pod in self.pods:
+            self.delete(self.pods[f.pod])
+
+    def record(self, f: P.Failure, action: str) -> None:
+        self.st.last_failure = FailureRecord(
+            reason=f.kind,
+            pod=f.pod,
+            time=rfc3339(self.now),
+            exit_code=f.exit_code,
+            message=f.message[-1024:],
+            action=action,
+        )
+
+    def hidden_oom(self) -> None:
+        """A rank OOM-killed is often judged second: its peers' broken collectives end
+        them first, and the gang restart that follows marks it handled. Its OOMKilled is
+        still the cause the user must act on, so it becomes the last failure (the
+        restart is counted once already) with one Event."""
+        last = self.st.last_failure
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            if pod.uid not in self.handled or pod.terminated_reason != P.OOM:
+                continue
+            if last is not None and (last.reason, last.pod) == (P.OOM, pod.name):
+                continue
+            message = (
+                f"pod {pod.name} was OOM-killed at its memory limit while the gang restarted "
+                f"after {last.reason if last else 'a failure'} of {last.pod if last else '?'}; "
+                "raise the role's resources.limits.memory if it recurs"
+            )
+            action = last.action if last is not None else "restart the trainer gang"
+            self.record(
+                P.Failure(P.OOM, pod.name, pod.uid, pod.role, pod.exit_code, message), action
+            )
+            self.event("Warning", P.OOM, message)
+            return
+
+    def gang_unplaced(self) -> bool:
+        """Fewer than replicas.min trainer pods of the current gang have a node (the rest
+        are Pending, or not created yet: their slot still held by a terminating pod), so
+        the gang could not have met."""
+        placed = [
+            p for p in self.pods.values()
+            if p.role == N.ROLE_TRAINER and p.scheduled and not p.deleting
+        ]  # fmt: skip
+        return len(placed) < self.spec.trainer.replicas.min
+
+    def restart_gang(self) -> None:
+        self.group_restart = True
+        self.st.gang_pods = []
+        self.st.gang_attempt += 1  # a rendezvous of its own (see the status field)
+        for pod in self.pods.values():
+            if pod.role == N.ROLE_TRAINER:
+                self.handled.add(pod.uid)  # their SIGTERM exits are not new failures
+                self.delete(pod)
+
+    def force_stuck(self) -> None:
+        """A pod deleted gracefully that is still there well past its grace period has no
+        kubelet to finish the deletion (its node is lost): force-delete it, so that its
+        slot, whose name is fixed, can be filled again."""
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            if pod.on_lost_node:
+                # Its node was silent for nodeLostSeconds already: waiting out the grace
+                # too would only keep the slot empty (no kubelet runs the shutdown).
+                self.d.force_delete_pods.append(pod.name)
+                self.event(
+                    "Warning",
+                    "ForceDeleted",
+                    f"pod {pod.name} was evicted from a node that stopped reporting: "
+                    "force-deleted so it can be replaced",
+                )
+                continue
+            deadline = parse_time(pod.deletion_deadline) if pod.deleting else None
+            if deadline is None:
+                continue
+            late = (self.now - deadline).total_seconds()
+            if late < STUCK_TERMINATING_SECONDS:
+                self.requeue(STUCK_TERMINATING_SECONDS - late)
+                continue
+            self.d.force_delete_pods.append(pod.name)
+            self.event(
+                "Warning",
+                "ForceDeleted",
+                f"pod {pod.name} still Terminating {late:.0f} s after its grace period "
+                "ended (its node stopped reporting?): force-deleted so it can be replaced",
+            )
+
+    def lost_trainers(self) -> None:
+        """A trainer pod that vanished (deleted, evicted, its node gone) while the rest of
+        its gang lives: the survivors' ranks are broken, so the gang restarts."""
+        st = self.st
+        if self.group_restart:
+            return
+        trainers = {p.uid: p for p in self.pods.values() if p.role == N.ROLE_TRAINER}
+        gone = [entry for entry in st.gang_pods if gang_uid(entry) not in trainers]
+        st.gang_pods = [entry for entry in st.gang_pods if gang_uid(entry) in trainers]
+        known = {gang_uid(entry) for entry in st.gang_pods}
+        # Pods the operator deleted (a restarted gang's, still seen running for a while)
+        # are handled: their going is no loss.
+        st.gang_pods += [
+            f"{p.name}/{u}" for u, p in trainers.items()
+            if p.running and u not in known and u not in self.handled
+        ]  # fmt: skip
+        if not gone or st.phase not in ("Running", "Restarting"):
+            return
+        name, _, uid = gone[0].rpartition("/")
+        self.respond(
+            P.Failure(
+                kind=P.ERROR,
+                pod=name,
+                uid=uid,
+                role=N.ROLE_TRAINER,
+                message=f"trainer pod {name} of the running gang is gone (deleted, evicted "
+                "or its node lost)",
+                group=True,
+            )
+        )
+
+    def stopped_early(self, exited: list[PodView]) -> None:
+        """Every trainer exited 0 but rank 0 did not report completion (they stopped
+        after an emergency checkpoint, say): a retryable failure of the gang."""
+        fresh = [p for p in exited if p.uid not in self.handled]
+        if not fresh:
+            return
+        self.handled.update(p.uid for p in fresh)
+        first = fresh[0]
+        paused = next((p for p in fresh if p.verdict is not None and p.verdict.collapsed), None)
+        if paused is not None:  # the trainer's guard paused the run: the job is suspended
+            message = f"the trainer paused after a collapse: {paused.verdict.message}"
+            self.d.set_suspend = True
+            self.record(
+                P.Failure(P.COLLAPSED, paused.name, paused.uid, N.ROLE_TRAINER, 0, message),
+                "suspend the job",
+            )
+            self.event("Warning", "Collapsed", f"{message}; suspending the job")
+            return
+        self.respond(
+            P.Failure(
+                kind=P.ERROR,
+                pod=first.name,
+                uid=first.uid,
+                role=N.ROLE_TRAINER,
+                exit_code=0,
+                message="the trainers exited before rank 0 reported the job complete",
+                group=True,
+            )
+        )
