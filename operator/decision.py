@@ -43,8 +43,8 @@ class Decision:
     """ConfigMaps to re-render (their `data` replaces the stored one), before any create."""
     delete_pods: list[str] = field(default_factory=list)
     force_delete_pods: list[str] = field(default_factory=list)
-    """Pods still Terminating STUCK_TERMINATING_SECONDS (responses.py) past their grace: their kubelet is
-    gone (a lost node), so only a force deletion frees the slot for a replacement."""
+    """Pods still Terminating STUCK_TERMINATING_SECONDS (responses.py) past their grace:
+    their kubelet is gone (a lost node), so only a force deletion frees the slot."""
     events: list[Event] = field(default_factory=list)
     set_suspend: bool = False
     """Ask for spec.suspend=true (a collapse with onCollapse=suspend): the user resumes."""

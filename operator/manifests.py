@@ -28,70 +28,10 @@ import yaml
 
 from rlft.operator import gang as G
 from rlft.operator import names as N
-from rlft.operator import options, pod_options, probes
+from rlft.operator import pod_spec as P
+from rlft.operator import probes
+from rlft.operator.pod_spec import JOB_FILE, WORKSPACE, Settings
 from rlft.trainer.config import RLFineTune, dump_job
-from rlft.trainer.config.algorithm import SOURCES
-
-CONFIG_DIR = "/etc/rlft"
-JOB_FILE = f"{CONFIG_DIR}/job.yaml"
-WORKSPACE = "/workspace"
-GPU_RESOURCE = "nvidia.com/gpu"
-TERMINATION_LOG = "/dev/termination-log"
-"""Where each container writes its verdict (the Kubernetes default path)."""
-# Keys read from spec.checkpoint.credentialsSecret (the usual S3 environment variables).
-CREDENTIAL_KEYS = (
-    ("AWS_ACCESS_KEY_ID", False),
-    ("AWS_SECRET_ACCESS_KEY", False),
-    ("AWS_SESSION_TOKEN", True),
-    ("AWS_ENDPOINT_URL", True),
-    ("AWS_REGION", True),
-)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Operator-wide knobs of the pods it builds (not part of a job's spec)."""
-
-    status_port: int = options.TRAINER_STATUS_PORT
-    """Port of the trainer's /metrics and /status (rank 0 serves /status)."""
-    rdzv_port: int = options.RENDEZVOUS_PORT
-    """Port of torchrun's c10d rendezvous store on trainer pod 0."""
-    rollout_port: int = options.ROLLOUT_PORT
-    """Port of the rollout protocol (POST /generate, POST /weights, GET /healthz)."""
-    liveness_port: int = options.LIVENESS_PORT
-    """Port of each trainer pod's liveness endpoint (local rank 0 serves GET /livez)."""
-    ray_port: int = options.RAY_PORT
-    """Port of a multi-node rollout instance's Ray head."""
-    grace_seconds: int = options.GRACE_SECONDS
-    """terminationGracePeriodSeconds of rollout pods (trainer pods: their job's own grace)."""
-    last_call_timeout: int = 5
-    """torchrun rendezvous: seconds to wait for more nodes once `min` have joined."""
-    run_as_user: int = 1000
-    """UID (and GID) the containers run as."""
-
-
-def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
-    meta = job["metadata"]
-    return {
-        "apiVersion": job.get("apiVersion", "rlft.dev/v1alpha1"),
-        "kind": job.get("kind", "RLFineTune"),
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _metadata(
-    body: dict[str, Any], name: str, role: str | None = None, index: int | None = None
-) -> dict[str, Any]:
-    meta = body["metadata"]
-    return {
-        "name": name,
-        "namespace": meta["namespace"],
-        "labels": N.labels(meta["name"], role, index),
-        "ownerReferences": [owner_reference(body)],
-    }
 
 
 def weights_uri(job: RLFineTune) -> str | None:
@@ -127,7 +67,7 @@ def config_map(job: RLFineTune, body: dict[str, Any], s: Settings | None = None)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(body, N.config_map_name(job.metadata.name)),
+        "metadata": P.object_metadata(body, N.config_map_name(job.metadata.name)),
         "data": {"job.yaml": text},
     }
 
@@ -138,7 +78,7 @@ def _service(
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(body, name),
+        "metadata": P.object_metadata(body, name),
         "spec": {
             "clusterIP": "None",
             # Rendezvous and Ray need the DNS names before the pods are ready.
@@ -165,196 +105,6 @@ def rollout_service(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[
     return _service(body, N.rollout_service(name), selector, [("http", s.rollout_port)])
 
 
-def _namespace(body: dict[str, Any]) -> str:
-    return body["metadata"]["namespace"]
-
-
-def samples(job: RLFineTune) -> bool:
-    """Whether the job's algorithm trains on rollouts (DPO and SFT need no rollout pods)."""
-    return SOURCES[job.spec.algorithm.name] == "rollouts"
-
-
-def rollout_urls(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[str]:
-    """One stable URL per rollout instance (its DNS name under the rollout Service)."""
-    if not samples(job):
-        return []
-    svc, ns = N.rollout_service(job.metadata.name), _namespace(body)
-    port = s.rollout_port
-    return [f"http://rollout-{i}.{svc}.{ns}.svc:{port}" for i in range(job.spec.rollout.instances)]
-
-
-NODE_LOST_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
-
-
-def _node_lost_tolerations(scheduling: Any, own: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """How long a pod waits for its node to report again (spec.scheduling.nodeLostSeconds)
-    before the taint manager evicts it, unless the job's own tolerations say."""
-    keys = {t.get("key") for t in own}
-    return [
-        {
-            "key": key,
-            "operator": "Exists",
-            "effect": "NoExecute",
-            "tolerationSeconds": scheduling.node_lost_seconds,
-        }
-        for key in NODE_LOST_TAINTS
-        if key not in keys
-    ]
-
-
-def _resources(spec_resources: Any, gpus: int) -> dict[str, Any]:
-    # Extended resources (RDMA, EFA, …) cannot be overcommitted: request = limit.
-    requests = {**spec_resources.requests, **spec_resources.extended}
-    limits = {**spec_resources.limits, **spec_resources.extended}
-    if gpus:
-        requests[GPU_RESOURCE] = gpus
-        limits[GPU_RESOURCE] = gpus
-    out: dict[str, Any] = {}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
-
-
-def _env(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        {"name": "RLFT_JOB_NAME", "value": job.metadata.name},
-        {"name": "RLFT_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "RLFT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "RLFT_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "RLFT_STATUS_PORT", "value": str(s.status_port)},
-        {"name": "RLFT_TERMINATION_LOG", "value": TERMINATION_LOG},
-        {"name": "RLFT_ROLLOUT_URLS", "value": ",".join(rollout_urls(job, body, s))},
-        {"name": "HOME", "value": f"{WORKSPACE}/home"},
-        {"name": "HF_HOME", "value": f"{WORKSPACE}/hf"},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-    ]
-    secret = job.spec.checkpoint.credentials_secret
-    if secret:
-        for key, optional in CREDENTIAL_KEYS:
-            ref: dict[str, Any] = {"name": secret, "key": key}
-            if optional:
-                ref["optional"] = True
-            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
-    return env
-
-
-def _own_env(job: RLFineTune, role: str) -> list[dict[str, Any]]:
-    """The job's own variables for the role (spec.trainer.env or spec.rollout.env, the
-    latter for Ray head and worker pods too), after the operator's."""
-    env = job.spec.trainer.env if role == N.ROLE_TRAINER else job.spec.rollout.env
-    return [e.model_dump(by_alias=True, exclude_none=True) for e in env]
-
-
-def _thread_env(resources: dict[str, Any], own: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`own` (the job's variables) after OMP_NUM_THREADS from the container's CPUs, its
-    limit or else its request, rounded down (at least 1): torch otherwise starts a thread
-    per core of the node however few the pod may use, and the pods of a job sharing a
-    node fight for them. A job that sets the variable itself keeps its value."""
-    cpu = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu")
-    if cpu is None or any(e["name"] == "OMP_NUM_THREADS" for e in own):
-        return own
-    threads = max(1, math.floor(G.quantity(cpu)))
-    return [{"name": "OMP_NUM_THREADS", "value": str(threads)}, *own]
-
-
-def _volumes(job: RLFineTune) -> list[dict[str, Any]]:
-    return [
-        {"name": "job", "configMap": {"name": N.config_map_name(job.metadata.name)}},
-        {"name": "workspace", "emptyDir": {}},
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-    ]
-
-
-_MOUNTS = [
-    {"name": "job", "mountPath": CONFIG_DIR, "readOnly": True},
-    {"name": "workspace", "mountPath": WORKSPACE},
-    {"name": "tmp", "mountPath": "/tmp"},
-    {"name": "dshm", "mountPath": "/dev/shm"},
-]
-
-
-def _container_security() -> dict[str, Any]:
-    return {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def _pod(
-    job: RLFineTune,
-    body: dict[str, Any],
-    s: Settings,
-    *,
-    name: str,
-    role: str,
-    index: int,
-    hostname: str,
-    subdomain: str | None,
-    image: str,
-    command: list[str],
-    ports: list[tuple[str, int]],
-    resources: dict[str, Any],
-    extra_labels: dict[str, str] | None = None,
-    grace_seconds: int | None = None,
-    attempt: int = 0,
-) -> dict[str, Any]:
-    scheduling = job.spec.scheduling
-    metadata = _metadata(body, name, role, index)
-    metadata["labels"].update(extra_labels or {})
-    container: dict[str, Any] = {
-        "name": "main",
-        "image": image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": command,
-        "env": _env(job, body, s) + _thread_env(resources, _own_env(job, role)),
-        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
-        "volumeMounts": [dict(m) for m in _MOUNTS],
-        "securityContext": _container_security(),
-        # The process's verdict (trainer/termination.py) is the termination message; when
-        # it wrote none (killed), the end of the log is, so the failure policy can tell a
-        # rendezvous or NCCL timeout from other errors. Neither is copied into the status.
-        "terminationMessagePath": TERMINATION_LOG,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
-    if resources:
-        container["resources"] = resources
-    spec: dict[str, Any] = {
-        "restartPolicy": "Never",  # the operator restarts, so it can count and back off
-        "hostname": hostname,
-        "terminationGracePeriodSeconds": grace_seconds or s.grace_seconds,
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": s.run_as_user,
-            "runAsGroup": s.run_as_user,
-            "fsGroup": s.run_as_user,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "containers": [container],
-        "volumes": _volumes(job),
-    }
-    if subdomain:
-        spec["subdomain"] = subdomain
-    if scheduling.node_selector:
-        spec["nodeSelector"] = dict(scheduling.node_selector)
-    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in scheduling.tolerations]
-    spec["tolerations"] = tolerations + _node_lost_tolerations(scheduling, tolerations)
-    if scheduling.affinity:
-        spec["affinity"] = scheduling.affinity
-    if scheduling.priority_class_name:
-        spec["priorityClassName"] = scheduling.priority_class_name
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
-    pod = pod_options.customise(pod, pod_options.of_role(job, role))
-    return G.apply(pod, job, role, attempt)  # the gang kind's keys (operator/gang.py)
-
-
 SHUTDOWN_MARGIN_SECONDS = 15
 """Trainer pods' grace past the job's own: the agent exits after its workers."""
 
@@ -372,7 +122,7 @@ def torchrun_command(
     spec = job.spec
     replicas = spec.trainer.replicas
     svc = N.trainer_service(job.metadata.name)
-    host = f"trainer-0.{svc}.{_namespace(body)}.svc"
+    host = f"trainer-0.{svc}.{P.namespace_of(body)}.svc"
     timeout = spec.scheduling.scheduling_timeout_seconds
     return [
         "torchrun",
@@ -404,14 +154,14 @@ def trainer_pods(
 ) -> dict[str, dict[str, Any]]:
     spec = job.spec
     command = torchrun_command(job, body, s, resume, gang)
-    resources = _resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
+    resources = P.container_resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
     pods = {}
     checked = probes.trainer_probes(job, s.liveness_port)
     ports = [("rdzv", s.rdzv_port), ("status", s.status_port)]
     if checked:
         ports.append(("liveness", s.liveness_port))
     for i in range(spec.trainer.replicas.max):
-        pod = _pod(
+        pod = P.job_pod(
             job,
             body,
             s,
@@ -463,19 +213,19 @@ def rollout_command(job: RLFineTune, s: Settings, instance: int, ray: bool) -> l
 
 
 def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str, dict[str, Any]]:
-    if not samples(job):
+    if not P.samples(job):
         return {}
     rollout = job.spec.rollout
     name = job.metadata.name
     svc = N.rollout_service(name)
     nodes = rollout.nodes_per_instance
     gpus_per_node = math.ceil(rollout.gpus_per_instance / nodes)
-    resources = _resources(rollout.resources, gpus_per_node)
+    resources = P.container_resources(rollout.resources, gpus_per_node)
     serves = {N.LABEL_SERVES: "rollout"}
     pods: dict[str, dict[str, Any]] = {}
     for k in range(rollout.instances):
         if nodes == 1:
-            pod = _pod(
+            pod = P.job_pod(
                 job,
                 body,
                 s,
@@ -493,9 +243,9 @@ def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str
             pod["spec"]["containers"][0].update(probes.rollout_probes(job, s.rollout_port))
             pods[pod["metadata"]["name"]] = pod
             continue
-        head_host = f"rollout-{k}.{svc}.{_namespace(body)}.svc"
+        head_host = f"rollout-{k}.{svc}.{P.namespace_of(body)}.svc"
         serve = " ".join(rollout_command(job, s, k, ray=True))
-        head = _pod(
+        head = P.job_pod(
             job,
             body,
             s,
@@ -520,7 +270,7 @@ def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str
         head["spec"]["containers"][0].update(probes.rollout_probes(job, s.rollout_port))
         pods[head["metadata"]["name"]] = head
         for j in range(1, nodes):
-            worker = _pod(
+            worker = P.job_pod(
                 job,
                 body,
                 s,
@@ -579,5 +329,7 @@ def desired(
         config_maps={cm["metadata"]["name"]: cm},
         services={svc["metadata"]["name"]: svc for svc in services},
         pods=pods,
-        pod_groups=G.pod_groups(job, pods, _metadata(body, G.group_name(job.metadata.name))),
+        pod_groups=G.pod_groups(
+            job, pods, P.object_metadata(body, G.group_name(job.metadata.name))
+        ),
     )

@@ -18,6 +18,7 @@ from pod_jobs import EXTENDED, ROLLOUT_POD, TRAINER_POD, every_pod_setting
 
 from rlft.operator import manifests as M
 from rlft.operator import names as N
+from rlft.operator import pod_spec
 from rlft.trainer.config.pods import (
     OPERATOR_LABELS,
     OPERATOR_PATHS,
@@ -182,7 +183,7 @@ def test_what_the_job_file_reserves_is_what_the_operator_builds():
         assert paths == set(OPERATOR_PATHS)
         for key in pod["metadata"]["labels"]:
             assert key in OPERATOR_LABELS or key.startswith(OPERATOR_PREFIX), key
-    assert M.CONFIG_DIR in OPERATOR_PATHS and M.WORKSPACE in OPERATOR_PATHS
+    assert pod_spec.CONFIG_DIR in OPERATOR_PATHS and pod_spec.WORKSPACE in OPERATOR_PATHS
 
 
 def test_every_pod_passes_kubernetes_validate_strict(tmp_path: Path):
