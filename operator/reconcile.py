@@ -45,6 +45,9 @@ from rlft.trainer.termination import Verdict
 
 SCHEDULER_REASON_POLL_SECONDS = 2.0
 """After the scheduling timeout, how soon to look again for the scheduler's reason."""
+SCHEDULER_REASON_WAIT_SECONDS = 60.0
+"""How long past the timeout to keep looking (a scheduler may never give one: pod
+events still reconcile the job after that)."""
 
 
 class _Run(FailureResponses):
@@ -357,7 +360,7 @@ class _Run(FailureResponses):
             )
             if set_condition(st, "Scheduled", "False", "Unschedulable", message, now):
                 self.event("Warning", "Unschedulable", message)
-            if not why:
+            if not why and waited < timeout + SCHEDULER_REASON_WAIT_SECONDS:
                 # The scheduler has not said why yet (it may not have tried the pod since
                 # the timeout began): look again soon, so the condition names the reason.
                 self.requeue(SCHEDULER_REASON_POLL_SECONDS)

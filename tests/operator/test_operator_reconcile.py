@@ -200,6 +200,17 @@ def test_a_timeout_before_the_schedulers_reason_looks_again_until_it_is_named():
     assert w.events.count("Unschedulable") == 1
 
 
+def test_without_a_schedulers_reason_the_look_again_is_bounded():
+    w = _world(scheduling={"schedulingTimeoutSeconds": 5})
+    w.step()
+    w.pods = {name: replace(pod, unschedulable="") for name, pod in w.pods.items()}
+    w.tick(6)
+    assert w.step().requeue_after is not None
+    w.tick(120)  # a scheduler that never says why: pod events reconcile the job
+    assert w.step().requeue_after is None
+    assert {c.type: c.status for c in w.status.conditions}["Scheduled"] == "False"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "kind"),
     [
