@@ -28,8 +28,7 @@ import yaml
 
 from rlft.operator import gang as G
 from rlft.operator import names as N
-from rlft.operator import pod_spec as P
-from rlft.operator import probes
+from rlft.operator import pod_spec, probes
 from rlft.operator.pod_spec import JOB_FILE, WORKSPACE, Settings
 from rlft.trainer.config import RLFineTune, dump_job
 
@@ -67,7 +66,7 @@ def config_map(job: RLFineTune, body: dict[str, Any], s: Settings | None = None)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": P.object_metadata(body, N.config_map_name(job.metadata.name)),
+        "metadata": pod_spec.object_metadata(body, N.config_map_name(job.metadata.name)),
         "data": {"job.yaml": text},
     }
 
@@ -78,7 +77,7 @@ def _service(
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": P.object_metadata(body, name),
+        "metadata": pod_spec.object_metadata(body, name),
         "spec": {
             "clusterIP": "None",
             # Rendezvous and Ray need the DNS names before the pods are ready.
@@ -122,7 +121,7 @@ def torchrun_command(
     spec = job.spec
     replicas = spec.trainer.replicas
     svc = N.trainer_service(job.metadata.name)
-    host = f"trainer-0.{svc}.{P.namespace_of(body)}.svc"
+    host = f"trainer-0.{svc}.{pod_spec.namespace_of(body)}.svc"
     timeout = spec.scheduling.scheduling_timeout_seconds
     return [
         "torchrun",
@@ -154,14 +153,14 @@ def trainer_pods(
 ) -> dict[str, dict[str, Any]]:
     spec = job.spec
     command = torchrun_command(job, body, s, resume, gang)
-    resources = P.container_resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
+    resources = pod_spec.container_resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
     pods = {}
     checked = probes.trainer_probes(job, s.liveness_port)
     ports = [("rdzv", s.rdzv_port), ("status", s.status_port)]
     if checked:
         ports.append(("liveness", s.liveness_port))
     for i in range(spec.trainer.replicas.max):
-        pod = P.job_pod(
+        pod = pod_spec.job_pod(
             job,
             body,
             s,
@@ -213,19 +212,19 @@ def rollout_command(job: RLFineTune, s: Settings, instance: int, ray: bool) -> l
 
 
 def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str, dict[str, Any]]:
-    if not P.samples(job):
+    if not pod_spec.samples(job):
         return {}
     rollout = job.spec.rollout
     name = job.metadata.name
     svc = N.rollout_service(name)
     nodes = rollout.nodes_per_instance
     gpus_per_node = math.ceil(rollout.gpus_per_instance / nodes)
-    resources = P.container_resources(rollout.resources, gpus_per_node)
+    resources = pod_spec.container_resources(rollout.resources, gpus_per_node)
     serves = {N.LABEL_SERVES: "rollout"}
     pods: dict[str, dict[str, Any]] = {}
     for k in range(rollout.instances):
         if nodes == 1:
-            pod = P.job_pod(
+            pod = pod_spec.job_pod(
                 job,
                 body,
                 s,
@@ -243,9 +242,9 @@ def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str
             pod["spec"]["containers"][0].update(probes.rollout_probes(job, s.rollout_port))
             pods[pod["metadata"]["name"]] = pod
             continue
-        head_host = f"rollout-{k}.{svc}.{P.namespace_of(body)}.svc"
+        head_host = f"rollout-{k}.{svc}.{pod_spec.namespace_of(body)}.svc"
         serve = " ".join(rollout_command(job, s, k, ray=True))
-        head = P.job_pod(
+        head = pod_spec.job_pod(
             job,
             body,
             s,
@@ -270,7 +269,7 @@ def rollout_pods(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str
         head["spec"]["containers"][0].update(probes.rollout_probes(job, s.rollout_port))
         pods[head["metadata"]["name"]] = head
         for j in range(1, nodes):
-            worker = P.job_pod(
+            worker = pod_spec.job_pod(
                 job,
                 body,
                 s,
@@ -330,6 +329,6 @@ def desired(
         services={svc["metadata"]["name"]: svc for svc in services},
         pods=pods,
         pod_groups=G.pod_groups(
-            job, pods, P.object_metadata(body, G.group_name(job.metadata.name))
+            job, pods, pod_spec.object_metadata(body, G.group_name(job.metadata.name))
         ),
     )
