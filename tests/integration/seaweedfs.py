@@ -107,6 +107,7 @@ class SeaweedServer:
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": str(self.data_dir),
+            "TMPDIR": str(self.data_dir),  # its logs
             "AWS_ACCESS_KEY_ID": ACCESS_KEY,
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
         }
@@ -155,6 +156,11 @@ class SeaweedServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+        # weed's local sockets go to /tmp whatever TMPDIR says (its logs follow TMPDIR).
+        ports = (self.s3_port, self.master_port, self.filer_port, self.volume_port, self.admin_port)
+        for port in (*ports, *(port + 10000 for port in ports)):  # the gRPC ports too
+            for socket_file in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                socket_file.unlink(missing_ok=True)
         deadline = time.monotonic() + 10
         while not _port_free(self.s3_port) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -81,8 +81,13 @@ def workers():
         worker.stop()
 
 
-def test_killed_during_upload_leaves_nothing_a_resume_would_pick(s3_env, bucket, workers) -> None:
+def test_killed_during_upload_leaves_nothing_a_resume_would_pick(
+    s3_env, bucket, workers, tmp_path: Path, monkeypatch
+) -> None:
     uri = f"s3://{bucket}/run"
+    worker_tmp = tmp_path / "worker-tmp"  # where the workers stage their checkpoints
+    worker_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(worker_tmp))
     # Uploads of every checkpoint after the first (step 2) are slowed down so that the
     # kill lands in the middle of them; the first commits normally.
     worker = workers(
@@ -100,6 +105,7 @@ def test_killed_during_upload_leaves_nothing_a_resume_would_pick(s3_env, bucket,
     os.kill(worker.process.pid, signal.SIGKILL)
     worker.stop()
     assert worker.process.returncode == -signal.SIGKILL
+    assert list(worker_tmp.glob(f"rlft-staging-*/rank-0/step-{second:06d}/*"))
 
     storage = open_storage(uri, s3_options(s3_env))
     scan = Catalog(storage).scan()
@@ -119,6 +125,8 @@ def test_killed_during_upload_leaves_nothing_a_resume_would_pick(s3_env, bucket,
     assert sorted(scan.manifests) == [2, 4] and scan.latest == 4
     assert scan.uncommitted == ({second} if second > 4 else set())
     assert Catalog(storage).verify(scan.manifests[4]) == []
+    # The killed run's stage went when the next run started, the next run's own at its end.
+    assert not list(worker_tmp.glob("rlft-staging-*"))
 
 
 def test_sigterm_writes_an_emergency_checkpoint_within_the_grace_period(

@@ -69,7 +69,10 @@ def test_async_save_then_exact_resume(location) -> None:
     assert again == after  # bit-identical losses…
     for name, value in params_of(model2).items():
         assert torch.equal(value, expected[name]), name  # …and parameters
+    assert ckpt.staging_dir.is_dir()
     ckpt.close()
+    # Nothing staged stays behind on the trainer's disk.
+    assert not ckpt.staging_dir.parent.exists()
 
 
 def _save(ckpt, model, optimizer, step: int, healthy: bool = True) -> None:

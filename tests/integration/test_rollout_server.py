@@ -263,10 +263,14 @@ def test_weights_published_to_s3_reach_new_and_running_instances(
 ) -> None:
     """`publication: store` on a real S3 server (SeaweedFS): an instance started later
     catches up from the newest version there, and a POST /weights naming an s3:// URI
-    loads that version; a version never published is refused and the old one kept."""
+    loads that version; a version never published is refused and the old one kept.
+    The downloaded copies go once loaded: an instance fetches a version every few steps."""
     from rlft.trainer.weights.store import WeightStore
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)  # the server subprocess reads it
+    server_tmp = tmp_path / "server-tmp"  # where the server subprocess downloads to
+    server_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(server_tmp))
     store = WeightStore.at(f"s3://{bucket}/weights")
     for version in range(2):
         model, tokenizer = tiny_model(seed=version)
@@ -292,7 +296,35 @@ def test_weights_published_to_s3_reach_new_and_running_instances(
         assert not client.load_weights(client.instances[0], missing, 60)
         health = http_json(f"{client.instances[0].url}/healthz", None, 10)
         assert health["policy_version"] == 2
+        assert not list(server_tmp.glob("rlft-weights-*"))
         client.close()
+
+
+def test_fetched_versions_are_removed_after_use_unless_local(
+    tmp_path: Path, monkeypatch, bucket: str, s3_env
+) -> None:
+    """`fetched` downloads an s3:// version for the block and removes it after, also when
+    the block fails; a file:// version is the store's own folder and stays."""
+    from rlft.trainer.weights.store import WeightStore, fetched, read_tensors
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    model, _ = tiny_model(seed=3)
+    uri = publish(WeightStore.at(f"s3://{bucket}/weights"), model, 0)
+    with fetched(uri, scratch=tmp_path) as folder:
+        assert folder.parent == tmp_path
+        tensors = read_tensors(folder)
+        assert torch.equal(
+            tensors["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"]
+        )
+    assert not folder.exists()
+    with pytest.raises(RuntimeError, match="engine failed"), fetched(uri, tmp_path) as folder:
+        raise RuntimeError("engine failed")
+    assert not folder.exists()
+
+    local = publish(store_at(tmp_path), model, 0)
+    with fetched(local) as folder:
+        assert (folder / "READY").exists()
+    assert (folder / "model.safetensors").exists()
 
 
 def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(

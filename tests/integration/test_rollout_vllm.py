@@ -46,7 +46,10 @@ def test_vllm_greedy_equals_transformers_before_and_after_an_update(
     after = greedy(model, tokenizer)
     assert before != after  # the update changes the output, so the check has teeth
 
-    env = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # No VLLM_CACHE_ROOT: the engine makes its own under TMPDIR and removes it at close.
+    server_tmp = tmp_path / "server-tmp"
+    server_tmp.mkdir()
+    env = {"TMPDIR": str(server_tmp), "VLLM_CPU_KVCACHE_SPACE": "1"}
     with LocalServers(
         1, "vllm", store.storage.uri, log_dir=tmp_path, extra_env=env, warn=pytest.fail
     ) as servers:
@@ -76,4 +79,6 @@ def test_vllm_greedy_equals_transformers_before_and_after_an_update(
                 logits = model(input_ids=ids).logits[0, start:-1].float() / 0.7
             logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])
             assert torch.allclose(logp.squeeze(-1), torch.tensor(c.logprobs), atol=1e-4)
+        assert list(server_tmp.glob("rlft-vllm-cache-*"))
         client.close()
+    assert not list(server_tmp.glob("rlft-vllm-cache-*"))

@@ -13,6 +13,7 @@ of the background thread (DCP planning, gather, commit verdict) from ever interl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -144,6 +145,7 @@ class Checkpointer:
             self._io = dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=retry_seconds + 600)
             )
+        self._own_staging = staging_dir is None
         if staging_dir is None:
             if isinstance(storage, FileStorage):
                 # Same file system as the destination: an "upload" is a rename.
@@ -152,6 +154,9 @@ class Checkpointer:
                 tag = sha256(storage.uri.encode()).hexdigest()[:12]
                 staging_dir = Path(tempfile.gettempdir()) / f"rlft-staging-{tag}"
         self.staging_dir = Path(staging_dir) / f"rank-{self.rank}"
+        # A run killed mid-save leaves its stage; nothing ever reads a stage back (resume
+        # reads committed checkpoints), so this rank's stages start empty.
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
         if self.rank == 0:
             # Fail at start, not at the first save, on a wrong bucket or credentials.
             with_retries(lambda: storage.list(LATEST), deadline_s=60.0)
@@ -272,6 +277,12 @@ class Checkpointer:
             if group is not None:
                 dist.destroy_process_group(group)
         self._control = self._io = None
+        # Each save removes its own stage; the folders above it go once empty (other
+        # ranks on this machine may still be using the shared one).
+        folders = [self.staging_dir, self.staging_dir.parent][: 1 + self._own_staging]
+        for folder in folders:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     # --------------------------------------------------------- the background
 

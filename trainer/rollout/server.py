@@ -107,10 +107,9 @@ class EngineHost:
                     )
                 self.engine.load_tensors(tensors, version)
         else:
-            from rlft.trainer.weights.store import fetch
+            from rlft.trainer.weights.store import fetched
 
-            folder = fetch(request.uri)
-            with self._use(writer=True):
+            with fetched(request.uri) as folder, self._use(writer=True):
                 if self.engine is None:
                     self.engine = self._build(folder, request.version)
                 else:

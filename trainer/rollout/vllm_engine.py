@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -110,7 +111,12 @@ class VllmEngine:
         kv_cache_gib: int = 1,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="rlft-vllm-cache-"))
+        # A user's VLLM_CACHE_ROOT (a volume that outlives the pod) is kept; without one,
+        # a temporary folder of this engine's own, not ~/.cache, removed at close.
+        self._cache_root = None
+        if "VLLM_CACHE_ROOT" not in os.environ:
+            self._cache_root = tempfile.mkdtemp(prefix="rlft-vllm-cache-")
+            os.environ["VLLM_CACHE_ROOT"] = self._cache_root
         self.in_process = tensor_parallel * expert_parallel == 1
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -236,3 +242,7 @@ class VllmEngine:
 
     def close(self) -> None:
         del self.llm
+        if self._cache_root is not None:
+            shutil.rmtree(self._cache_root, ignore_errors=True)
+            if os.environ.get("VLLM_CACHE_ROOT") == self._cache_root:
+                del os.environ["VLLM_CACHE_ROOT"]

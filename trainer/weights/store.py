@@ -15,7 +15,10 @@ Rollout instances load `v-…/` on `POST /weights {uri}`; a newly started instan
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -111,19 +114,26 @@ class WeightStore:
                 self.storage.delete_prefix(f"{version_key(version)}/")
 
 
-def fetch(uri: str, scratch: Path | None = None) -> Path:
-    """A local folder holding version `uri` (file:// as is; s3:// downloaded)."""
+@contextmanager
+def fetched(uri: str, scratch: Path | None = None) -> Iterator[Path]:
+    """Version `uri` as a local folder for the length of the block: file:// as it is,
+    s3:// downloaded and the download removed after it. A rollout instance loads a new
+    version every few steps for weeks; a copy kept per version would fill its disk."""
     storage = open_storage(uri)
     if not storage.exists(READY):
         raise ObjectMissingError(
             f"{uri} is not a published weight version (no {READY} marker): publish it first"
         )
     if isinstance(storage, FileStorage):
-        return storage.root
+        yield storage.root
+        return
     local = Path(tempfile.mkdtemp(prefix="rlft-weights-", dir=scratch))
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        storage.get_file(name, local / name)
-    return local
+    try:
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            storage.get_file(name, local / name)
+        yield local
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
