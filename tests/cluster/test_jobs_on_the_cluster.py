@@ -329,9 +329,12 @@ def test_a_suspended_job_edited_and_resumed_runs_with_the_new_values(cluster, se
     body = client.get_object(Bucket=bucket, Key=f"{name}/outputs/metrics.jsonl")["Body"].read()
     records = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
     rates = {r["step"]: r["lr"] for r in records if "lr" in r}
-    assert max(rates) == 24 and rates[24] == pytest.approx(0.0005), rates
-    assert [r["step"] for r in records] == list(range(1, 25)), (records, resumed[-4000:])
-    assert rates[1] == pytest.approx(0.001), rates  # before the suspend: the old rate
+    # CI keeps no pod logs: a failure here shows both trainers' (one such run resumed
+    # from step 1 at the new rate; its cause is not established).
+    logs = resumed[-3000:] + cluster.logs(NS, f"{name}-trainer-1")[-3000:]
+    assert max(rates) == 24 and rates[24] == pytest.approx(0.0005), (rates, logs)
+    assert [r["step"] for r in records] == list(range(1, 25)), (records, logs)
+    assert rates[1] == pytest.approx(0.001), (rates, logs)  # before the suspend: the old rate
 
 
 def test_a_create_refused_by_a_quota_is_shown_and_made_once_the_quota_is_raised(cluster, seaweed):
