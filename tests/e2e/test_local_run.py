@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -175,9 +176,16 @@ def test_rlft_console_script_runs_validate() -> None:
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_warm_start_stops_once_the_probe_reaches_its_target(tmp_path: Path, ranks: int) -> None:
+def test_warm_start_stops_once_the_probe_reaches_its_target(
+    tmp_path: Path, ranks: int, monkeypatch
+) -> None:
     """On two ranks rank 0's probe decides for both (ranks stopping at different steps
-    would deadlock in the next step's collectives)."""
+    would deadlock in the next step's collectives). A launch leaves nothing in the
+    temporary folder (torchrun's own logs went to a torchelastic_* folder per launch)."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"{i}?", "answer": "7"}) + "\n" for i in range(30))
@@ -207,3 +215,4 @@ def test_warm_start_stops_once_the_probe_reaches_its_target(tmp_path: Path, rank
     assert summary["world_size"] == ranks
     assert summary["sft_steps"] < 300 and summary["sft_steps"] % 5 == 0
     assert summary["eval_accuracy_sft"] >= 0.9
+    assert not list(temporary.glob("torchelastic_*")) + list(temporary.glob("rlft-*"))

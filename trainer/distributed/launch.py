@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 
-def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
+def torchrun_command(nproc: int, module: str, args: list[str], log_dir: str) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        # Without one, torchrun leaves a torchelastic_* folder in /tmp per launch.
+        f"--log-dir={log_dir}",
         "-m",
         module,
         *args,
@@ -33,8 +36,9 @@ def worker_env(nproc: int) -> dict[str, str]:
 
 def run_workers(nproc: int, module: str, args: list[str], timeout_s: float | None = None) -> int:
     """Run the module on `nproc` local ranks; returns torchrun's exit code."""
-    command = torchrun_command(nproc, module, args)
-    return subprocess.run(command, env=worker_env(nproc), timeout=timeout_s).returncode
+    with tempfile.TemporaryDirectory(prefix="rlft-torchrun-") as logs:
+        command = torchrun_command(nproc, module, args, logs)
+        return subprocess.run(command, env=worker_env(nproc), timeout=timeout_s).returncode
 
 
 class WorkersFailed(RuntimeError):
@@ -49,13 +53,14 @@ def run_workers_captured(
     meantime) is retried. Returns the output; raises `WorkersFailed` otherwise."""
     output = ""
     for _ in range(attempts):
-        done = subprocess.run(
-            torchrun_command(nproc, module, args),
-            env=worker_env(nproc),
-            timeout=timeout_s,
-            capture_output=True,
-            text=True,
-        )
+        with tempfile.TemporaryDirectory(prefix="rlft-torchrun-") as logs:
+            done = subprocess.run(
+                torchrun_command(nproc, module, args, logs),
+                env=worker_env(nproc),
+                timeout=timeout_s,
+                capture_output=True,
+                text=True,
+            )
         output = done.stdout + done.stderr
         if done.returncode == 0:
             return output
