@@ -322,6 +322,36 @@ def test_a_gang_started_with_different_resume_arguments_loads_one_checkpoint(tmp
         assert torch.equal(final[name], expected[name]), name
 
 
+def test_a_run_whose_checkpoints_are_all_damaged_fails_instead_of_starting_afresh(
+    tmp_path,
+) -> None:
+    """Exit 1 (retryable: the objects may come back) with the damaged folders named; a
+    fresh start would commit step 2, move `latest` back and abandon the steps they hold."""
+    write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    first = start(tmp_path, "out", "--max-steps", "4")
+    assert first.wait(timeout=600) == 0, first.stdout.read()
+    checkpoints = open_storage(str(tmp_path / "out" / "checkpoints"))
+    committed = sorted(info.key for info in checkpoints.list("") if info.key.endswith(MANIFEST))
+    assert committed == ["step-000002/manifest.json", "step-000004/manifest.json"]
+    for folder in ("step-000002", "step-000004"):
+        shard = f"{folder}/__0_0.distcp"
+        checkpoints.put_bytes(shard, checkpoints.get_bytes(shard)[:-8])
+    before = {info.key: info.size for info in checkpoints.list("")}
+    latest = checkpoints.get_bytes(LATEST)
+    history = records(tmp_path / "out")
+
+    # As run by hand, and as the operator restarts a failed gang.
+    for which in ("auto", "latest-healthy"):
+        again = start(tmp_path, "out", "--resume", which)
+        output = again.communicate(timeout=600)[0]
+        assert again.returncode == 1, output
+        assert f"no intact checkpoint for --resume={which}" in output, output
+        assert "step-000002: __0_0.distcp" in output and "step-000004: __0_0.distcp" in output
+        assert records(tmp_path / "out") == history  # no step was trained
+        assert {info.key: info.size for info in checkpoints.list("")} == before
+        assert checkpoints.get_bytes(LATEST) == latest
+
+
 def test_latest_healthy_without_any_checkpoint_starts_the_job_again(tmp_path) -> None:
     """The operator restarts every failed gang with --resume=latest-healthy; a failure
     before the first checkpoint must not turn into 'no checkpoint' (exit 2) forever."""

@@ -12,7 +12,11 @@ from checkpoint_fixtures import batch_for, params_of, s3_options, tiny_model, tr
 
 from rlft.trainer.checkpoint import load, open_storage
 from rlft.trainer.checkpoint.catalog import Catalog
-from rlft.trainer.checkpoint.errors import CheckpointError, NoCheckpointError
+from rlft.trainer.checkpoint.errors import (
+    CheckpointError,
+    DamagedCheckpointsError,
+    NoCheckpointError,
+)
 from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.checkpoint.saver import Checkpointer
 from rlft.trainer.cli.main import main as rlft
@@ -103,6 +107,39 @@ def test_a_corrupted_shard_is_detected_and_the_previous_one_used(location, caplo
     assert "step-000004 is damaged (__0_0.distcp: checksum mismatch" in caplog.text
     assert "falling back to the previous one" in caplog.text
     assert all(torch.equal(v, at_two[k]) for k, v in params_of(model2).items())
+
+
+def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> None:
+    """Committed checkpoints that are all damaged must not read as "no checkpoint" (a
+    fresh start would move `latest` back and abandon their steps): every choice raises,
+    naming each damaged folder, and the location is left as it was."""
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, keep_last=5)
+    _save(ckpt, model, optimizer, 2)
+    train_step(model, optimizer, batch_for(3))
+    _save(ckpt, model, optimizer, 4)
+    ckpt.close()
+    _corrupt(storage, "step-000002/__0_0.distcp")
+    storage.delete_prefix("step-000004/extra.json")
+    before = {info.key: info.size for info in storage.list("")}
+
+    for which in ("auto", "latest-healthy", 4):
+        with pytest.raises(DamagedCheckpointsError) as raised:
+            load(storage, which, *_fresh(seed=3))
+        message = str(raised.value)
+        assert f"--resume={which} at {storage.uri}" in message
+        assert "step-000002: __0_0.distcp: checksum mismatch" in message
+        assert "step-000004: extra.json: missing" in message
+        assert not isinstance(raised.value, NoCheckpointError)
+    assert {info.key: info.size for info in storage.list("")} == before
+
+    # A manifest that cannot be read is damage too, when it is the only commit.
+    storage.delete_prefix("step-000002/")
+    storage.put_bytes("step-000004/manifest.json", b"{not json")
+    with pytest.raises(DamagedCheckpointsError, match="step-000004: "):
+        load(storage, "auto", *_fresh(seed=3))
 
 
 def test_nothing_intact_is_a_clear_error(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ How the training loop uses it (every rank runs the same calls):
             resumed = load(ckpt.storage, which, model, optimizer)   # which: auto |
             start = resumed.step                          # latest-healthy | a step number
             restore from resumed.extra / resumed.rank_state (RNG states are restored)
-        except NoCheckpointError: (fresh start; an explicit --resume must fail instead)
+        except NoCheckpointError: (fresh start; an explicit --resume must fail instead;
+                                   DamagedCheckpointsError is not one: never start afresh)
     for step in range(start + 1, total + 1):
         ... one optimizer step ...
         decision = ckpt.poll(step, stop.requested)       # tiny all-reduce; same on all ranks
@@ -55,6 +56,7 @@ from rlft.trainer.checkpoint.emergency import GracefulStop
 from rlft.trainer.checkpoint.errors import (
     BadUriError,
     CheckpointError,
+    DamagedCheckpointsError,
     NoCheckpointError,
     StorageError,
 )
@@ -64,6 +66,7 @@ from rlft.trainer.storage.backends import open_storage
 __all__ = [
     "BadUriError",
     "CheckpointError",
+    "DamagedCheckpointsError",
     "GracefulStop",
     "NoCheckpointError",
     "StorageError",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rlft.trainer.checkpoint.errors import (
     CheckpointError,
+    DamagedCheckpointsError,
     ManifestError,
     NoCheckpointError,
     ObjectMissingError,
@@ -136,16 +137,29 @@ class Catalog:
                 step_dir(step),
                 reason,
             )
+        damaged: dict[int, str] = {}
         for step in order:
             manifest = scan.manifests[step]
             problems = check(manifest)
             if not problems:
                 return manifest
+            damaged[step] = "; ".join(problems[:3]) + (" …" if len(problems) > 3 else "")
             log.warning(
                 "checkpoint %s/%s is damaged (%s); falling back to the previous one",
                 self.storage.uri,
                 step_dir(step),
-                "; ".join(problems[:3]) + (" …" if len(problems) > 3 else ""),
+                damaged[step],
+            )
+        if not isinstance(which, int):
+            # An unreadable manifest may be the checkpoint asked for (healthy or newest).
+            damaged |= scan.unreadable
+        if damaged:
+            found = "; ".join(f"{step_dir(s)}: {why}" for s, why in sorted(damaged.items()))
+            raise DamagedCheckpointsError(
+                f"no intact checkpoint for --resume={which} at {self.storage.uri}, but "
+                f"damaged ones are there ({found}). Nothing was changed there: restore or "
+                "delete the damaged folders, or start afresh at another checkpoint location "
+                "(or with spec.checkpoint.resume: never, which abandons them)"
             )
         available = ", ".join(str(s) for s in sorted(scan.manifests)) or "none"
         raise NoCheckpointError(

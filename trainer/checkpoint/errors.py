@@ -23,6 +23,7 @@ __all__ = [
     "BucketMissingError",
     "CheckpointError",
     "CredentialsError",
+    "DamagedCheckpointsError",
     "ManifestError",
     "NoCheckpointError",
     "ObjectMissingError",
@@ -42,3 +43,9 @@ class ManifestError(CheckpointError):
 
 class NoCheckpointError(CheckpointError):
     """No committed, intact checkpoint matches what was asked for."""
+
+
+class DamagedCheckpointsError(CheckpointError):
+    """Committed checkpoints are there but none of those asked for is intact. Not a
+    NoCheckpointError on purpose: starting afresh would move `latest` back to the new
+    run's first checkpoint and abandon every step the damaged ones hold."""
