@@ -14,6 +14,7 @@ from rlft.trainer.checkpoint import load, open_storage
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import (
     CheckpointError,
+    CredentialsError,
     DamagedCheckpointsError,
     NoCheckpointError,
 )
@@ -140,6 +141,33 @@ def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> No
     storage.put_bytes("step-000004/manifest.json", b"{not json")
     with pytest.raises(DamagedCheckpointsError, match="step-000004: "):
         load(storage, "auto", *_fresh(seed=3))
+
+
+def test_a_download_the_store_refuses_is_that_error_not_a_damaged_checkpoint(
+    s3_env, bucket
+) -> None:
+    """Refused credentials (or a vanished bucket) would refuse every checkpoint alike:
+    the resume reports that, instead of calling each checkpoint damaged."""
+    storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage)
+    _save(ckpt, model, optimizer, 2)
+    ckpt.close()
+
+    class Refusing:
+        """The real store, refusing the shards' downloads as an access policy would."""
+
+        def __getattr__(self, name: str):
+            return getattr(storage, name)
+
+        def get_file(self, key: str, path: Path) -> None:
+            if key.endswith(".distcp"):
+                raise CredentialsError(f"the object store rejected (AccessDenied) {key}")
+            storage.get_file(key, path)
+
+    with pytest.raises(CredentialsError, match="AccessDenied"):
+        load(Refusing(), "auto", *_fresh(seed=3))
+    assert load(storage, "auto", *_fresh(seed=3)).step == 2
 
 
 def test_nothing_intact_is_a_clear_error(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from rlft.trainer.checkpoint import rng
 from rlft.trainer.checkpoint.catalog import Catalog, Scan
-from rlft.trainer.checkpoint.errors import StorageError
+from rlft.trainer.checkpoint.errors import BucketMissingError, CredentialsError, StorageError
 from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, problems_with
 from rlft.trainer.checkpoint.saver import RANKS
 from rlft.trainer.checkpoint.state import Modules, apply_tensor_state, tensor_state
@@ -85,6 +85,8 @@ class LocalCopy:
             target = self.path / entry.path
             try:
                 self.storage.get_file(f"{manifest.folder}/{entry.path}", target)
+            except (BucketMissingError, CredentialsError):
+                raise  # the location's trouble, not this checkpoint's: every one would fail
             except StorageError as error:
                 if error.transient:
                     raise
