@@ -349,7 +349,10 @@ def warm_start(folder: Path, task) -> dict:
             if settled >= WARM_SETTLED:
                 break
     if settled < WARM_SETTLED:
-        log(f"  warning: warm start stopped at WARM_MAX_STEPS with a probe of {accuracy:.3f}")
+        log(
+            f"  warning: warm start stopped at WARM_MAX_STEPS with a probe of {accuracy:.3f} "
+            f"({settled} of {WARM_SETTLED} probes in a row at {WARM_TARGET} or above)"
+        )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     info = {

@@ -340,12 +340,14 @@ def test_a_run_whose_checkpoints_are_all_damaged_fails_instead_of_starting_afres
     latest = checkpoints.get_bytes(LATEST)
     history = records(tmp_path / "out")
 
-    # As run by hand, and as the operator restarts a failed gang.
+    # As run by hand, and as the operator restarts a failed gang (which, finding no
+    # intact healthy checkpoint, looks for any intact one before it gives up).
     for which in ("auto", "latest-healthy"):
         again = start(tmp_path, "out", "--resume", which)
         output = again.communicate(timeout=600)[0]
         assert again.returncode == 1, output
-        assert f"no intact checkpoint for --resume={which}" in output, output
+        assert "no usable checkpoint for --resume=auto" in output, output
+        assert ("no intact healthy checkpoint" in output) == (which == "latest-healthy")
         assert "step-000002: __0_0.distcp" in output and "step-000004: __0_0.distcp" in output
         assert records(tmp_path / "out") == history  # no step was trained
         assert {info.key: info.size for info in checkpoints.list("")} == before

@@ -139,8 +139,9 @@ def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> No
     # A manifest that cannot be read is damage too, when it is the only commit.
     storage.delete_prefix("step-000002/")
     storage.put_bytes("step-000004/manifest.json", b"{not json")
-    with pytest.raises(DamagedCheckpointsError, match="step-000004: "):
-        load(storage, "auto", *_fresh(seed=3))
+    for which in ("auto", 4):  # also when named: damaged, not absent (exit 1, not 2)
+        with pytest.raises(DamagedCheckpointsError, match="step-000004: "):
+            load(storage, which, *_fresh(seed=3))
 
 
 def test_a_download_the_store_refuses_is_that_error_not_a_damaged_checkpoint(
@@ -170,7 +171,7 @@ def test_a_download_the_store_refuses_is_that_error_not_a_damaged_checkpoint(
     assert load(storage, "auto", *_fresh(seed=3)).step == 2
 
 
-def test_nothing_intact_is_a_clear_error(tmp_path: Path) -> None:
+def test_nothing_intact_is_a_clear_error(tmp_path: Path, capsys) -> None:
     storage = open_storage(str(tmp_path))
     model, optimizer = _fresh()
     with pytest.raises(NoCheckpointError, match="committed steps: none"):
@@ -179,6 +180,12 @@ def test_nothing_intact_is_a_clear_error(tmp_path: Path) -> None:
     _save(ckpt, model, optimizer, 5)
     with pytest.raises(NoCheckpointError, match=r"--resume=7 .*\(committed steps: 5\)"):
         load(storage, 7, model, optimizer)
+    # Saved without its Hugging Face files: resumable, but not exportable (not "damaged").
+    assert rlft(["export", str(tmp_path), str(tmp_path / "hf")]) == 1
+    error = capsys.readouterr().err
+    assert "no usable checkpoint for export" in error, error
+    assert "step-000005: no hf/config.json (saved without hf_files)" in error
+    assert "export another step" in error and "delete" not in error
     with pytest.raises(CheckpointError, match=r"extra\['bad'\] is not JSON-serialisable"):
         ckpt.save(6, model, optimizer, extra={"ok": 1, "bad": torch.zeros(1)})
 

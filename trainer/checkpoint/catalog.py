@@ -52,6 +52,12 @@ class Scan:
         return {step: m.healthy for step, m in self.manifests.items()}
 
 
+RESUME_ADVICE = (
+    "restore or delete the damaged folders (a location without checkpoints starts the job "
+    "afresh), or give the job another checkpoint location"
+)
+
+
 class Catalog:
     """Checkpoints at one Storage location."""
 
@@ -123,10 +129,13 @@ class Catalog:
         which: Which,
         check: Callable[[Manifest], list[str]] | None = None,
         scan: Scan | None = None,
+        purpose: str | None = None,
+        advice: str | None = None,
     ) -> Manifest:
         """The checkpoint a resume takes: the first in resume order that `check` (default:
         full checksum verification) finds intact. Each damaged one is skipped with a
-        warning naming it and why."""
+        warning naming it and why; when all are, DamagedCheckpointsError, its message
+        naming `purpose` (default: the resume) and ending with `advice`."""
         scan = scan or self.scan()
         check = check or self.verify
         order = resume_order(scan.committed, scan.latest, which)
@@ -153,13 +162,15 @@ class Catalog:
         if not isinstance(which, int):
             # An unreadable manifest may be the checkpoint asked for (healthy or newest).
             damaged |= scan.unreadable
+        elif which in scan.unreadable:
+            damaged[which] = scan.unreadable[which]
         if damaged:
             found = "; ".join(f"{step_dir(s)}: {why}" for s, why in sorted(damaged.items()))
             raise DamagedCheckpointsError(
-                f"no intact checkpoint for --resume={which} at {self.storage.uri}, but "
-                f"damaged ones are there ({found}). Nothing was changed there: restore or "
-                "delete the damaged folders, or start afresh at another checkpoint location "
-                "(or with spec.checkpoint.resume: never, which abandons them)"
+                f"no usable checkpoint for {purpose or f'--resume={which}'} at "
+                f"{self.storage.uri} ({found}). Nothing was changed there: "
+                + (advice or RESUME_ADVICE),
+                found,
             )
         available = ", ".join(str(s) for s in sorted(scan.manifests)) or "none"
         raise NoCheckpointError(

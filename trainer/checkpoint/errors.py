@@ -49,3 +49,8 @@ class DamagedCheckpointsError(CheckpointError):
     """Committed checkpoints are there but none of those asked for is intact. Not a
     NoCheckpointError on purpose: starting afresh would move `latest` back to the new
     run's first checkpoint and abandon every step the damaged ones hold."""
+
+    def __init__(self, message: str, found: str):
+        super().__init__(message)
+        self.found = found
+        """Each damaged folder and why, for callers that word their own message."""

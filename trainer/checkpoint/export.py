@@ -73,7 +73,12 @@ def export_hf(
     chosen_manifest: list[Manifest] = []
 
     def fill(work: Path) -> None:
-        manifest = catalog.choose(which, check=lambda m: local.fetch(m) + _hf_problems(m))
+        manifest = catalog.choose(
+            which,
+            check=lambda m: _hf_problems(m) or local.fetch(m),
+            purpose="export",
+            advice="export another step (`rlft checkpoints verify` checks them)",
+        )
         chosen_manifest.append(manifest)
         assert local.path is not None
         hf = local.path / HF_DIR

@@ -13,7 +13,6 @@ of the background thread (DCP planning, gather, commit verdict) from ever interl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import shutil
@@ -47,6 +46,7 @@ from rlft.trainer.checkpoint.manifest import (
     step_dir,
 )
 from rlft.trainer.checkpoint.schedule import SavePolicy
+from rlft.trainer.checkpoint.staging import Stage
 from rlft.trainer.checkpoint.state import Modules, tensor_state
 from rlft.trainer.storage.backends import TEMP_MARK, FileStorage, Storage, sha256_file
 from rlft.trainer.storage.retry import with_retries
@@ -153,13 +153,12 @@ class Checkpointer:
             else:
                 tag = sha256(storage.uri.encode()).hexdigest()[:12]
                 staging_dir = Path(tempfile.gettempdir()) / f"rlft-staging-{tag}"
-        self.staging_dir = Path(staging_dir) / f"rank-{self.rank}"
-        # A run killed mid-save leaves its stage; nothing ever reads a stage back (resume
-        # reads committed checkpoints), so this rank's stages start empty.
-        shutil.rmtree(self.staging_dir, ignore_errors=True)
         if self.rank == 0:
             # Fail at start, not at the first save, on a wrong bucket or credentials.
             with_retries(lambda: storage.list(LATEST), deadline_s=60.0)
+        # Locked while this Checkpointer lives; stale stages beside it (of killed runs) go.
+        self._stage = Stage(Path(staging_dir), self.rank)
+        self.staging_dir = self._stage.folder
 
     # ---------------------------------------------------------------- the loop
 
@@ -277,12 +276,7 @@ class Checkpointer:
             if group is not None:
                 dist.destroy_process_group(group)
         self._control = self._io = None
-        # Each save removes its own stage; the folders above it go once empty (other
-        # ranks on this machine may still be using the shared one).
-        folders = [self.staging_dir, self.staging_dir.parent][: 1 + self._own_staging]
-        for folder in folders:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        self._stage.release(remove_parent=self._own_staging)
 
     # --------------------------------------------------------- the background
 

@@ -23,6 +23,11 @@ def torchrun_command(nproc: int, module: str, args: list[str], log_dir: str) -> 
     ]
 
 
+def _log_dir() -> tempfile.TemporaryDirectory:
+    """torchrun's logs for one launch; a cleanup error never hides the launch's own."""
+    return tempfile.TemporaryDirectory(prefix="rlft-torchrun-", ignore_cleanup_errors=True)
+
+
 def worker_env(nproc: int) -> dict[str, str]:
     """The parent's environment, with threads split between the workers so that N
     processes do not oversubscribe the cores (tiny models run fastest single-threaded)."""
@@ -36,7 +41,7 @@ def worker_env(nproc: int) -> dict[str, str]:
 
 def run_workers(nproc: int, module: str, args: list[str], timeout_s: float | None = None) -> int:
     """Run the module on `nproc` local ranks; returns torchrun's exit code."""
-    with tempfile.TemporaryDirectory(prefix="rlft-torchrun-") as logs:
+    with _log_dir() as logs:
         command = torchrun_command(nproc, module, args, logs)
         return subprocess.run(command, env=worker_env(nproc), timeout=timeout_s).returncode
 
@@ -53,7 +58,7 @@ def run_workers_captured(
     meantime) is retried. Returns the output; raises `WorkersFailed` otherwise."""
     output = ""
     for _ in range(attempts):
-        with tempfile.TemporaryDirectory(prefix="rlft-torchrun-") as logs:
+        with _log_dir() as logs:
             done = subprocess.run(
                 torchrun_command(nproc, module, args, logs),
                 env=worker_env(nproc),

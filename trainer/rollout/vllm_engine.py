@@ -111,12 +111,6 @@ class VllmEngine:
         kv_cache_gib: int = 1,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        # A user's VLLM_CACHE_ROOT (a volume that outlives the pod) is kept; without one,
-        # a temporary folder of this engine's own, not ~/.cache, removed at close.
-        self._cache_root = None
-        if "VLLM_CACHE_ROOT" not in os.environ:
-            self._cache_root = tempfile.mkdtemp(prefix="rlft-vllm-cache-")
-            os.environ["VLLM_CACHE_ROOT"] = self._cache_root
         self.in_process = tensor_parallel * expert_parallel == 1
         if self.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -128,18 +122,28 @@ class VllmEngine:
         # vLLM's "auto" serves float32 checkpoints in 16 bits: keep the trainer's dtype, so
         # behaviour log-probs are those of the trained weights.
         dtype = dtype or _config_dtype(folder)
-        self.llm = LLM(
-            model=str(folder),
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            enforce_eager=True,
-            tensor_parallel_size=tensor_parallel,
-            enable_expert_parallel=expert_parallel > 1,
-            distributed_executor_backend=_executor(self.in_process),
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,
-            seed=0,
-        )
+        # A user's VLLM_CACHE_ROOT (a volume that outlives the pod) is kept; without one,
+        # a temporary folder of this engine's own, not ~/.cache, removed at close.
+        self._cache_root = None
+        if "VLLM_CACHE_ROOT" not in os.environ:
+            self._cache_root = tempfile.mkdtemp(prefix="rlft-vllm-cache-")
+            os.environ["VLLM_CACHE_ROOT"] = self._cache_root
+        try:
+            self.llm = LLM(
+                model=str(folder),
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                enforce_eager=True,
+                tensor_parallel_size=tensor_parallel,
+                enable_expert_parallel=expert_parallel > 1,
+                distributed_executor_backend=_executor(self.in_process),
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=False,
+                seed=0,
+            )
+        except BaseException:
+            self._remove_cache_root()
+            raise
         config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(config.vocab_size)
         eos = config.eos_token_id
@@ -242,7 +246,11 @@ class VllmEngine:
 
     def close(self) -> None:
         del self.llm
+        self._remove_cache_root()
+
+    def _remove_cache_root(self) -> None:
         if self._cache_root is not None:
             shutil.rmtree(self._cache_root, ignore_errors=True)
             if os.environ.get("VLLM_CACHE_ROOT") == self._cache_root:
                 del os.environ["VLLM_CACHE_ROOT"]
+            self._cache_root = None

@@ -16,7 +16,12 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rlft.trainer.checkpoint import GracefulStop, NoCheckpointError, checkpointer_from_spec
+from rlft.trainer.checkpoint import (
+    DamagedCheckpointsError,
+    GracefulStop,
+    NoCheckpointError,
+    checkpointer_from_spec,
+)
 from rlft.trainer.checkpoint import load as load_checkpoint
 from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.config import RLFineTune, dump_job
@@ -80,16 +85,17 @@ class Checkpointing:
         which = self.dist.broadcast(which)
         try:
             resumed = self._load(which, learner, restore_rng=True)
-        except NoCheckpointError:
-            if which == "auto":
+        except (NoCheckpointError, DamagedCheckpointsError) as error:
+            if which == "auto" and isinstance(error, NoCheckpointError):
                 return None
             if which != "latest-healthy":
-                raise  # a step the user named: not there is an error
+                raise  # a step the user named, or damage: never a fresh start over it
             # The operator restarts every failed gang with latest-healthy; a failure
-            # before the first healthy checkpoint must still recover.
+            # before the first healthy checkpoint (or with the healthy ones damaged) must
+            # still recover from an intact one.
             warn = self.supervisor.log
-            self.supervisor.event("resume", "no healthy checkpoint", "warning")
-            warn("rlft: warning: no healthy checkpoint; resuming from the newest one")
+            self.supervisor.event("resume", "no intact healthy checkpoint", "warning")
+            warn("rlft: warning: no intact healthy checkpoint; resuming from the newest one")
             try:
                 resumed = self._load("auto", learner, restore_rng=True)
             except NoCheckpointError:
@@ -136,7 +142,12 @@ class Checkpointing:
         target = self.dist.broadcast(target)
         if target is None:
             raise NoCheckpointError(f"no healthy checkpoint before step {before_step}")
-        resumed = self._load(target, learner, restore_rng=False)
+        try:
+            resumed = self._load(target, learner, restore_rng=False)
+        except DamagedCheckpointsError as error:
+            raise NoCheckpointError(
+                f"no intact checkpoint to roll back to before step {before_step} ({error.found})"
+            ) from None
         # The restored weights are a new version, not the checkpoint's again: versions
         # only grow, so rollout servers, the weight store and the staleness gate never
         # see a number reused for other weights.

@@ -23,7 +23,7 @@ from typing import IO, Any
 import torch
 
 from rlft.trainer.algorithms.batch import SequenceBatch
-from rlft.trainer.checkpoint import DamagedCheckpointsError, NoCheckpointError
+from rlft.trainer.checkpoint import NoCheckpointError
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.data import Problem, Task
 from rlft.trainer.data.rewards import RewardModel
@@ -306,7 +306,7 @@ def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:
 def _roll_back(run: Run, phase: Phase, step: int, before: int) -> None:
     try:
         restored = run.checkpoints.rollback(before, run.cursor, run.learner)
-    except (NoCheckpointError, DamagedCheckpointsError) as error:
+    except NoCheckpointError as error:
         raise RunEnded(f"collapse at step {step} and {error}", ExitCode.COLLAPSED) from None
     run.set_policy_version(run.cursor.policy_version)
     message = (

@@ -1,0 +1,75 @@
+"""Stage folders (trainer/checkpoint/staging.py) between real processes: a killed
+process's stage is removed by the next one to start, a live process's is never touched,
+and nothing but stages is removed from a user's staging folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from rlft.trainer.checkpoint.staging import Stage
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from rlft.trainer.checkpoint.staging import Stage
+stage = Stage(Path(sys.argv[1]), int(sys.argv[2]))
+(stage.folder / "step-000004").mkdir()
+(stage.folder / "step-000004" / "__0_0.distcp").write_bytes(b"half a shard")
+print(stage.folder, flush=True)
+time.sleep(600)
+"""
+
+
+def hold(parent: Path, rank: int) -> tuple[subprocess.Popen, Path]:
+    """A process holding a stage with a save in it; returns it and its stage folder."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(parent), str(rank)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    return process, Path(process.stdout.readline().strip())
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def test_stages_of_killed_processes_go_and_live_ones_stay(tmp_path: Path) -> None:
+    parent = tmp_path / "staging"
+    (parent / "notes").mkdir(parents=True)  # the user's own: not a stage
+    (parent / "rank-x").mkdir()
+    live, live_folder = hold(parent, 0)
+    killed, killed_folder = hold(parent, 3)  # a rank a smaller world no longer has
+    try:
+        assert live_folder == parent / "rank-0"
+        stop(killed)
+        assert (killed_folder / "step-000004" / "__0_0.distcp").exists()
+
+        # Rank 0 again, while the live process holds rank-0: a folder of its own.
+        stage = Stage(parent, 0)
+        assert stage.folder == parent / f"rank-0-{os.getpid()}"
+        assert (live_folder / "step-000004" / "__0_0.distcp").read_bytes() == b"half a shard"
+        assert not killed_folder.exists()
+        assert (parent / "notes").is_dir() and (parent / "rank-x").is_dir()
+        (stage.folder / "step-000006").mkdir()
+        stage.release(remove_parent=True)
+        assert not stage.folder.exists() and parent.is_dir()  # others' things still there
+        stage.release(remove_parent=True)  # twice is harmless
+    finally:
+        stop(live)
+        stop(killed)
+
+    # With the holder gone its stage is stale, and the new rank 0 takes its place.
+    stage = Stage(parent, 0)
+    assert stage.folder == parent / "rank-0"
+    assert list(stage.folder.iterdir()) == [stage.folder / ".lock"]
+    stage.release(remove_parent=False)
+    assert sorted(p.name for p in parent.iterdir()) == ["notes", "rank-x"]
