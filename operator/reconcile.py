@@ -82,7 +82,9 @@ class _Run(FailureResponses):
         self.held_update = False  # a ConfigMap to re-render, held by the create backoff
 
     def desired(self) -> M.Desired:
-        return M.desired(self.job, self.body, self.settings, self.st.resume, self.st.gang_attempt)
+        # Until a gang has run, the job's own choice (never, say); any later start resumes.
+        resume = self.st.resume if self.st.resume != "auto" else self.job.spec.checkpoint.resume
+        return M.desired(self.job, self.body, self.settings, resume, self.st.gang_attempt)
 
     # ------------------------------------------------------------------- rules
     def mirror_report(self) -> None:

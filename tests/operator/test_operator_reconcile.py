@@ -143,6 +143,28 @@ def test_first_reconcile_creates_every_child_and_waits():
     assert w.step().create == []  # idempotent
 
 
+@pytest.mark.parametrize("choice", ["auto", "latest-healthy", "never"])
+def test_the_first_start_takes_the_jobs_resume_choice_and_later_ones_resume(choice):
+    w = _world(checkpoint={"uri": "s3://bucket/run", "resume": choice})
+    trainer = "tiny-grpo-trainer-0"
+    d = w.step()
+    first = next(m for m in d.create if m["metadata"]["name"] == trainer)
+    assert first["spec"]["containers"][0]["command"][-1] == f"--resume={choice}"
+    w.run_all()
+    w.step()
+    w.set(trainer, phase="Failed", exit_code=1)
+    w.step()
+    w.tick(600)
+    for _ in range(4):
+        d = w.step()
+        again = [m for m in d.create if m["metadata"]["name"] == trainer]
+        if again:
+            break
+        w.tick(60)
+    assert again, "the failed gang was not restarted"
+    assert again[0]["spec"]["containers"][0]["command"][-1] == "--resume=latest-healthy"
+
+
 def test_pending_to_running_when_the_gang_runs():
     w = _world(trainer={"replicas": {"min": 2, "max": 3}})
     w.step()
