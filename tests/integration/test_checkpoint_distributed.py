@@ -52,3 +52,46 @@ def test_fsdp2_sharded_save_resumes_at_world_size_2_and_1(s3_env, bucket, tmp_pa
     train_step(model, optimizer, batch_for(3), mask=False)
     for name, value in params_of(model).items():
         torch.testing.assert_close(value, reference["three"][name], rtol=1e-5, atol=1e-6)
+
+
+def damaged_on_two_ranks(rank: int, port: int, root: str) -> None:
+    """Spawned per rank: a file:// checkpoint at world size 2 whose file in rank 1's
+    share of the checksum work is damaged; both ranks try to resume from it."""
+    import os
+
+    import torch.distributed as dist
+
+    from rlft.trainer.checkpoint.errors import DamagedCheckpointsError
+    from rlft.trainer.checkpoint.saver import Checkpointer
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    storage = open_storage(f"file://{root}/ckpts")
+    model = tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(storage)
+    assert ckpt.save(2, model, optimizer, extra={"step": 2}, wait=True)
+    ckpt.close()
+    if rank == 0:
+        manifest = Catalog(storage).scan().manifests[2]
+        victim = manifest.files[1].path  # checked by rank 1 (files[rank::world_size])
+        data = bytearray(storage.get_bytes(f"step-000002/{victim}"))
+        data[len(data) // 2] ^= 0xFF
+        storage.put_bytes(f"step-000002/{victim}", bytes(data))
+        Path(root, "victim").write_text(victim)
+    dist.barrier()
+    try:
+        load(storage, "auto", model, optimizer)
+    except DamagedCheckpointsError as error:
+        Path(root, f"error-{rank}").write_text(str(error))
+    dist.destroy_process_group()
+
+
+def test_a_file_damaged_in_another_ranks_share_is_named_on_every_rank(tmp_path: Path) -> None:
+    (port,) = free_ports(1)
+    mp.spawn(damaged_on_two_ranks, args=(port, str(tmp_path)), nprocs=2, join=True)
+    victim = (tmp_path / "victim").read_text()
+    for rank in (0, 1):
+        error = (tmp_path / f"error-{rank}").read_text()
+        assert f"step-000002: {victim}: checksum mismatch" in error, error

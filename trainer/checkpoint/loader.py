@@ -104,12 +104,14 @@ class LocalCopy:
             shutil.rmtree(self.cache, ignore_errors=True)
 
 
-def _all_ok(problems: list[str], group: Any) -> bool:
+def _every_ranks(problems: list[str], group: Any) -> list[str]:
+    """The problems every rank found (on file:// each checks its share of the files), so
+    that all ranks decide alike and name the same files."""
     if not (dist.is_available() and dist.is_initialized()):
-        return not problems
-    flag = torch.tensor([1 if problems else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return not flag.item()
+        return problems
+    gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, problems, group=group)
+    return list(dict.fromkeys(p for found in gathered for p in found or []))
 
 
 def shared_scan(catalog: Catalog, group: Any = None) -> Scan:
@@ -147,8 +149,7 @@ def load(
     local = LocalCopy(storage, cache_dir, rank, world_size)
 
     def check(manifest: Manifest) -> list[str]:
-        problems = local.fetch(manifest)
-        return [] if _all_ok(problems, process_group) else (problems or ["another rank"])
+        return _every_ranks(local.fetch(manifest), process_group)
 
     try:
         manifest = catalog.choose(which, check=check, scan=shared_scan(catalog, process_group))
