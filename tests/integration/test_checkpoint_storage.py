@@ -18,7 +18,7 @@ from rlft.trainer.checkpoint.errors import (
     StorageError,
     StorageFullError,
 )
-from rlft.trainer.storage.backends import FileStorage, open_storage, sha256_file
+from rlft.trainer.storage.backends import TEMP_MARK, FileStorage, open_storage, sha256_file
 
 
 @pytest.fixture(params=["s3", "file"])
@@ -54,6 +54,22 @@ def test_put_get_list_exists_delete(store, tmp_path: Path) -> None:
     assert [i.key for i in store.list()] == ["latest", "step-000002/extra.json"]
     with pytest.raises(ObjectMissingError):
         store.get_bytes("step-000001/manifest.json")
+
+
+def test_deleting_a_key_leaves_what_other_writers_have_beside_it(tmp_path: Path) -> None:
+    """Rank 0 withdraws a stale manifest while the other ranks upload their shards into
+    the same folder: a key's delete must not remove their temp files or the (still
+    empty) folder; a folder's delete removes everything below it."""
+    store = FileStorage(tmp_path / "ckpts")
+    store.put_bytes("step-000002/manifest.json", b"{}")
+    folder = tmp_path / "ckpts" / "step-000002"
+    in_flight = folder / f"{TEMP_MARK}0a1b-__1_0.distcp"  # another rank's upload
+    in_flight.write_bytes(b"half")
+    (folder / "hf").mkdir()  # made by another rank, still empty
+    assert store.delete_prefix("step-000002/manifest.json") == 1
+    assert in_flight.read_bytes() == b"half" and (folder / "hf").is_dir()
+    assert store.delete_prefix("step-000002/") == 0
+    assert not folder.exists()
 
 
 def test_a_missing_bucket_is_named(s3_env) -> None:

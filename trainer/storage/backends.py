@@ -215,8 +215,12 @@ class FileStorage:
         doomed = self.list(prefix)
         for info in doomed:
             self._path(info.key).unlink(missing_ok=True)
-        # Remove folders left empty (and stale temp files inside them) below the prefix.
-        base = self.root / prefix if prefix.endswith("/") else (self.root / prefix).parent
+        # A folder's delete also removes what is left below it: empty folders and stale
+        # temp files. Not a key's: other writers (ranks uploading their shards beside a
+        # manifest being withdrawn) may have a temp file or a fresh folder there.
+        if not prefix.endswith("/"):
+            return len(doomed)
+        base = self.root / prefix
         if base.is_dir() and base != self.root:
             for folder, _, names in sorted(os.walk(base), key=lambda w: -len(w[0])):
                 for name in names:
