@@ -33,6 +33,9 @@ class Observed:
     report: TrainerReport | None = None
     config_data: Mapping[str, str] = field(default_factory=dict)
     """The job file in each ConfigMap (by name), where known."""
+    oom_killed: list[PodView] = field(default_factory=list)
+    """Pods seen OOM-killed lately, gone ones too: a deleted pod's final status (how its
+    containers ended) comes just before its delete, so the pods above may never show it."""
 
 
 @dataclass

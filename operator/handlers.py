@@ -29,6 +29,7 @@ import kopf
 
 from rlft.operator import crd
 from rlft.operator import creation as C
+from rlft.operator import failures as P
 from rlft.operator import manifests as M
 from rlft.operator import names as N
 from rlft.operator.decision import Decision, Observed, invalid_spec
@@ -63,6 +64,12 @@ class _JobState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dirty: bool = False
     timer: asyncio.TimerHandle | None = None
+    oom_killed: dict[str, tuple[PodView, float]] = field(default_factory=dict)
+    """uid → (the pod's view, when seen): pods seen OOM-killed, until the planner names
+    the OOM or OOM_MEMORY_SECONDS pass (see Observed.oom_killed)."""
+
+
+OOM_MEMORY_SECONDS = 120.0
 
 
 class Runtime:
@@ -190,10 +197,14 @@ async def _job_event(
 
 
 @kopf.on.event("pods", labels=MANAGED)
-async def _pod_event(namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
+async def _pod_event(namespace: str, labels: dict[str, str], body: Any, **kwargs: Any) -> None:
     _remember_indexes(kwargs)
     job = labels.get(N.LABEL_JOB)
     if job:
+        view = pod_view(dict(body))
+        if view is not None and view.terminated_reason == P.OOM:
+            state = RUNTIME.jobs.setdefault((namespace, job), _JobState())
+            state.oom_killed[view.uid] = (view, time.monotonic())
         await kick((namespace, job))
 
 
@@ -285,6 +296,12 @@ async def _wake(key: Key) -> None:
         await kick(key)
 
 
+def _recent_ooms(state: _JobState) -> list[PodView]:
+    horizon = time.monotonic() - OOM_MEMORY_SECONDS
+    state.oom_killed = {u: seen for u, seen in state.oom_killed.items() if seen[1] > horizon}
+    return [view for view, _ in state.oom_killed.values()]
+
+
 def _index_items(index_name: str, key: Key) -> list[Any]:
     index = RUNTIME.indexes.get(index_name)
     if index is None:
@@ -336,8 +353,14 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
             services=frozenset(_index_items("services_by_job", key)),
             report=await _poll_trainer(pods) if status.phase not in ("Suspended",) else None,
             config_data={n: text for n, text in config_maps.items() if text is not None},
+            oom_killed=_recent_ooms(state),
         )
         decision = reconcile(job, body, status, observed, now, RUNTIME.options.settings)
+        named = decision.status.last_failure
+        if named is not None and named.reason == P.OOM:  # said once is enough
+            state.oom_killed = {
+                uid: seen for uid, seen in state.oom_killed.items() if seen[0].name != named.pod
+            }
     retry = await _apply(key, body, status, decision, now)
     poll = RUNTIME.options.poll_seconds
     delay = min(decision.requeue_after or poll, poll, retry or poll)

@@ -164,7 +164,8 @@ class FailureResponses:
         still the cause the user must act on, so it becomes the last failure (the
         restart is counted once already) with one Event."""
         last = self.st.last_failure
-        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+        seen = {p.uid: p for p in self.observed.oom_killed} | {p.uid: p for p in self.pods.values()}
+        for pod in sorted(seen.values(), key=lambda p: p.name):
             if pod.uid not in self.handled or pod.terminated_reason != P.OOM:
                 continue
             if last is not None and (last.reason, last.pod) == (P.OOM, pod.name):

@@ -41,6 +41,7 @@ class World:
     report: TrainerReport | None = None
     events: list[str] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
+    oom_killed: list[PodView] = field(default_factory=list)
     serial: int = 0
     generation: int = 1
     """metadata.generation: `edit` bumps it, as the API server does on a spec change."""
@@ -58,6 +59,7 @@ class World:
             services=frozenset(self.other),
             report=self.report,
             config_data=dict(self.config),
+            oom_killed=list(self.oom_killed),
         )
         d = reconcile(job, body, self.status, observed, self.now)
         self.check(d)
@@ -682,6 +684,29 @@ def test_an_oom_kill_judged_after_its_peers_failure_still_names_the_cause():
     # Deleted gracefully, the pod is still there, Terminating, when its container ends.
     oom = {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}
     w.pods["tiny-grpo-trainer-0"] = view("tiny-grpo-trainer-0", uid=uid, deleting=True, **oom)
+    w.step()
+    w.step()
+    assert w.status.restarts == 1
+    assert (w.status.last_failure.reason, w.status.last_failure.pod) == (
+        P.OOM,
+        "tiny-grpo-trainer-0",
+    )
+    assert w.events.count(P.OOM) == 1
+
+
+def test_an_oom_kill_seen_only_in_a_gone_pods_final_status_still_names_the_cause():
+    """The same race, with the OOM-killed pod already deleted when the planner runs: its
+    final status (reason OOMKilled) was seen in a pod event just before its delete."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.set("tiny-grpo-trainer-1", phase="Failed", exit_code=1)
+    w.step()
+    assert "tiny-grpo-trainer-0" not in w.pods and w.status.last_failure.reason != P.OOM
+    oom = {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}
+    w.oom_killed = [view("tiny-grpo-trainer-0", uid=uid, deleting=True, **oom)]
     w.step()
     w.step()
     assert w.status.restarts == 1
