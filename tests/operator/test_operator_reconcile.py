@@ -668,22 +668,22 @@ def test_a_pod_evicted_from_a_node_that_stopped_reporting_is_force_deleted_at_on
     assert "tiny-grpo-trainer-0" in d.delete_pods  # the gang restarts without waiting
 
 
-def test_an_oom_kill_judged_after_its_peers_failure_still_names_the_cause():
-    """trainer-1 fails first (its collective broke when trainer-0's worker was OOM-killed);
-    the gang restart marks trainer-0 handled. When trainer-0 ends OOMKilled, that becomes
-    the last failure, with one Event, and the restart is not counted twice."""
+OOM_KILLED = {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}
+
+
+def _peer_fails_first() -> tuple[World, Decision, str]:
+    """A running 2-pod gang whose trainer-1 fails (its collective broke when trainer-0's
+    worker was OOM-killed): the world, that decision and trainer-0's uid."""
     w = _world(trainer={"replicas": {"min": 2, "max": 2}})
     w.step()
     w.run_all()
     w.step()
     uid = w.pods["tiny-grpo-trainer-0"].uid
     w.set("tiny-grpo-trainer-1", phase="Failed", exit_code=1)
-    d = w.step()
-    assert "tiny-grpo-trainer-0" in d.delete_pods  # the survivor too: the gang restarts
-    assert w.status.restarts == 1 and w.status.last_failure.pod == "tiny-grpo-trainer-1"
-    # Deleted gracefully, the pod is still there, Terminating, when its container ends.
-    oom = {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}
-    w.pods["tiny-grpo-trainer-0"] = view("tiny-grpo-trainer-0", uid=uid, deleting=True, **oom)
+    return w, w.step(), uid
+
+
+def _assert_the_oom_is_named_once(w: World) -> None:
     w.step()
     w.step()
     assert w.status.restarts == 1
@@ -692,29 +692,29 @@ def test_an_oom_kill_judged_after_its_peers_failure_still_names_the_cause():
         "tiny-grpo-trainer-0",
     )
     assert w.events.count(P.OOM) == 1
+
+
+def test_an_oom_kill_judged_after_its_peers_failure_still_names_the_cause():
+    """trainer-1 fails first (its collective broke when trainer-0's worker was OOM-killed);
+    the gang restart marks trainer-0 handled. When trainer-0 ends OOMKilled, that becomes
+    the last failure, with one Event, and the restart is not counted twice."""
+    w, d, uid = _peer_fails_first()
+    assert "tiny-grpo-trainer-0" in d.delete_pods  # the survivor too: the gang restarts
+    assert w.status.restarts == 1 and w.status.last_failure.pod == "tiny-grpo-trainer-1"
+    # Deleted gracefully, the pod is still there, Terminating, when its container ends.
+    w.pods["tiny-grpo-trainer-0"] = view(
+        "tiny-grpo-trainer-0", uid=uid, deleting=True, **OOM_KILLED
+    )
+    _assert_the_oom_is_named_once(w)
 
 
 def test_an_oom_kill_seen_only_in_a_gone_pods_final_status_still_names_the_cause():
     """The same race, with the OOM-killed pod already deleted when the planner runs: its
     final status (reason OOMKilled) was seen in a pod event just before its delete."""
-    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
-    w.step()
-    w.run_all()
-    w.step()
-    uid = w.pods["tiny-grpo-trainer-0"].uid
-    w.set("tiny-grpo-trainer-1", phase="Failed", exit_code=1)
-    w.step()
+    w, _, uid = _peer_fails_first()
     assert "tiny-grpo-trainer-0" not in w.pods and w.status.last_failure.reason != P.OOM
-    oom = {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}
-    w.oom_killed = [view("tiny-grpo-trainer-0", uid=uid, deleting=True, **oom)]
-    w.step()
-    w.step()
-    assert w.status.restarts == 1
-    assert (w.status.last_failure.reason, w.status.last_failure.pod) == (
-        P.OOM,
-        "tiny-grpo-trainer-0",
-    )
-    assert w.events.count(P.OOM) == 1
+    w.oom_killed = [view("tiny-grpo-trainer-0", uid=uid, deleting=True, **OOM_KILLED)]
+    _assert_the_oom_is_named_once(w)
 
 
 def _rdzv_ids(d: Decision) -> set[str]:
