@@ -109,6 +109,17 @@ def test_a_corrupted_shard_is_detected_and_the_previous_one_used(location, caplo
     assert "falling back to the previous one" in caplog.text
     assert all(torch.equal(v, at_two[k]) for k, v in params_of(model2).items())
 
+    # A step asked for by name is that one: damaged, an error naming it and what to do,
+    # not the older step 2 the caller did not choose; nothing is loaded.
+    model3, optimizer3 = _fresh(seed=3)
+    before = params_of(model3)
+    with pytest.raises(DamagedCheckpointsError) as raised:
+        load(storage, 4, model3, optimizer3)
+    message = str(raised.value)
+    assert "--resume=4" in message and "step-000004: __0_0.distcp: checksum mismatch" in message
+    assert "step-000002" not in message and "resume another step" in message
+    assert all(torch.equal(v, before[k]) for k, v in params_of(model3).items())
+
 
 def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> None:
     """Committed checkpoints that are all damaged must not read as "no checkpoint" (a
@@ -126,7 +137,7 @@ def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> No
     storage.delete_prefix("step-000004/extra.json")
     before = {info.key: info.size for info in storage.list("")}
 
-    for which in ("auto", "latest-healthy", 4):
+    for which in ("auto", "latest-healthy"):
         with pytest.raises(DamagedCheckpointsError) as raised:
             load(storage, which, *_fresh(seed=3))
         message = str(raised.value)

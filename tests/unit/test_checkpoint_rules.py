@@ -107,7 +107,7 @@ def test_resume_follows_the_pointer_and_falls_back_to_older_ones() -> None:
     committed = {10: True, 20: False, 30: True, 40: False}
     assert resume_order(committed, 40, "auto") == [40, 30, 20, 10]
     assert resume_order(committed, 40, "latest-healthy") == [30, 10]
-    assert resume_order(committed, 40, 20) == [20, 10]
+    assert resume_order(committed, 40, 20) == [20]  # no fallback from a named step
     assert resume_order(committed, 40, 25) == []  # an explicit step must exist
     # After a rollback to 30 (pointer there), the abandoned 40 is never taken.
     assert resume_order(committed, 30, "auto") == [30, 20, 10]

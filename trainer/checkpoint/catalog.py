@@ -56,6 +56,10 @@ RESUME_ADVICE = (
     "restore or delete the damaged folders (a location without checkpoints starts the job "
     "afresh), or give the job another checkpoint location"
 )
+STEP_ADVICE = (
+    "restore that folder, or resume another step (`rlft checkpoints verify` checks them; "
+    "`--resume auto` takes the newest intact one)"
+)
 
 
 class Catalog:
@@ -147,17 +151,18 @@ class Catalog:
                 reason,
             )
         damaged: dict[int, str] = {}
-        for step in order:
+        for position, step in enumerate(order, 1):
             manifest = scan.manifests[step]
             problems = check(manifest)
             if not problems:
                 return manifest
             damaged[step] = "; ".join(problems[:3]) + (" …" if len(problems) > 3 else "")
             log.warning(
-                "checkpoint %s/%s is damaged (%s); falling back to the previous one",
+                "checkpoint %s/%s is damaged (%s)%s",
                 self.storage.uri,
                 step_dir(step),
                 damaged[step],
+                "; falling back to the previous one" if position < len(order) else "",
             )
         if not isinstance(which, int):
             # An unreadable manifest may be the checkpoint asked for (healthy or newest).
@@ -169,7 +174,7 @@ class Catalog:
             raise DamagedCheckpointsError(
                 f"no usable checkpoint for {purpose or f'--resume={which}'} at "
                 f"{self.storage.uri} ({found}). Nothing was changed there: "
-                + (advice or RESUME_ADVICE),
+                + (advice or (STEP_ADVICE if isinstance(which, int) else RESUME_ADVICE)),
                 found,
             )
         available = ", ".join(str(s) for s in sorted(scan.manifests)) or "none"

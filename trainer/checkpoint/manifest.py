@@ -192,10 +192,10 @@ def resume_order(committed: dict[int, bool], latest: int | None, which: Which) -
     if which == "latest-healthy":
         return [s for s in steps if committed[s]]
     if isinstance(which, int):
-        # An explicit step may lie off the timeline (the user asked for it by name).
-        if which not in committed:
-            return []
-        return [s for s in sorted(committed, reverse=True) if s <= which]
+        # An explicit step is that checkpoint and no other, on the timeline or off it
+        # (the user, or a rollback, asked for it by name): damaged, it is an error, not a
+        # reason to load an older one the caller did not choose (an unhealthy one, say).
+        return [which] if which in committed else []
     raise ValueError(f"unknown resume choice {which!r}")
 
 

@@ -134,20 +134,28 @@ class Checkpointing:
         run; the data and sampling streams go on from where they are (past the bad
         window). Returns the restored step; RunEnded-worthy NoCheckpointError if none."""
         self.checkpointer.wait()
-        target = None
+        candidates: list[int] = []
         if self.dist.is_main:
             committed = self.checkpointer.catalog.scan().committed
             healthy = [step for step, ok in committed.items() if ok and step < before_step]
-            target = max(healthy, default=None)
-        target = self.dist.broadcast(target)
-        if target is None:
+            candidates = sorted(healthy, reverse=True)
+        candidates = self.dist.broadcast(candidates)
+        if not candidates:
             raise NoCheckpointError(f"no healthy checkpoint before step {before_step}")
-        try:
-            resumed = self._load(target, learner, restore_rng=False)
-        except DamagedCheckpointsError as error:
+        # Each candidate by name: a damaged one is skipped for the next older healthy one,
+        # never for an unhealthy one (restoring the collapse the rollback escapes).
+        damaged: list[str] = []
+        for target in candidates:
+            try:
+                resumed = self._load(target, learner, restore_rng=False)
+                break
+            except DamagedCheckpointsError as error:
+                damaged.append(error.found)
+        else:
             raise NoCheckpointError(
-                f"no intact checkpoint to roll back to before step {before_step} ({error.found})"
-            ) from None
+                f"no intact healthy checkpoint to roll back to before step {before_step} "
+                f"({'; '.join(damaged)})"
+            )
         # The restored weights are a new version, not the checkpoint's again: versions
         # only grow, so rollout servers, the weight store and the staleness gate never
         # see a number reused for other weights.

@@ -1,0 +1,103 @@
+"""Where a collapse rollback goes when checkpoints are damaged: the newest intact healthy
+checkpoint before the collapse, never an unhealthy one (restoring it would restore the
+collapse), and an error naming the damage when no healthy one is intact. A real run's
+checkpoint handling (Checkpointing, Learner, Supervisor) saving real checkpoints on
+file://, one of them then damaged on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_jobs import TINY_MODEL, manifest
+
+from rlft.trainer.checkpoint import NoCheckpointError
+from rlft.trainer.config import parse_job
+from rlft.trainer.distributed import Dist
+from rlft.trainer.learner.learner import Learner
+from rlft.trainer.run.checkpointing import Checkpointing
+from rlft.trainer.run.parts import build_parts
+from rlft.trainer.run.state import Cursor
+from rlft.trainer.run.supervisor import Supervisor
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+# step → whether the guard let the checkpoint be tagged healthy
+SAVED = {10: True, 20: False, 30: True}
+
+
+@pytest.fixture
+def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
+    """A run that checkpointed SAVED, with distinct weights at each step: (checkpoints,
+    learner, cursor, {step: the policy's parameters then})."""
+    job = parse_job(
+        manifest(
+            {
+                "model": TINY_MODEL,
+                "telemetry": {"enabled": False},
+                "checkpoint": {"uri": f"file://{tmp_path}/ckpts", "intervalSteps": 10},
+            }
+        )
+    )
+    parts = build_parts(job)
+    dist = Dist()
+    learner = Learner(parts.policy, job.spec.trainer, dist)
+    supervisor = Supervisor(job, dist, lambda message: None)
+    out = tmp_path / "out"
+    out.mkdir()
+    checkpoints = Checkpointing(job, out, dist, learner.engine_model, parts.tokenizer, supervisor)
+    cursor = Cursor(job.spec.trainer.seed)
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    policy = learner.models.policy
+    try:
+        for step, healthy in SAVED.items():
+            with torch.no_grad():
+                for parameter in policy.parameters():
+                    parameter.add_(0.01)
+            weights[step] = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+            cursor.step = cursor.policy_version = step
+            monkeypatch.setattr(supervisor, "healthy", lambda healthy=healthy: healthy)
+            checkpoints.end_of_step(cursor, learner)
+            checkpoints.checkpointer.wait()
+        assert checkpoints.checkpointer.catalog.scan().committed == SAVED
+        yield checkpoints, learner, cursor, weights
+    finally:
+        checkpoints.close()
+        supervisor.close()
+
+
+def _damage(checkpoints: Checkpointing, step: int) -> None:
+    storage = checkpoints.checkpointer.storage
+    key = f"step-{step:06d}/__0_0.distcp"
+    data = bytearray(storage.get_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    storage.put_bytes(key, bytes(data))
+
+
+def _state(learner: Learner) -> dict[str, torch.Tensor]:
+    return learner.models.policy.state_dict()
+
+
+def test_a_damaged_healthy_target_is_skipped_for_an_older_healthy_one(saved_run) -> None:
+    checkpoints, learner, cursor, weights = saved_run
+    _damage(checkpoints, 30)
+    # Before: step 30 named, then the fallback below it took step 20, the unhealthy one.
+    assert checkpoints.rollback(35, cursor, learner) == 10
+    assert all(torch.equal(v, weights[10][k]) for k, v in _state(learner).items())
+    assert not any(torch.equal(v, weights[20][k]) for k, v in _state(learner).items())
+
+
+def test_a_rollback_with_every_healthy_one_damaged_names_them(saved_run) -> None:
+    checkpoints, learner, cursor, weights = saved_run
+    _damage(checkpoints, 30)
+    _damage(checkpoints, 10)
+    with pytest.raises(NoCheckpointError) as raised:
+        checkpoints.rollback(35, cursor, learner)
+    message = str(raised.value)
+    assert "no intact healthy checkpoint to roll back to before step 35" in message
+    assert "step-000030: __0_0.distcp: checksum mismatch" in message
+    assert "step-000010: __0_0.distcp: checksum mismatch" in message
+    assert "step-000020" not in message  # the unhealthy one was never a candidate
+    # Nothing was loaded: the live weights are still step 30's.
+    assert all(torch.equal(v, weights[30][k]) for k, v in _state(learner).items())
