@@ -1,6 +1,7 @@
 """Stage folders (trainer/checkpoint/staging.py) between real processes: a killed
 process's stage is removed by the next one to start, a live process's is never touched,
-and nothing but stages is removed from a user's staging folder."""
+and nothing but stages is removed from a user's staging folder; the default staging
+folders of other locations (in the temporary directory) are swept the same way."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from rlft.trainer.checkpoint.staging import Stage
+from checkpoint_fixtures import s3_options
+
+from rlft.trainer.checkpoint import open_storage
+from rlft.trainer.checkpoint.saver import Checkpointer
+from rlft.trainer.checkpoint.staging import Stage, remove_abandoned
 
 HOLDER = """
 import sys, time
@@ -73,3 +79,45 @@ def test_stages_of_killed_processes_go_and_live_ones_stay(tmp_path: Path) -> Non
     assert list(stage.folder.iterdir()) == [stage.folder / ".lock"]
     stage.release(remove_parent=False)
     assert sorted(p.name for p in parent.iterdir()) == ["notes", "rank-x"]
+
+
+def test_abandoned_default_stages_of_other_locations_go(tmp_path: Path) -> None:
+    """A run killed mid-save whose location never runs again: its stage in the default
+    staging folder goes when any other location's checkpointer starts."""
+    root = tmp_path / "tmp"
+    abandoned = root / "rlft-staging-0123456789ab"
+    killed, killed_folder = hold(abandoned, 0)
+    live, live_folder = hold(root / "rlft-staging-ba9876543210", 1)
+    shared = root / "rlft-staging-aaaaaaaaaaaa"  # a stale stage beside something else
+    (shared / "rank-2").mkdir(parents=True)
+    (shared / "notes").write_text("mine")
+    not_default = root / "rlft-staging-mine" / "rank-0"  # not a default staging folder
+    not_default.mkdir(parents=True)
+    own = root / "rlft-staging-cccccccccccc"
+    stage = Stage(own, 0)
+    try:
+        stop(killed)
+        assert (killed_folder / "step-000004" / "__0_0.distcp").exists()
+        remove_abandoned(root, keep=own)
+        assert not abandoned.exists()  # the stage and then its emptied folder
+        assert (live_folder / "step-000004" / "__0_0.distcp").read_bytes() == b"half a shard"
+        assert not (shared / "rank-2").exists() and (shared / "notes").read_text() == "mine"
+        assert not_default.is_dir() and stage.folder.is_dir()
+    finally:
+        stop(live)
+        stage.release(remove_parent=True)
+
+
+def test_an_object_store_checkpointer_sweeps_abandoned_stages(
+    tmp_path: Path, monkeypatch, s3_env, bucket
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    killed, killed_folder = hold(tmp_path / "rlft-staging-0123456789ab", 0)
+    stop(killed)
+    checkpointer = Checkpointer(open_storage(f"s3://{bucket}/run", s3_options(s3_env)))
+    try:
+        assert checkpointer.staging_dir.parent.parent == tmp_path
+        assert not killed_folder.parent.exists()
+    finally:
+        checkpointer.close()
+    assert not any(tmp_path.glob("rlft-staging-*"))  # its own went at close

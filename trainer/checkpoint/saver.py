@@ -46,7 +46,7 @@ from rlft.trainer.checkpoint.manifest import (
     step_dir,
 )
 from rlft.trainer.checkpoint.schedule import SavePolicy
-from rlft.trainer.checkpoint.staging import Stage
+from rlft.trainer.checkpoint.staging import DEFAULT_PARENT, Stage, remove_abandoned
 from rlft.trainer.checkpoint.state import Modules, tensor_state
 from rlft.trainer.storage.backends import TEMP_MARK, FileStorage, Storage, sha256_file
 from rlft.trainer.storage.retry import with_retries
@@ -152,13 +152,16 @@ class Checkpointer:
                 staging_dir = storage.root / f"{TEMP_MARK}staging"
             else:
                 tag = sha256(storage.uri.encode()).hexdigest()[:12]
-                staging_dir = Path(tempfile.gettempdir()) / f"rlft-staging-{tag}"
+                staging_dir = Path(tempfile.gettempdir()) / DEFAULT_PARENT.format(tag=tag)
         if self.rank == 0:
             # Fail at start, not at the first save, on a wrong bucket or credentials.
             with_retries(lambda: storage.list(LATEST), deadline_s=60.0)
         # Locked while this Checkpointer lives; stale stages beside it (of killed runs) go.
         self._stage = Stage(Path(staging_dir), self.rank)
         self.staging_dir = self._stage.folder
+        if self._own_staging and not isinstance(storage, FileStorage):
+            # ...and those of killed runs at other locations, which may never run again.
+            remove_abandoned(Path(staging_dir).parent, keep=Path(staging_dir))
 
     # ---------------------------------------------------------------- the loop
 

@@ -20,6 +20,10 @@ from pathlib import Path
 LOCK = ".lock"
 STAGE_NAME = re.compile(r"rank-\d+(-\d+)?")
 """A stage's folder name: `rank-N`, or `rank-N-PID` when another process holds that."""
+DEFAULT_PARENT = "rlft-staging-{tag}"
+"""The staging folder of a location without a `stagingDir`, in the temporary directory
+(`tag`: 12 hex digits of the location's digest)."""
+_DEFAULT_PARENT = re.compile(r"rlft-staging-[0-9a-f]{12}")
 
 
 def _lock(folder: Path) -> int | None:
@@ -58,21 +62,7 @@ class Stage:
         else:
             raise RuntimeError(f"no stage folder for rank {rank} could be locked in {parent}")
         self._clear(self.folder)
-        self._remove_stale()
-
-    def _remove_stale(self) -> None:
-        """Stages nobody holds: left by killed processes (also of ranks this world no
-        longer has, after a resize)."""
-        for folder in self.parent.iterdir():
-            # Only stages: a user's staging folder may hold other things.
-            if folder == self.folder or not STAGE_NAME.fullmatch(folder.name):
-                continue
-            if not folder.is_dir() or folder.is_symlink():
-                continue
-            fd = _lock(folder)
-            if fd is not None:
-                shutil.rmtree(folder, ignore_errors=True)
-                os.close(fd)
+        remove_stale(parent, keep=self.folder)
 
     @staticmethod
     def _clear(folder: Path) -> None:
@@ -95,3 +85,34 @@ class Stage:
         if remove_parent:
             with contextlib.suppress(OSError):
                 self.parent.rmdir()
+
+
+def remove_stale(parent: Path, keep: Path | None = None) -> None:
+    """Stages in `parent` nobody holds: left by killed processes (also of ranks this
+    world no longer has, after a resize)."""
+    for folder in parent.iterdir():
+        # Only stages: a user's staging folder may hold other things.
+        if folder == keep or not STAGE_NAME.fullmatch(folder.name):
+            continue
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        fd = _lock(folder)
+        if fd is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.close(fd)
+
+
+def remove_abandoned(root: Path, keep: Path) -> None:
+    """Stages nobody holds in the other default staging folders under `root` (the
+    temporary directory), and those folders once empty: a run killed mid-save whose
+    location never runs again would otherwise keep its shards there for good. Stages of
+    live processes are locked and stay; nothing else in `root` is looked at."""
+    with contextlib.suppress(OSError):
+        for parent in root.iterdir():
+            if parent == keep or not _DEFAULT_PARENT.fullmatch(parent.name):
+                continue
+            if not parent.is_dir() or parent.is_symlink():
+                continue
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+                remove_stale(parent)
+                parent.rmdir()  # only when empty: a live stage or anything else keeps it
