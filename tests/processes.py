@@ -48,3 +48,10 @@ def kill_tree(process: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     process.wait()
+
+
+def private_tmp(folder: Path) -> Path:
+    """A process's own temporary folder (its TMPDIR), as a pod has its own /tmp: what
+    torchrun and the trainer leave there stays in the test's folder, not the machine's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from processes import kill_tree
+from processes import kill_tree, private_tmp
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
 from rlft.trainer import termination
@@ -40,6 +40,7 @@ def _pod(folder: Path, pod: str, rdzv: int, liveness: int) -> subprocess.Popen:
         RLFT_POD_IP="127.0.0.1",
         RLFT_TERMINATION_LOG=str(folder / f"{pod}.termination"),
         RLFT_PLANT_FAULTS=json.dumps([{"kind": "hang", "rank": 1, "at": 3}]),
+        TMPDIR=str(private_tmp(folder / f"{pod}-tmp")),  # a pod's own /tmp (torchelastic_*)
     )
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"),

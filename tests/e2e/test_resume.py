@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 from checkpoint_fixtures import s3_options
-from processes import descendants, kill_tree
+from processes import descendants, kill_tree, private_tmp
 from prometheus_fixtures import free_port
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
@@ -254,6 +254,7 @@ def _agent(folder: Path, out: str, resume: str, port: int) -> subprocess.Popen:
         PYTHONPATH=str(folder),
         OMP_NUM_THREADS="1",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        TMPDIR=str(private_tmp(folder / f"{out}-tmp")),  # a pod's own /tmp (torchelastic_*)
     )
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"),

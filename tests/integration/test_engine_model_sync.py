@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from processes import private_tmp
 from tiny_jobs import TINY_INIT, arithmetic_rl_spec, manifest, write_parity_job
 from transformers import AutoModelForCausalLM
 
@@ -80,7 +81,8 @@ def test_an_update_leaves_rank_0s_engine_behind_until_it_is_refreshed(tmp_path, 
     (tmp_path / "worker.py").write_text(WORKER)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node=2", str(tmp_path / "worker.py"), str(tmp_path)]
-    done = subprocess.run(command, env=worker_env(2), capture_output=True, text=True, timeout=300)
+    env = worker_env(2) | {"TMPDIR": str(private_tmp(tmp_path / "tmp"))}  # torchelastic_*
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = json.loads((tmp_path / "found.json").read_text())
     assert found["current_at_start"] and found["gap_at_start"] == 0.0, found
