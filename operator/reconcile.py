@@ -82,9 +82,25 @@ class _Run(FailureResponses):
         self.held_update = False  # a ConfigMap to re-render, held by the create backoff
 
     def desired(self) -> M.Desired:
-        # Until a gang has run, the job's own choice (never, say); any later start resumes.
+        # Until the job has a checkpoint of its own, its own choice (never, say); later
+        # starts resume it (see checkpointed_once).
         resume = self.st.resume if self.st.resume != "auto" else self.job.spec.checkpoint.resume
         return M.desired(self.job, self.body, self.settings, resume, self.st.gang_attempt)
+
+    def checkpointed_once(self) -> None:
+        """Every trainer start after the job's first checkpoint resumes with
+        latest-healthy, whatever spec.checkpoint.resume says: `never` is about checkpoints
+        that were at the location before the job, and a restart must not abandon the
+        job's own. Until then (a gang still waiting, failing in its warm start, a job
+        created suspended) each start takes the spec's choice again, so a restart never
+        loads another run's checkpoint the spec said not to."""
+        own = self.st.last_checkpoint is not None or any(
+            p.verdict is not None and p.verdict.last_checkpoint is not None
+            for p in self.pods.values()
+            if p.role == N.ROLE_TRAINER
+        )  # a trainer's termination message names its last one (/status may not have)
+        if own:
+            self.st.resume = "latest-healthy"
 
     # ------------------------------------------------------------------- rules
     def mirror_report(self) -> None:
@@ -155,6 +171,10 @@ class _Run(FailureResponses):
                 "Suspended",
                 "spec.suspend is set: pods stop after an emergency checkpoint (SIGTERM)",
             )
+        if (st.step or 0) > 0:
+            # The gang has trained: SIGTERM makes it write an emergency checkpoint, which
+            # its pods, deleted here, may never report.
+            st.resume = "latest-healthy"
         st.phase = "Suspended"
         st.message = "suspended; set spec.suspend to false to resume from the latest checkpoint"
         st.next_restart_at = None
@@ -227,7 +247,6 @@ class _Run(FailureResponses):
         if st.phase == "Running":
             st.phase = "Restarting"
         st.message = f"restarting the trainer gang with replicas {shape}"
-        st.resume = "latest-healthy"
         self.restart_gang()
 
     def ensure_children(self) -> None:
@@ -306,7 +325,6 @@ class _Run(FailureResponses):
                 st.phase = "Running"
             st.message = f"training with {running} trainer pods"
             st.waiting_since = None
-            st.resume = "latest-healthy"  # any later start resumes (docs/architecture.md)
             set_condition(st, "Progressing", "True", "Training", st.message, now)
         else:
             if st.phase == "Running":
@@ -381,6 +399,7 @@ class _Run(FailureResponses):
     def run(self) -> Decision:
         st = self.st
         self.mirror_report()
+        self.checkpointed_once()
         if st.phase in TERMINAL_PHASES:
             self.terminal()  # never runs again: an edit is kept, not applied
             return self.finish()
@@ -390,7 +409,6 @@ class _Run(FailureResponses):
             return self.finish()
         if st.phase == "Suspended":
             st.phase = "Pending"
-            st.resume = "latest-healthy"
             st.gang_attempt += 1
             st.waiting_since = rfc3339(self.now)
             self.event(

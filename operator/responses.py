@@ -103,7 +103,6 @@ class FailureResponses:
             )
             self.record(f, "restart the trainer gang, waiting for capacity")
             st.phase, st.message = "Restarting", "waiting for the trainer gang to be placed"
-            st.resume = "latest-healthy"
             self.restart_gang()
             return
         budget = P.ask_restart(
@@ -140,7 +139,6 @@ class FailureResponses:
         self.record(f, action)
         self.event("Warning", "Restarting", f"{what}: {action}")
         if f.role == N.ROLE_TRAINER:
-            st.resume = "latest-healthy"
             st.phase = "Restarting"
             st.message = f"restarting after {f.kind}"
         if gang:

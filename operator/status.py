@@ -147,8 +147,9 @@ class RLFineTuneStatus(_Status):
     waiting_since: str | None = None
     """When the operator started waiting for the trainer gang to be scheduled."""
     resume: str = "auto"
-    """The `--resume` argument of the next trainer start: `auto` until a trainer gang has
-    run (the start takes spec.checkpoint.resume then), latest-healthy after."""
+    """The `--resume` argument of the next trainer start: `auto` until the job has a
+    checkpoint of its own (each start takes spec.checkpoint.resume then), latest-healthy
+    after (also once a suspended gang had trained: its emergency checkpoint)."""
     gang_attempt: int = Field(0, ge=0)
     """Trainer gangs restarted so far: new trainer pods meet at rendezvous
     `<uid>-<gangAttempt>`, so a restarted gang never joins the one its predecessor

@@ -28,9 +28,9 @@ from testcluster import wait_for
 def test_a_trainer_killed_before_the_first_checkpoint_restarts_from_the_start(
     cluster, seaweed, reference
 ):
-    """SIGKILL of trainer-0's container during the warm start: no checkpoint exists, the
-    operator restarts the gang with --resume=latest-healthy, which starts the job again
-    (with a warning) instead of failing for want of a checkpoint."""
+    """SIGKILL of trainer-0's container during the warm start: the job has no checkpoint
+    of its own, so the operator restarts the gang with the job's own resume choice
+    (`auto`), which starts the job again instead of failing for want of a checkpoint."""
     bucket, name = "faults-early", "early-kill"
     seaweed.create_bucket(bucket)
     job = faulty_job(name, bucket)
@@ -45,7 +45,8 @@ def test_a_trainer_killed_before_the_first_checkpoint_restarts_from_the_start(
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1) + logs[-4000:]
     assert status["restarts"] >= 1 and status["lastFailure"]["pod"].startswith(f"{name}-")
     assert any(e["reason"] == "Restarting" for e in events(cluster, name))
-    assert "no checkpoint at all; starting from the beginning" in logs
+    restarted = cluster.api.get("pods", NS, pod)
+    assert restarted["spec"]["containers"][0]["command"][-1] == "--resume=auto"
     client = seaweed.client()
     summary = client.get_object(Bucket=bucket, Key=f"{name}/outputs/summary.json")["Body"]
     assert json.loads(summary.read())["steps"] == 12

@@ -261,7 +261,7 @@ def test_oom_is_restarted_with_backoff_until_max_restarts(api, operator):
         assert job["status"]["lastFailure"]["reason"] == "OOMKilled"
         assert job["status"]["lastFailure"]["pod"] == "oom-trainer-0"
         command = _pods(api, ns, "oom")["oom-trainer-0"]["spec"]["containers"][0]["command"]
-        assert "--resume=latest-healthy" in command
+        assert "--resume=auto" in command  # no trainer here, so no checkpoint of the job's
         _run(api, ns, "oom-trainer-0")
         _wait_phase(api, ns, "oom", "Running")
     _oom(api, ns, "oom-trainer-0")
@@ -290,7 +290,8 @@ def test_suspend_and_resume(api, operator):
         "patch", "rlft", "sus", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}'
     )
     pods = _started(api, ns, "sus", 2)
-    assert "--resume=latest-healthy" in pods["sus-trainer-0"]["spec"]["containers"][0]["command"]
+    # Nothing trained (no trainer here): the job's own choice again.
+    assert "--resume=auto" in pods["sus-trainer-0"]["spec"]["containers"][0]["command"]
     _wait_phase(api, ns, "sus", "Pending")
     _run_all(api, ns, "sus")
     _wait_phase(api, ns, "sus", "Running")

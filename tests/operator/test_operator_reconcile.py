@@ -145,8 +145,24 @@ def test_first_reconcile_creates_every_child_and_waits():
     assert w.step().create == []  # idempotent
 
 
+def _fail_and_restart(w: World, trainer: str, **kwargs: Any) -> list[str]:
+    """Fail `trainer`, then step past the backoff: the restarted pod's command."""
+    w.set(trainer, phase="Failed", exit_code=1, **kwargs)
+    w.step()
+    w.tick(600)
+    for _ in range(4):
+        again = [m for m in w.step().create if m["metadata"]["name"] == trainer]
+        if again:
+            return again[0]["spec"]["containers"][0]["command"]
+        w.tick(60)
+    raise AssertionError("the failed gang was not restarted")
+
+
 @pytest.mark.parametrize("choice", ["auto", "latest-healthy", "never"])
-def test_the_first_start_takes_the_jobs_resume_choice_and_later_ones_resume(choice):
+def test_starts_take_the_jobs_resume_choice_until_it_has_a_checkpoint(choice):
+    """`never` is about checkpoints at the location before the job: a restart before the
+    job's first checkpoint (a warm start failing, say) takes the spec's choice again, so
+    it never loads another run's checkpoint; once the job has one, every start resumes."""
     w = _world(checkpoint={"uri": "s3://bucket/run", "resume": choice})
     trainer = "tiny-grpo-trainer-0"
     d = w.step()
@@ -154,17 +170,25 @@ def test_the_first_start_takes_the_jobs_resume_choice_and_later_ones_resume(choi
     assert first["spec"]["containers"][0]["command"][-1] == f"--resume={choice}"
     w.run_all()
     w.step()
-    w.set(trainer, phase="Failed", exit_code=1)
+    assert _fail_and_restart(w, trainer)[-1] == f"--resume={choice}"
+    w.run_all()
+    w.report = TrainerReport(pod_uid=w.pods[trainer].uid, step=4, last_checkpoint=_checkpoint(4))
     w.step()
-    w.tick(600)
-    for _ in range(4):
-        d = w.step()
-        again = [m for m in d.create if m["metadata"]["name"] == trainer]
-        if again:
-            break
-        w.tick(60)
-    assert again, "the failed gang was not restarted"
-    assert again[0]["spec"]["containers"][0]["command"][-1] == "--resume=latest-healthy"
+    w.report = None
+    assert _fail_and_restart(w, trainer)[-1] == "--resume=latest-healthy"
+    assert w.status.resume == "latest-healthy"
+
+
+def test_a_checkpoint_named_only_in_a_termination_message_counts_as_the_jobs_own():
+    """A short-lived gang may commit and end between two polls of /status: its ranks'
+    termination messages name the checkpoint, and the restart resumes it."""
+    w = _world(checkpoint={"uri": "s3://bucket/run", "resume": "never"})
+    trainer = "tiny-grpo-trainer-0"
+    w.step()
+    w.run_all()
+    w.step()
+    verdict = Verdict(ExitCode.FAILURE, "storage failed", last_checkpoint=6)
+    assert _fail_and_restart(w, trainer, verdict=verdict)[-1] == "--resume=latest-healthy"
 
 
 def test_pending_to_running_when_the_gang_runs():
@@ -176,7 +200,7 @@ def test_pending_to_running_when_the_gang_runs():
     w.set("tiny-grpo-trainer-1", phase="Running")
     w.step()
     assert w.status.phase == "Running" and w.events[-1] == "Running"
-    assert w.status.resume == "latest-healthy"
+    assert w.status.resume == "auto"  # no checkpoint of its own yet
     conditions = {c.type: c for c in w.status.conditions}
     assert conditions["Scheduled"].status == "True"
     assert conditions["Ready"].status == "False"  # trainer-2 and the rollout still pending
@@ -251,7 +275,10 @@ def test_retryable_failure_restarts_the_trainer_gang_after_backoff(kwargs, kind)
     w = _world(trainer={"replicas": {"min": 1, "max": 2}})
     w.step()
     w.run_all()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.report = TrainerReport(pod_uid=uid, step=2, last_checkpoint=_checkpoint(2))
     w.step()
+    w.report = None
     old_uid = w.pods["tiny-grpo-trainer-1"].uid
     w.set("tiny-grpo-trainer-1", **kwargs)
     d = w.step()
@@ -396,10 +423,14 @@ def test_a_run_the_trainers_guard_ended_fails_the_job():
 
 
 def test_suspend_and_resume():
-    w = _world()
+    w = _world(checkpoint={"uri": "s3://bucket/run", "resume": "never"})
     w.step()
     w.run_all()
+    # The gang trained (a step reported, no checkpoint yet): SIGTERM at the suspend makes
+    # it write an emergency checkpoint, which the resumed gang takes.
+    w.report = TrainerReport(pod_uid=w.pods["tiny-grpo-trainer-0"].uid, step=3)
     w.step()
+    w.report = None
     w.spec["suspend"] = True
     d = w.step()
     assert sorted(d.delete_pods) == ["tiny-grpo-rollout-0", "tiny-grpo-trainer-0"]
@@ -413,6 +444,19 @@ def test_suspend_and_resume():
     w.run_all()
     w.step()
     assert w.status.phase == "Running"
+
+
+@pytest.mark.parametrize("choice", ["auto", "never"])
+def test_a_job_created_suspended_starts_with_its_own_resume_choice(choice):
+    """Nothing of the job has run: releasing it is its first start, and an edit of
+    checkpoint.resume made meanwhile applies."""
+    w = _world(suspend=True, checkpoint={"uri": "s3://bucket/run", "resume": "latest-healthy"})
+    d = w.step()
+    assert w.status.phase == "Suspended" and not any(m["kind"] == "Pod" for m in d.create)
+    w.edit(suspend=False, checkpoint={"uri": "s3://bucket/run", "resume": choice})
+    d = w.step()
+    trainer = next(m for m in d.create if m["metadata"]["name"] == "tiny-grpo-trainer-0")
+    assert trainer["spec"]["containers"][0]["command"][-1] == f"--resume={choice}"
 
 
 def test_success_frees_the_rollout_pods():
