@@ -81,11 +81,13 @@ class _Run(FailureResponses):
         self.waiting: tuple[str, ...] = ()  # edits that must wait for a suspend
         self.held_update = False  # a ConfigMap to re-render, held by the create backoff
 
+    def resume(self) -> str:
+        """The next trainer start's --resume: until the job has a checkpoint of its own,
+        its own choice (never, say); then latest-healthy (see checkpointed_once)."""
+        return self.st.resume if self.st.resume != "auto" else self.job.spec.checkpoint.resume
+
     def desired(self) -> M.Desired:
-        # Until the job has a checkpoint of its own, its own choice (never, say); later
-        # starts resume it (see checkpointed_once).
-        resume = self.st.resume if self.st.resume != "auto" else self.job.spec.checkpoint.resume
-        return M.desired(self.job, self.body, self.settings, resume, self.st.gang_attempt)
+        return M.desired(self.job, self.body, self.settings, self.resume(), self.st.gang_attempt)
 
     def checkpointed_once(self) -> None:
         """Every trainer start after the job's first checkpoint resumes with
@@ -241,7 +243,7 @@ class _Run(FailureResponses):
             "Normal",
             "Rescaling",
             f"spec.trainer.replicas changed from {st.gang_replicas} to {shape}: restarting "
-            f"the trainer gang with --nnodes={shape} from the latest healthy checkpoint "
+            f"the trainer gang with --nnodes={shape} and --resume={self.resume()} "
             "(not counted against restartPolicy)",
         )
         if st.phase == "Running":
@@ -414,8 +416,7 @@ class _Run(FailureResponses):
             self.event(
                 "Normal",
                 "Resumed",
-                "spec.suspend is false: recreating pods, resuming "
-                "from the latest healthy checkpoint",
+                f"spec.suspend is false: recreating pods (--resume={self.resume()})",
             )
         if st.phase is None:
             self.event("Normal", "Creating", "creating the job's ConfigMap, Services and pods")
