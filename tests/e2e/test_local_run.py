@@ -110,6 +110,15 @@ def test_max_steps_caps_the_run_and_existing_output_is_kept(tmp_path: Path, caps
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
     assert "\n".join(lines[:2]) + "\n" == first
+    # ...also when nothing is left to train (a run killed after its last checkpoint):
+    # that checkpoint is not saved again (its manifest withdrawn while the files are
+    # rewritten, `latest` naming it all the while).
+    manifest = out / "checkpoints" / "step-000003" / "manifest.json"
+    before = (manifest.read_bytes(), manifest.stat().st_mtime_ns)
+    assert main(args) == 0
+    assert "resumed from the checkpoint of step 3" in capsys.readouterr().out
+    assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == before
+    assert json.loads((out / "summary.json").read_text())["last_checkpoint_step"] == 3
     # ...and --overwrite replaces it.
     assert main(["train", str(job), "--out", str(out), "--max-steps", "1", "--overwrite"]) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1

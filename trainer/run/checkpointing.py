@@ -73,6 +73,12 @@ class Checkpointing:
     def stats(self):
         return self.checkpointer.stats
 
+    @property
+    def last_step(self) -> int | None:
+        """The step of the newest checkpoint this run committed or resumed from."""
+        last = self.checkpointer.stats.last_step
+        return last if last is not None else self.resumed_step
+
     def stopping(self) -> bool:
         """SIGTERM arrived (this rank's own signal)."""
         return self.stop.requested
@@ -185,9 +191,12 @@ class Checkpointing:
         raise StopRequested(cursor.step)
 
     def final(self, cursor: Cursor, learner) -> None:
-        """The last step's checkpoint, committed before the run reports success."""
+        """The last step's checkpoint, committed before the run reports success; not
+        again when it is the one this run resumed from (a run killed after its last
+        checkpoint): saving it again would withdraw the manifest `latest` names while
+        its files are replaced."""
         self.checkpointer.wait()
-        if self.checkpointer.stats.last_step != cursor.step:
+        if cursor.step not in (self.checkpointer.stats.last_step, self.resumed_step):
             self._save(cursor, learner, wait=True)
 
     def _save(self, cursor: Cursor, learner, wait: bool) -> None:

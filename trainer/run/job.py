@@ -194,7 +194,7 @@ def _finish(
         **extra,
         "parameters": count_parameters(run.learner.engine_model),
         "seed": spec.trainer.seed,
-        "last_checkpoint_step": run.checkpoints.stats.last_step,
+        "last_checkpoint_step": run.checkpoints.last_step,
         "wall_time_s": round(seconds, 2),
     }
     outputs = outputs_uri(spec.checkpoint.uri)
