@@ -1,5 +1,6 @@
-"""Injected faults: a saver killed mid-upload, SIGTERM, and the S3 server going away
-for 30 s during training (a real SeaweedFS server, stopped and restarted)."""
+"""Injected faults: a saver killed mid-upload, SIGTERM, the S3 server going away for 30 s
+during training (a real SeaweedFS server, stopped and restarted), and a staging disk that
+takes no more bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -214,3 +216,62 @@ def test_an_s3_outage_during_training_is_retried_and_the_save_commits_later(
     assert ckpt.stats.deferred > 0  # the saves due at 4, 6, … waited for the first
     assert "failed (attempt 1)" in caplog.text and "retrying in" in caplog.text
     assert "step-000002 committed" in caplog.text and "retries so far" in caplog.text
+
+
+FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+import torch
+from checkpoint_fixtures import tiny_model
+from rlft.trainer.checkpoint import open_storage
+from rlft.trainer.checkpoint.catalog import Catalog
+from rlft.trainer.checkpoint.saver import Checkpointer
+
+events = []
+storage = open_storage(sys.argv[1])
+saver = Checkpointer(storage, on_event=lambda name, info: events.append([name, info]))
+model = tiny_model(0)
+optimizer = torch.optim.AdamW(model.parameters())
+# Files of at most 100 kB from now on (a shard is ~550 kB): writes past it fail with
+# EFBIG, as on a full disk, in DCP's writer.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+found = {"async": saver.save(2, model, optimizer, extra={}, wait=False)}
+saver.wait()
+found["sync"] = saver.save(4, model, optimizer, extra={}, wait=True)
+found["failed"] = saver.stats.failed
+found["stage"] = sorted(p.name for p in saver.staging_dir.iterdir())
+scan = Catalog(storage).scan()
+found["location"] = [sorted(scan.manifests), sorted(scan.uncommitted)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+found["after"] = saver.save(6, model, optimizer, extra={}, wait=True)
+found["events"] = events
+saver.close()
+print(json.dumps(found))
+"""
+
+
+def test_a_staging_disk_that_takes_no_more_bytes_fails_the_save_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    """DCP reports a failed write as CheckpointException, a BaseException: it used to
+    escape the saver's handling, killing an async save's thread (no failure counted or
+    reported, its partial shards left in the stage) and a synchronous save's caller."""
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, f"file://{tmp_path}/ckpt"],
+        cwd=Path(__file__).parent,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["async"] is False and found["sync"] is False and found["failed"] == 2
+    assert found["stage"] == [".lock"]  # the partial shards went with the failed saves
+    assert found["location"] == [[], []]  # nothing of them at the location
+    assert found["after"] is True  # the next save, with room again, commits
+    failed = [info for name, info in found["events"] if name == "failed"]
+    assert [info["step"] for info in failed] == [2, 4]
+    assert all("DCP write on rank 0: RuntimeError" in info["error"] for info in failed)
+    assert "Traceback" not in done.stderr

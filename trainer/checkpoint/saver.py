@@ -357,7 +357,9 @@ class Checkpointer:
             entries = self._upload(job, deadline)
         except (StorageError, CheckpointError) as failure:
             error = str(failure)
-        except Exception as failure:  # DCP write, staging disk full…
+        except dcp.CheckpointException as failure:  # a BaseException: staging disk full…
+            error = _dcp_error(failure)
+        except Exception as failure:
             error = f"{type(failure).__name__}: {failure}"
         results = [(error, entries)]
         if self.distributed:
@@ -437,3 +439,11 @@ def _json_or_error(value: dict[str, Any], name: str) -> str:
                     "optimizer state; RNG states through rlft.trainer.checkpoint.rng)"
                 ) from None
         raise CheckpointError(f"checkpoint {name} is not JSON-serialisable") from None
+
+
+def _dcp_error(failure: dcp.CheckpointException) -> str:
+    """What failed in DCP's write, per rank, without its tracebacks."""
+    return "; ".join(
+        f"DCP write on rank {rank}: {type(exc).__name__}: {exc}"
+        for rank, (exc, _) in sorted(failure.failures.items())
+    )
