@@ -327,6 +327,27 @@ def test_fetched_versions_are_removed_after_use_unless_local(
     assert (folder / "model.safetensors").exists()
 
 
+def test_versions_cut_short_are_pruned_like_published_ones(tmp_path: Path) -> None:
+    """A version whose write stopped before READY (the store failing, the publisher
+    killed) is never read, and goes when it falls `keep` versions behind."""
+    from rlft.trainer.weights.store import READY, version_key
+
+    store = store_at(tmp_path)
+    model, _ = tiny_model(seed=3)
+    publish(store, model, 0)
+    cut_short = store.storage.root / version_key(1)
+    publish(store, model, 1)
+    (cut_short / READY).unlink()
+    assert store.versions() == [0]
+    for version in range(2, 5):
+        publish(store, model, version)
+    assert store.versions() == [2, 3, 4]  # keep=3
+    assert not cut_short.exists()
+    assert sorted(p.name for p in store.storage.root.iterdir() if p.is_dir()) == [
+        version_key(v) for v in (2, 3, 4)
+    ]
+
+
 def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -109,9 +109,14 @@ class WeightStore:
         return None if version is None else (version, self.uri_of(version))
 
     def _prune(self, newest: int) -> None:
-        for version in self.versions():
-            if version <= newest - self.keep:
-                self.storage.delete_prefix(f"{version_key(version)}/")
+        """Versions `keep` or more behind `newest`, published or not: a write cut short
+        (the store failing mid-version, the publisher killed) leaves a folder without
+        READY that no reader takes and nothing else would remove."""
+        folders = {info.key.partition("/")[0] for info in self.storage.list("v-")}
+        for folder in sorted(folders):
+            number = folder.removeprefix("v-")
+            if number.isdigit() and int(number) <= newest - self.keep:
+                self.storage.delete_prefix(f"{folder}/")
 
 
 @contextmanager
