@@ -56,6 +56,23 @@ def test_put_get_list_exists_delete(store, tmp_path: Path) -> None:
         store.get_bytes("step-000001/manifest.json")
 
 
+def test_large_bytes_go_up_in_parts(s3_env, bucket) -> None:
+    """A published model is one object written from memory: above the part size it is a
+    multipart upload (one PUT stops at 5 GB on AWS)."""
+    store = open_storage(f"s3://{bucket}/weights", s3_options(s3_env))
+    data = os.urandom(12 << 20)
+    store.put_bytes("v-00000001/model.safetensors", data)
+    store.put_bytes("v-00000001/READY", b"{}")
+    client = s3_env.client()
+    etags = {
+        key: client.head_object(Bucket=bucket, Key=f"weights/v-00000001/{key}")["ETag"]
+        for key in ("model.safetensors", "READY")
+    }
+    assert etags["model.safetensors"].strip('"').endswith("-3"), etags  # 3 parts of 5 MiB
+    assert "-" not in etags["READY"]  # small objects stay one PUT
+    assert store.get_bytes("v-00000001/model.safetensors") == data
+
+
 def test_deleting_a_key_leaves_what_other_writers_have_beside_it(tmp_path: Path) -> None:
     """Rank 0 withdraws a stale manifest while the other ranks upload their shards into
     the same folder: a key's delete must not remove their temp files or the (still

@@ -9,6 +9,7 @@ ours plus the server's redacted message: credentials never reach a log line.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from urllib.parse import urlparse
 import boto3
 import botocore.exceptions as bex
 import botocore.session
-from boto3.exceptions import S3UploadFailedError
+from boto3.exceptions import Boto3Error, RetriesExceededError, S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.loaders import create_loader
@@ -203,6 +204,8 @@ class S3Storage:
         inner = error
         if isinstance(error, S3UploadFailedError):
             inner = error.__cause__ or error.__context__ or error
+        elif isinstance(error, RetriesExceededError):  # a download's reads kept failing
+            inner = error.last_exception or error
         if isinstance(inner, bex.NoCredentialsError | bex.PartialCredentialsError):
             return CredentialsError(
                 f"no S3 credentials for {where}: set AWS_ACCESS_KEY_ID and "
@@ -236,7 +239,7 @@ class S3Storage:
     def _call(self, what: str, fn, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (bex.BotoCoreError, bex.ClientError, S3UploadFailedError) as error:
+        except (bex.BotoCoreError, bex.ClientError, Boto3Error) as error:
             raise self._translate(error, what) from None
 
     # --------------------------------------------------------------- operations
@@ -252,12 +255,24 @@ class S3Storage:
         )
 
     def put_bytes(self, key: str, data: bytes) -> None:
+        if len(data) < self._transfer.multipart_threshold:
+            self._call(
+                f"writing {key}",
+                self._client.put_object,
+                Bucket=self.bucket,
+                Key=self._key(key),
+                Body=data,
+            )
+            return
+        # Published weights are one object the size of the model: one PUT stops at 5 GB
+        # on AWS, parts do not (and go up in parallel).
         self._call(
             f"writing {key}",
-            self._client.put_object,
-            Bucket=self.bucket,
-            Key=self._key(key),
-            Body=data,
+            self._client.upload_fileobj,
+            io.BytesIO(data),
+            self.bucket,
+            self._key(key),
+            Config=self._transfer,
         )
 
     def get_bytes(self, key: str) -> bytes:
