@@ -16,6 +16,7 @@ from rlft.trainer.checkpoint.errors import (
     CheckpointError,
     CredentialsError,
     DamagedCheckpointsError,
+    NewerFormatError,
     NoCheckpointError,
 )
 from rlft.trainer.checkpoint.export import hf_files_of
@@ -153,6 +154,40 @@ def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> No
     for which in ("auto", 4):  # also when named: damaged, not absent (exit 1, not 2)
         with pytest.raises(DamagedCheckpointsError, match="step-000004: "):
             load(storage, which, *_fresh(seed=3))
+
+
+def test_checkpoints_of_a_newer_rlft_are_refused_and_never_removed(location, capsys) -> None:
+    """After a downgrade: a checkpoint whose manifest has a newer format is not damage
+    to skip (the run would go on from an older one and its commits would move `latest`
+    below the newer run's steps) nor a leftover for retention to delete."""
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, keep_last=1)
+    _save(ckpt, model, optimizer, 2)
+    train_step(model, optimizer, batch_for(3))
+    _save(ckpt, model, optimizer, 4)
+    manifest = storage.get_bytes("step-000004/manifest.json")
+    storage.put_bytes(
+        "step-000004/manifest.json", manifest.replace(b'"formatVersion": 1', b'"formatVersion": 7')
+    )
+    for which in ("auto", "latest-healthy", 4):
+        with pytest.raises(NewerFormatError, match=r"step-000004.*upgrade rlft"):
+            load(storage, which, *_fresh(seed=3))
+    assert load(storage, 2, *_fresh(seed=3)).step == 2  # an older step, named
+    # A commit after it (the run named step 2) leaves the newer checkpoint where it is.
+    _save(ckpt, model, optimizer, 6)
+    ckpt.close()
+    assert storage.get_bytes("step-000004/manifest.json").count(b'"formatVersion": 7') == 1
+    assert {info.key for info in storage.list("step-000004/")} >= {"step-000004/__0_0.distcp"}
+    flags = []
+    if options is not None:
+        flags = ["--endpoint-url", options.endpoint_url, "--addressing-style", "path"]
+    capsys.readouterr()
+    assert rlft(["checkpoints", "list", uri, *flags]) == 0
+    assert "written by a newer rlft" in capsys.readouterr().out
+    assert rlft(["checkpoints", "verify", uri, *flags]) == 0  # not damage
+    assert "step-000004: NOT CHECKED: " in capsys.readouterr().out
 
 
 def test_a_download_the_store_refuses_is_that_error_not_a_damaged_checkpoint(

@@ -14,6 +14,7 @@ from rlft.trainer.checkpoint.errors import (
     CheckpointError,
     DamagedCheckpointsError,
     ManifestError,
+    NewerFormatError,
     NoCheckpointError,
     ObjectMissingError,
     StorageError,
@@ -42,6 +43,8 @@ class Scan:
     """Committed checkpoints by step."""
     unreadable: dict[int, str] = field(default_factory=dict)
     """Folders whose manifest exists but cannot be parsed (damaged), with the reason."""
+    newer: set[int] = field(default_factory=set)
+    """Those of `unreadable` written by a newer rlft: not damaged, never deleted here."""
     uncommitted: set[int] = field(default_factory=set)
     """Folders without a manifest: interrupted or in-flight saves."""
     latest: int | None = None
@@ -105,6 +108,8 @@ class Catalog:
                 scan.manifests[step] = manifest
             except ManifestError as error:
                 scan.unreadable[step] = str(error)
+                if isinstance(error, NewerFormatError):
+                    scan.newer.add(step)
         return scan
 
     def verify(self, manifest: Manifest, *, checksums: bool = True) -> list[str]:
@@ -142,6 +147,15 @@ class Catalog:
         naming `purpose` (default: the resume) and ending with `advice`."""
         scan = scan or self.scan()
         check = check or self.verify
+        newer = sorted(scan.newer) if not isinstance(which, int) else sorted({which} & scan.newer)
+        if newer:
+            # Falling back past them would train on, and the next commit would move
+            # `latest` below them: a downgrade must not cost the newer run's steps.
+            raise NewerFormatError(
+                f"{self.storage.uri} holds checkpoints written by a newer rlft "
+                f"({', '.join(step_dir(s) for s in newer)}): upgrade rlft, or name an "
+                "older step with --resume, or give the job another checkpoint location"
+            )
         order = resume_order(scan.committed, scan.latest, which)
         for step, reason in sorted(scan.unreadable.items(), reverse=True):
             log.warning(
@@ -193,7 +207,7 @@ class Catalog:
         not raised: a missed deletion is retried after the next commit."""
         try:
             scan = self.scan()
-            leftovers = scan.uncommitted | set(scan.unreadable)
+            leftovers = scan.uncommitted | (set(scan.unreadable) - scan.newer)
             doomed = retention_plan(scan.committed, leftovers, scan.latest, keep_last)
             for step in sorted(doomed):
                 # The manifest goes first, so a half-deleted folder is never "committed".

@@ -50,7 +50,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     for step in sorted(set(scan.manifests) | scan.uncommitted | set(scan.unreadable)):
         manifest = scan.manifests.get(step)
         if manifest is None:
-            note = "DAMAGED manifest" if step in scan.unreadable else "uncommitted"
+            note = (
+                "written by a newer rlft"
+                if step in scan.newer
+                else "DAMAGED manifest"
+                if step in scan.unreadable
+                else "uncommitted"
+            )
             print(f"{step:>8}  {'-':7}  {'-':>5}  {'-':>9}  {'-':20}  {note}")
             continue
         notes = [
@@ -85,8 +91,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 + ("ok" if not problems else "DAMAGED: " + "; ".join(problems))
             )
         for step, reason in sorted(scan.unreadable.items()):
-            print(f"{step_dir(step)}: DAMAGED: {reason}")
-            damaged += 1
+            # A newer rlft's checkpoint cannot be checked here; it is not damage.
+            print(
+                f"{step_dir(step)}: {'NOT CHECKED' if step in scan.newer else 'DAMAGED'}: {reason}"
+            )
+            damaged += step not in scan.newer
     except FAILURES as error:
         print(f"rlft: {error}", file=sys.stderr)
         return ExitCode.FAILURE

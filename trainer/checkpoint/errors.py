@@ -25,6 +25,7 @@ __all__ = [
     "CredentialsError",
     "DamagedCheckpointsError",
     "ManifestError",
+    "NewerFormatError",
     "NoCheckpointError",
     "ObjectMissingError",
     "StorageError",
@@ -39,6 +40,11 @@ class CheckpointError(Exception):
 
 class ManifestError(CheckpointError):
     """A manifest that cannot be parsed: the checkpoint counts as damaged."""
+
+
+class NewerFormatError(ManifestError):
+    """A checkpoint written by a newer rlft: not damaged, and never removed or skipped
+    over by this one (upgrade rlft)."""
 
 
 class NoCheckpointError(CheckpointError):

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rlft.trainer.checkpoint.errors import ManifestError
+from rlft.trainer.checkpoint.errors import ManifestError, NewerFormatError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -113,7 +113,7 @@ class Manifest:
             doc = json.loads(text)
             version = doc["formatVersion"]
             if version > FORMAT_VERSION:
-                raise ManifestError(
+                raise NewerFormatError(
                     f"{where}: format version {version} is newer than this rlft understands "
                     f"({FORMAT_VERSION}); upgrade rlft"
                 )
