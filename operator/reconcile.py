@@ -424,7 +424,7 @@ class _Run(FailureResponses):
         if st.phase == "Failed":
             self.terminal()
             return self.finish()
-        if self.d.set_suspend:
+        if self.d.set_suspend or self.pause_unfinished():
             return self.finish()
         self.waiting_problems()
         if st.phase == "Failed":

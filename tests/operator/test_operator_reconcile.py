@@ -644,6 +644,18 @@ def test_a_run_the_trainer_paused_after_a_collapse_is_suspended_not_restarted():
     d = w.step()
     assert d.set_suspend and w.status.restarts == 0 and d.create == []
     assert w.status.last_failure.reason == P.COLLAPSED and "paused" in w.status.last_failure.message
+    # The status was written but the spec.suspend patch never landed (the operator died
+    # between the two writes): the next reconcile asks again instead of restarting.
+    w.spec["suspend"] = False
+    for _ in range(3):
+        w.tick(30)
+        d = w.step()
+        assert d.set_suspend and d.create == [] and d.delete_pods == []
+        w.spec["suspend"] = False
+    assert w.status.restarts == 0 and w.events.count("Collapsed") == 1
+    w.spec["suspend"] = True  # it lands
+    d = w.step()
+    assert w.status.phase == "Suspended" and w.pods == {}
 
 
 @pytest.mark.parametrize(
