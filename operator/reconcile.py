@@ -432,8 +432,14 @@ class _Run(FailureResponses):
             return self.finish()
         self.hidden_oom()
         for pod in self.pods.values():
-            if pod.uid in self.handled and pod.phase in ("Failed", "Succeeded", "Unknown"):
-                self.delete(pod)  # counted failures leave their slot for the replacement
+            # Counted failures leave their slot for the replacement; a trainer counted
+            # while it runs belongs to a gang already restarted (an operator that died
+            # between the status write and the deletes left it running, in the old
+            # rendezvous): it goes too.
+            if pod.uid in self.handled and (
+                pod.phase in ("Failed", "Succeeded", "Unknown") or pod.role == N.ROLE_TRAINER
+            ):
+                self.delete(pod)
         self.force_stuck()
         self.lost_trainers()
         self.rescale()

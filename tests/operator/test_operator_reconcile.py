@@ -300,6 +300,34 @@ def test_retryable_failure_restarts_the_trainer_gang_after_backoff(kwargs, kind)
     assert w.status.phase == "Running" and w.status.restarts == 1
 
 
+def test_a_gang_restart_cut_short_before_its_deletes_still_replaces_every_rank():
+    """The status of a gang restart was written (failure counted, new rendezvous), then
+    the operator died before deleting the pods: the surviving rank, still running in the
+    old rendezvous, is deleted by the next reconcile, and the new gang is whole."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-1", phase="Failed", exit_code=1)
+    before = dict(w.pods)
+    d = w.step()
+    assert sorted(d.delete_pods) == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+    w.pods = before  # none of the deletes happened
+    d = w.step()
+    assert sorted(d.delete_pods) == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+    assert w.status.restarts == 1
+    w.tick(60)
+    created = [m for m in w.step().create if m["kind"] == "Pod"]
+    assert sorted(m["metadata"]["name"] for m in created) == [
+        "tiny-grpo-trainer-0",
+        "tiny-grpo-trainer-1",
+    ]
+    rendezvous = {
+        c for m in created for c in m["spec"]["containers"][0]["command"] if "rdzv-id" in c
+    }
+    assert len(rendezvous) == 1 and rendezvous.pop().endswith("-1")  # one new attempt
+
+
 def test_backoff_doubles_and_max_restarts_fails_the_job():
     w = _world()
     w.step()
