@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -55,12 +55,15 @@ class Decision:
     """Reconcile again after this many seconds even if nothing changes."""
 
 
-def invalid_spec(status: Status, problems: list[str], now: datetime) -> Decision:
+def invalid_spec(
+    status: Status, problems: list[str], now: datetime, pods: Sequence[PodView] = ()
+) -> Decision:
     """A custom resource the API server accepted but pydantic rejects (the CRD cannot say
-    everything): fail it once, naming every field."""
+    everything; a stricter operator after an upgrade): fail it once, naming every field,
+    and free what its pods hold, as every failed job does."""
     st = status.model_copy(deep=True)
     message = "invalid spec: " + "; ".join(problems)
-    d = Decision(status=st)
+    d = Decision(status=st, delete_pods=sorted(p.name for p in pods if p.active))
     if st.phase != "Failed" or st.message != message[:1024]:
         d.events.append(Event("Warning", "InvalidSpec", message[:1024]))
     st.phase = "Failed"

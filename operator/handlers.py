@@ -343,7 +343,7 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
     try:
         job = parse_job(document, f"{namespace}/{name}")
     except JobFileError as error:
-        decision = invalid_spec(status, error.problems, now)
+        decision = invalid_spec(status, error.problems, now, _index_items("pods_by_job", key))
     else:
         pods = _index_items("pods_by_job", key)
         config_maps = dict(_index_items("config_maps_by_job", key))

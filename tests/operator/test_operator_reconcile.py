@@ -838,3 +838,22 @@ def test_a_gang_that_cannot_meet_for_want_of_a_node_waits_without_spending_resta
         w.step()
     assert w.status.phase != "Failed" and w.status.restart_history == []
     assert w.events.count("Waiting") == RESTARTS["maxRestarts"] + 2
+
+
+def test_a_spec_pydantic_rejects_fails_the_job_and_frees_its_pods():
+    """The API server's schema let it through (or an upgraded operator is stricter): the
+    job fails naming the field, and its running pods are deleted like any failed job's;
+    finished ones stay for their logs."""
+    from rlft.operator.decision import invalid_spec
+
+    pods = [
+        view("tiny-grpo-trainer-0", "trainer", 0, phase="Running"),
+        view("tiny-grpo-rollout-0", "rollout", 0, phase="Pending"),
+        view("tiny-grpo-trainer-1", "trainer", 1, phase="Failed", exit_code=1),
+    ]
+    d = invalid_spec(RLFineTuneStatus(phase="Running"), ["spec.trainer.steps: too big"], T0, pods)
+    assert d.status.phase == "Failed" and "spec.trainer.steps" in d.status.message
+    assert d.delete_pods == ["tiny-grpo-rollout-0", "tiny-grpo-trainer-0"]
+    assert [e.reason for e in d.events] == ["InvalidSpec"]
+    again = invalid_spec(d.status, ["spec.trainer.steps: too big"], T0, [])
+    assert again.events == [] and again.delete_pods == []  # said once
