@@ -181,6 +181,8 @@ def trainer_pods(
         container["env"].append({"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"})
         # Which gang attempt this is (the rendezvous id's suffix), for planted drills.
         container["env"].append({"name": "RLFT_GANG_ATTEMPT", "value": str(gang)})
+        # Written into each checkpoint's manifest: which checkpoints are this job's own.
+        container["env"].append({"name": "RLFT_JOB_UID", "value": body["metadata"]["uid"]})
         if checked:
             container["env"].append({"name": "RLFT_LIVENESS_PORT", "value": str(s.liveness_port)})
             container.update(checked)

@@ -225,3 +225,31 @@ def test_warm_start_stops_once_the_probe_reaches_its_target(
     assert summary["sft_steps"] < 300 and summary["sft_steps"] % 5 == 0
     assert summary["eval_accuracy_sft"] >= 0.9
     assert not list(temporary.glob("torchelastic_*")) + list(temporary.glob("rlft-*"))
+
+
+def test_a_never_job_restarted_resumes_its_own_checkpoints_not_another_runs(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """On the operator (RLFT_JOB_UID set), `resume: never` means "not the checkpoints of
+    another run": a restart given --resume never (the operator had not seen the job's
+    checkpoint yet: an emergency one, say) resumes the job's own, and another job with
+    the same spec and location starts afresh."""
+    spec = arithmetic_spec(rl_steps=4)
+    spec["checkpoint"] = {"uri": f"file://{tmp_path}/ckpts", "intervalSteps": 2, "resume": "never"}
+    job = str(write_job(tmp_path / "job.yaml", spec))
+    monkeypatch.setenv("RLFT_JOB_UID", "job-a")
+    assert main(["train", job, "--out", str(tmp_path / "first"), "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    # A new pod (its own output folder), started with the job's own choice, never.
+    again = tmp_path / "again"
+    assert main(["train", job, "--out", str(again), "--resume", "never"]) == 0
+    output = capsys.readouterr().out
+    assert "this job's own checkpoints are here" in output
+    assert "resumed from the checkpoint of step 2" in output
+    assert [json.loads(line)["step"] for line in (again / "metrics.jsonl").open()] == [1, 2, 3, 4]
+    # Another job (another uid) at the same location: never means afresh.
+    monkeypatch.setenv("RLFT_JOB_UID", "job-b")
+    other = tmp_path / "other"
+    assert main(["train", job, "--out", str(other), "--max-steps", "1"]) == 0
+    output = capsys.readouterr().out
+    assert "resumed from" not in output and "own checkpoints" not in output

@@ -25,6 +25,7 @@ from prometheus_fixtures import free_port
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
+from rlft.trainer import termination
 from rlft.trainer.checkpoint.manifest import LATEST, MANIFEST
 from rlft.trainer.storage.backends import Storage, open_storage
 
@@ -44,6 +45,8 @@ def write_job(folder: Path, algorithm: dict) -> Path:
 
 def start(folder: Path, out: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS="1")
+    # What a pod's container reports when it ends (the operator reads it).
+    env[termination.ENV] = str(folder / f"{out}.termination")
     return subprocess.Popen(
         [sys.executable, "-m", "rlft.trainer.cli.main", "train", "job.yaml", "--out", out, *extra],
         cwd=folder,
@@ -129,8 +132,9 @@ def test_resume_on_two_ranks_continues_within_float_tolerance(tmp_path) -> None:
         torch.testing.assert_close(final[name], expected[name], rtol=1e-4, atol=1e-6)
 
 
-def assert_last_checkpoint_is_an_emergency_one_of_the_last_step(out: Path) -> None:
-    """`rlft checkpoints list`'s newest row: the last recorded step, committed, emergency."""
+def assert_last_checkpoint_is_an_emergency_one_of_the_last_step(out: Path) -> int:
+    """`rlft checkpoints list`'s newest row: the last recorded step, committed, emergency;
+    returns that step."""
     listing = subprocess.run(
         [
             sys.executable,
@@ -147,6 +151,7 @@ def assert_last_checkpoint_is_an_emergency_one_of_the_last_step(out: Path) -> No
     steps = len((out / "metrics.jsonl").read_text().splitlines())
     rows = [line.split() for line in listing.stdout.splitlines()[1:]]
     assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", listing.stdout
+    return steps
 
 
 def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
@@ -163,7 +168,11 @@ def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
     assert process.returncode == 0, output
     assert time.monotonic() - sent < 30
     assert "emergency checkpoint" in output
-    assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
+    step = assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
+    # The termination message names it: the operator's sign that the job has a
+    # checkpoint of its own even if it never polled /status after the commit.
+    verdict = termination.read((tmp_path / "out.termination").read_text())
+    assert verdict is not None and verdict.stopped and verdict.last_checkpoint == step
 
 
 def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(

@@ -190,6 +190,32 @@ def test_checkpoints_of_a_newer_rlft_are_refused_and_never_removed(location, cap
     assert "step-000004: NOT CHECKED: " in capsys.readouterr().out
 
 
+def test_with_a_job_uid_other_jobs_checkpoints_are_never_candidates(location) -> None:
+    """`resume: never` on the operator: the job's manifests carry its uid, and its
+    resumes pass over another job's checkpoints at the same location, even a better
+    candidate (here the newest healthy one)."""
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    mine = Checkpointer(storage, keep_last=5, job_uid="job-a")
+    _save(mine, model, optimizer, 4)
+    at_four = params_of(model)
+    train_step(model, optimizer, batch_for(5))
+    other = Checkpointer(storage, keep_last=5, job_uid="job-b")
+    _save(other, model, optimizer, 5)
+    other.close()
+    _save(mine, model, optimizer, 6, healthy=False)
+    mine.close()
+    scan = Catalog(storage).scan()
+    assert {s: m.job_uid for s, m in scan.manifests.items()} == {4: "job-a", 5: "job-b", 6: "job-a"}
+    assert load(storage, "latest-healthy", *_fresh(seed=3)).step == 5  # without a uid
+    model2, optimizer2 = _fresh(seed=3)
+    assert load(storage, "latest-healthy", model2, optimizer2, job_uid="job-a").step == 4
+    assert all(torch.equal(v, at_four[k]) for k, v in params_of(model2).items())
+    with pytest.raises(NoCheckpointError):
+        load(storage, 5, *_fresh(seed=3), job_uid="job-a")  # not one of its own
+
+
 def test_a_download_the_store_refuses_is_that_error_not_a_damaged_checkpoint(
     s3_env, bucket
 ) -> None:

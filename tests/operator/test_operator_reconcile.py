@@ -180,15 +180,17 @@ def test_starts_take_the_jobs_resume_choice_until_it_has_a_checkpoint(choice):
 
 
 def test_a_checkpoint_named_only_in_a_termination_message_counts_as_the_jobs_own():
-    """A short-lived gang may commit and end between two polls of /status: its ranks'
-    termination messages name the checkpoint, and the restart resumes it."""
+    """A gang stopped by SIGTERM (a preemption, say) commits its emergency checkpoint and
+    ends between two polls of /status: its ranks' termination messages name it, and the
+    restart resumes it."""
     w = _world(checkpoint={"uri": "s3://bucket/run", "resume": "never"})
     trainer = "tiny-grpo-trainer-0"
     w.step()
     w.run_all()
     w.step()
-    verdict = Verdict(ExitCode.FAILURE, "storage failed", last_checkpoint=6)
-    assert _fail_and_restart(w, trainer, verdict=verdict)[-1] == "--resume=latest-healthy"
+    verdict = Verdict(ExitCode.OK, stopped=True, last_checkpoint=6)  # exit 1: see training.py
+    command = _fail_and_restart(w, trainer, pod_reason="Preempting", verdict=verdict)
+    assert command[-1] == "--resume=latest-healthy"
 
 
 def test_pending_to_running_when_the_gang_runs():

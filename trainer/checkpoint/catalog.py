@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlft.trainer.checkpoint.errors import (
     CheckpointError,
@@ -53,6 +53,16 @@ class Scan:
     @property
     def committed(self) -> dict[int, bool]:
         return {step: m.healthy for step, m in self.manifests.items()}
+
+    def own(self, job_uid: str) -> dict[int, Manifest]:
+        """The committed checkpoints `job_uid` wrote."""
+        return {step: m for step, m in self.manifests.items() if m.job_uid == job_uid}
+
+    def without_other_jobs(self, job_uid: str) -> Scan:
+        """This scan without the committed checkpoints another job wrote (those of no
+        known job stay: written locally, or by an rlft before job uids)."""
+        kept = {s: m for s, m in self.manifests.items() if m.job_uid in (None, job_uid)}
+        return replace(self, manifests=kept)
 
 
 RESUME_ADVICE = (

@@ -133,13 +133,15 @@ def load(
     cache_dir: Path | None = None,
     restore_rng: bool = True,
     modules: Modules | None = None,
+    job_uid: str | None = None,
 ) -> Resumed:
     """Restore model and optimizer (and this rank's RNG states) from the checkpoint that
     `which` selects (`auto`, `latest-healthy` or a step); returns the rest of the state.
 
     Call on every rank after the model is built (and wrapped with FSDP2, if it is) and
     the optimizer created. NoCheckpointError when nothing intact matches. A group other
-    than the default one can be passed (it must have a CPU backend).
+    than the default one can be passed (it must have a CPU backend). With `job_uid`, the
+    checkpoints of other jobs (another job uid in their manifest) are not candidates.
     """
     which = parse_which(which)
     distributed = dist.is_available() and dist.is_initialized()
@@ -152,7 +154,10 @@ def load(
         return _every_ranks(local.fetch(manifest), process_group)
 
     try:
-        manifest = catalog.choose(which, check=check, scan=shared_scan(catalog, process_group))
+        scan = shared_scan(catalog, process_group)
+        if job_uid is not None:
+            scan = scan.without_other_jobs(job_uid)
+        manifest = catalog.choose(which, check=check, scan=scan)
         assert local.path is not None
         state = tensor_state(model, optimizer, modules)
         with warnings.catch_warnings():

@@ -81,6 +81,9 @@ class Manifest:
     created_at: str = field(default_factory=now_iso)
     emergency: bool = False
     """Written on SIGTERM rather than on schedule."""
+    job_uid: str | None = None
+    """The RLFineTune's metadata.uid when the operator ran the job (RLFT_JOB_UID): which
+    checkpoints at a location are the job's own (see `resume: never`)."""
     format_version: int = FORMAT_VERSION
 
     @property
@@ -101,6 +104,7 @@ class Manifest:
             "configHash": self.config_hash,
             "healthy": self.healthy,
             "emergency": self.emergency,
+            **({"jobUid": self.job_uid} if self.job_uid else {}),
             "createdAt": self.created_at,
             "files": [asdict(entry) for entry in self.files],
         }
@@ -129,6 +133,7 @@ class Manifest:
                 files=files,
                 created_at=str(doc["createdAt"]),
                 emergency=bool(doc.get("emergency", False)),
+                job_uid=str(doc["jobUid"]) if doc.get("jobUid") else None,
                 format_version=int(version),
             )
         except ManifestError:

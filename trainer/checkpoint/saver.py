@@ -121,8 +121,10 @@ class Checkpointer:
         hf_files: dict[str, bytes] | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        job_uid: str | None = None,
     ):
         self.storage = storage
+        self.job_uid = job_uid
         self.catalog = Catalog(storage)
         self.policy = SavePolicy(interval_steps, interval_minutes, clock)
         self.keep_last = keep_last
@@ -399,6 +401,7 @@ class Checkpointer:
             healthy=job.healthy,
             files=files,
             emergency=job.emergency,
+            job_uid=self.job_uid,
         )
         try:
             self._retried(

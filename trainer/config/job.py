@@ -211,12 +211,12 @@ OPERATOR_ENV = frozenset(
         "RLFT_TERMINATION_LOG", "RLFT_ROLLOUT_URLS", "HOME", "HF_HOME", "PYTHONUNBUFFERED",
         "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
         "AWS_REGION", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "RLFT_LIVENESS_PORT",
-        "RLFT_GANG_ATTEMPT",
+        "RLFT_GANG_ATTEMPT", "RLFT_JOB_UID",
     }
 )  # fmt: skip
-"""Variables the operator sets in its pods (RLFT_LIVENESS_PORT and RLFT_GANG_ATTEMPT in
-trainer pods only): a job's own `env` may not change them (the trainer, the rollout
-server and the operator agree on them)."""
+"""Variables the operator sets in its pods (RLFT_LIVENESS_PORT, RLFT_GANG_ATTEMPT and
+RLFT_JOB_UID in trainer pods only): a job's own `env` may not change them (the trainer,
+the rollout server and the operator agree on them)."""
 
 
 class EnvVar(Section):
@@ -465,7 +465,8 @@ class CheckpointSpec(Section):
     resume: Literal["auto", "latest-healthy", "never"] = "auto"
     """What a (re)started trainer does when the location holds committed checkpoints:
     `auto` resumes from the latest, `latest-healthy` from the newest one the collapse
-    detector tagged healthy, `never` starts afresh."""
+    detector tagged healthy, `never` starts afresh (on the operator: ignores other
+    runs' checkpoints, and a restart still resumes the job's own)."""
     grace_period_seconds: float = Field(60.0, ge=5, le=3600)
     """Time from SIGTERM (preemption, drain, suspend) to exit: the trainer writes an
     emergency checkpoint within it; on Kubernetes, the pods'

@@ -13,6 +13,7 @@ The warm start is not checkpointed: a run killed during it starts again (determi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -27,6 +28,9 @@ from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.run.state import Cursor
+
+JOB_UID_ENV = "RLFT_JOB_UID"
+"""Set by the operator in trainer pods: the RLFineTune's metadata.uid."""
 
 
 class StopRequested(Exception):
@@ -52,13 +56,35 @@ class Checkpointing:
         self.resumed_step: int | None = None
         """The step this run resumed from (its checkpoint is committed)."""
         self.stop = GracefulStop(spec.grace_period_seconds).install()
+        job_uid = os.environ.get(JOB_UID_ENV) or None
+        self.own_only = job_uid if spec.resume == "never" else None
+        """`resume: never` on the operator: only this job's checkpoints (by the job uid in
+        their manifests) are ever resumed or rolled back to, others' never."""
         self.checkpointer = checkpointer_from_spec(
             spec,
             out / "checkpoints",
             job_config=dump_job(job),
             hf_files=hf_files_of(policy, tokenizer) if dist.is_main else {},
             on_event=self._on_event,
+            job_uid=job_uid,
         )
+
+    def choice(self, which: str | int) -> str | int:
+        """`which`, except that a `never` job whose own checkpoints are at the location
+        (an earlier gang of it wrote them: an emergency checkpoint the operator never
+        saw, say) resumes them: never is about other runs' checkpoints, and starting
+        afresh would move `latest` below the job's own steps. Rank 0's `which` counts
+        for every rank (see `resume`)."""
+        which = self.dist.broadcast(which)
+        if self.own_only is None or which != "never":
+            return which
+        own = False
+        if self.dist.is_main:
+            own = bool(self.checkpointer.catalog.scan().own(self.own_only))
+        if self.dist.broadcast(own):
+            self.supervisor.log("rlft: this job's own checkpoints are here: resuming them")
+            return "latest-healthy"
+        return which
 
     def _on_event(self, name: str, info: dict[str, Any]) -> None:
         if name == "committed":
@@ -131,6 +157,7 @@ class Checkpointing:
             learner.optimizer,
             modules=_modules(learner),
             restore_rng=restore_rng,
+            job_uid=self.own_only,
         )
         learner.sync_engine_model()
         return resumed
@@ -142,8 +169,10 @@ class Checkpointing:
         self.checkpointer.wait()
         candidates: list[int] = []
         if self.dist.is_main:
-            committed = self.checkpointer.catalog.scan().committed
-            healthy = [step for step, ok in committed.items() if ok and step < before_step]
+            scan = self.checkpointer.catalog.scan()
+            if self.own_only is not None:
+                scan = scan.without_other_jobs(self.own_only)
+            healthy = [step for step, ok in scan.committed.items() if ok and step < before_step]
             candidates = sorted(healthy, reverse=True)
         candidates = self.dist.broadcast(candidates)
         if not candidates:

@@ -99,6 +99,8 @@ def run_job(
     dist.barrier()
     run = _assemble(job, out, parts, dist, reporter)
     liveness.beat("sharded the model")
+    if not overwrite:
+        resume = run.checkpoints.choice(resume)
     try:
         if resume == "never" or not _resume(run, parts, resume):
             if existing and not overwrite:
@@ -123,7 +125,14 @@ def run_job(
         reporter.log(f"rlft: {stop}; exiting so the job can resume later")
         # `signalled`: this process's own SIGTERM, not only a peer's shared by the loop.
         signalled = run.checkpoints.stop.requested
-        return {"stopped_at_step": stop.step, "exit_code": ExitCode.OK, "signalled": signalled}
+        return {
+            "stopped_at_step": stop.step,
+            "exit_code": ExitCode.OK,
+            "signalled": signalled,
+            # The emergency checkpoint, named in the termination message: the operator's
+            # sign that the job has a checkpoint of its own.
+            "last_checkpoint_step": run.checkpoints.last_step,
+        }
     except RunEnded as ended:
         reporter.log(f"rlft: {ended}")
         return {"ended": str(ended), "exit_code": ended.code}
