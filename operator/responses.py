@@ -263,14 +263,15 @@ class FailureResponses:
 
     def pause_unfinished(self) -> bool:
         """A trainer that paused the run (collapsed, exit 0) was judged, yet its pod is
-        still here: only the suspend removes it, so the spec.suspend patch that was to
+        still here and not being deleted: only the suspend deletes it (a user may resume
+        while it is still going), so the spec.suspend patch that was to
         follow the status write did not land (the operator died between the two, or the
         patch failed). Ask again; True when so (nothing else is done this round, or the
         paused run would be restarted)."""
         paused = [
             p for p in self.pods.values()
             if p.role == N.ROLE_TRAINER and p.uid in self.handled and p.phase == "Succeeded"
-            and p.verdict is not None and p.verdict.collapsed
+            and not p.deleting and p.verdict is not None and p.verdict.collapsed
         ]  # fmt: skip
         self.d.set_suspend = self.d.set_suspend or bool(paused)
         return bool(paused)

@@ -669,6 +669,7 @@ def test_a_run_the_trainer_paused_after_a_collapse_is_suspended_not_restarted():
     w.run_all()
     w.step()
     paused = Verdict(0, "collapse at step 9 (reward collapse); paused", collapsed=True)
+    handled = w.pods["tiny-grpo-trainer-0"].uid
     w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0, verdict=paused)
     w.set("tiny-grpo-trainer-1", phase="Succeeded", exit_code=0, verdict=Verdict(0, rank=1))
     d = w.step()
@@ -684,8 +685,16 @@ def test_a_run_the_trainer_paused_after_a_collapse_is_suspended_not_restarted():
         w.spec["suspend"] = False
     assert w.status.restarts == 0 and w.events.count("Collapsed") == 1
     w.spec["suspend"] = True  # it lands
-    d = w.step()
+    w.step()
     assert w.status.phase == "Suspended" and w.pods == {}
+    # Resumed by the user while a paused pod is still being deleted: not suspended again.
+    w.pods["tiny-grpo-trainer-0"] = view(
+        "tiny-grpo-trainer-0", "trainer", 0, uid=handled, phase="Succeeded", exit_code=0,
+        verdict=paused, deleting=True,
+    )  # fmt: skip
+    w.spec["suspend"] = False
+    d = w.step()
+    assert not d.set_suspend and w.status.phase == "Pending"
 
 
 @pytest.mark.parametrize(
