@@ -175,9 +175,11 @@ def test_checkpoints_of_a_newer_rlft_are_refused_and_never_removed(location, cap
         with pytest.raises(NewerFormatError, match=r"step-000004.*upgrade rlft"):
             load(storage, which, *_fresh(seed=3))
     assert load(storage, 2, *_fresh(seed=3)).step == 2  # an older step, named
-    # A commit after it (the run named step 2) leaves the newer checkpoint where it is.
+    # A commit after it (the run named step 2) leaves the newer checkpoint where it is,
+    # and resumes go on from this rlft's newest, above it.
     _save(ckpt, model, optimizer, 6)
     ckpt.close()
+    assert load(storage, "auto", *_fresh(seed=3)).step == 6
     assert storage.get_bytes("step-000004/manifest.json").count(b'"formatVersion": 7') == 1
     assert {info.key for info in storage.list("step-000004/")} >= {"step-000004/__0_0.distcp"}
     flags = []

@@ -157,7 +157,11 @@ class Catalog:
         naming `purpose` (default: the resume) and ending with `advice`."""
         scan = scan or self.scan()
         check = check or self.verify
-        newer = sorted(scan.newer) if not isinstance(which, int) else sorted({which} & scan.newer)
+        if isinstance(which, int):
+            newer = sorted({which} & scan.newer)
+        else:  # those a resume would otherwise pass over: above every readable one
+            top = max(scan.manifests, default=-1)
+            newer = sorted(s for s in scan.newer if s > top or s == scan.latest)
         if newer:
             # Falling back past them would train on, and the next commit would move
             # `latest` below them: a downgrade must not cost the newer run's steps.
