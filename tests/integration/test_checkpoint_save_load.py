@@ -85,6 +85,19 @@ def _save(ckpt, model, optimizer, step: int, healthy: bool = True) -> None:
     assert ckpt.save(step, model, optimizer, extra={"step": step}, healthy=healthy, wait=True)
 
 
+def _steps_two_and_four(location, keep_last: int):
+    """Checkpoints of steps 2 and 4 (a training step between them) at `location`:
+    (storage, its open Checkpointer, model, optimizer)."""
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, keep_last=keep_last)
+    _save(ckpt, model, optimizer, 2)
+    train_step(model, optimizer, batch_for(3))
+    _save(ckpt, model, optimizer, 4)
+    return storage, ckpt, model, optimizer
+
+
 def _corrupt(storage, key: str) -> None:
     data = bytearray(storage.get_bytes(key))
     data[len(data) // 2] ^= 0xFF
@@ -126,13 +139,7 @@ def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> No
     """Committed checkpoints that are all damaged must not read as "no checkpoint" (a
     fresh start would move `latest` back and abandon their steps): every choice raises,
     naming each damaged folder, and the location is left as it was."""
-    uri, options = location
-    storage = open_storage(uri, options)
-    model, optimizer = _fresh()
-    ckpt = Checkpointer(storage, keep_last=5)
-    _save(ckpt, model, optimizer, 2)
-    train_step(model, optimizer, batch_for(3))
-    _save(ckpt, model, optimizer, 4)
+    storage, ckpt, _, _ = _steps_two_and_four(location, keep_last=5)
     ckpt.close()
     _corrupt(storage, "step-000002/__0_0.distcp")
     storage.delete_prefix("step-000004/extra.json")
@@ -161,12 +168,7 @@ def test_checkpoints_of_a_newer_rlft_are_refused_and_never_removed(location, cap
     to skip (the run would go on from an older one and its commits would move `latest`
     below the newer run's steps) nor a leftover for retention to delete."""
     uri, options = location
-    storage = open_storage(uri, options)
-    model, optimizer = _fresh()
-    ckpt = Checkpointer(storage, keep_last=1)
-    _save(ckpt, model, optimizer, 2)
-    train_step(model, optimizer, batch_for(3))
-    _save(ckpt, model, optimizer, 4)
+    storage, ckpt, model, optimizer = _steps_two_and_four(location, keep_last=1)
     manifest = storage.get_bytes("step-000004/manifest.json")
     storage.put_bytes(
         "step-000004/manifest.json", manifest.replace(b'"formatVersion": 1', b'"formatVersion": 7')
