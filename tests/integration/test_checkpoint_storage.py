@@ -138,6 +138,53 @@ def test_an_unreachable_endpoint_is_transient(monkeypatch) -> None:
     assert error.value.transient
 
 
+def test_a_download_whose_stream_keeps_breaking_is_transient(monkeypatch, tmp_path) -> None:
+    """An endpoint that announces an object's size and then breaks off every transfer
+    half-way: boto3 retries the reads, then gives up (RetriesExceededError), which must
+    read as the transient StorageError it is, not a raw error."""
+    import http.server
+    import threading
+
+    size = 1 << 20
+
+    class Breaking(http.server.BaseHTTPRequestHandler):
+        def _headers(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(size))
+            self.send_header("ETag", '"0123456789abcdef0123456789abcdef"')
+            self.send_header("Last-Modified", "Thu, 03 Dec 2026 00:00:00 GMT")
+            self.end_headers()
+
+        def do_HEAD(self) -> None:
+            self._headers()
+
+        def do_GET(self) -> None:
+            self._headers()
+            self.wfile.write(b"x" * (size // 2))  # and the connection closes
+            self.close_connection = True
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Breaking)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    from rlft.trainer.storage.backends import S3Options
+
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    options = S3Options(endpoint_url=endpoint, max_attempts=1, addressing_style="path")
+    try:
+        store = open_storage("s3://bucket/run", options)
+        with pytest.raises(StorageError, match="downloading step-000001/x") as error:
+            store.get_file("step-000001/x", tmp_path / "x")
+        assert error.value.transient
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def tiny_disk(tmp_path: Path):
     """A 2 MiB tmpfs: writes beyond it fail with ENOSPC, as on a full volume."""
