@@ -273,7 +273,8 @@ class FailureResponses:
             if p.role == N.ROLE_TRAINER and p.uid in self.handled and p.phase == "Succeeded"
             and not p.deleting and p.verdict is not None and p.verdict.collapsed
         ]  # fmt: skip
-        self.d.set_suspend = self.d.set_suspend or bool(paused)
+        if paused:
+            self.d.set_suspend = True
         return bool(paused)
 
     def stopped_early(self, exited: list[PodView]) -> None:

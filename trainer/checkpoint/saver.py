@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import threading
 import time
 import warnings
@@ -24,7 +23,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +44,7 @@ from rlft.trainer.checkpoint.manifest import (
     step_dir,
 )
 from rlft.trainer.checkpoint.schedule import SavePolicy
-from rlft.trainer.checkpoint.staging import DEFAULT_PARENT, Stage, remove_abandoned
+from rlft.trainer.checkpoint.staging import Stage, default_parent, remove_abandoned
 from rlft.trainer.checkpoint.state import Modules, tensor_state
 from rlft.trainer.storage.backends import TEMP_MARK, FileStorage, Storage, sha256_file
 from rlft.trainer.storage.retry import with_retries
@@ -153,8 +151,7 @@ class Checkpointer:
                 # Same file system as the destination: an "upload" is a rename.
                 staging_dir = storage.root / f"{TEMP_MARK}staging"
             else:
-                tag = sha256(storage.uri.encode()).hexdigest()[:12]
-                staging_dir = Path(tempfile.gettempdir()) / DEFAULT_PARENT.format(tag=tag)
+                staging_dir = default_parent(storage.uri)
         if self.rank == 0:
             # Fail at start, not at the first save, on a wrong bucket or credentials.
             with_retries(lambda: storage.list(LATEST), deadline_s=60.0)

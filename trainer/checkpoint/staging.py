@@ -15,15 +15,20 @@ import fcntl
 import os
 import re
 import shutil
+import tempfile
+from hashlib import sha256
 from pathlib import Path
 
 LOCK = ".lock"
 STAGE_NAME = re.compile(r"rank-\d+(-\d+)?")
 """A stage's folder name: `rank-N`, or `rank-N-PID` when another process holds that."""
-DEFAULT_PARENT = "rlft-staging-{tag}"
-"""The staging folder of a location without a `stagingDir`, in the temporary directory
-(`tag`: 12 hex digits of the location's digest)."""
 _DEFAULT_PARENT = re.compile(r"rlft-staging-[0-9a-f]{12}")
+
+
+def default_parent(uri: str) -> Path:
+    """The staging folder of a location without a `stagingDir`: one per location, in the
+    temporary directory (`remove_abandoned` sweeps those of other locations)."""
+    return Path(tempfile.gettempdir()) / f"rlft-staging-{sha256(uri.encode()).hexdigest()[:12]}"
 
 
 def _lock(folder: Path) -> int | None:

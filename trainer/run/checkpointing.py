@@ -70,11 +70,12 @@ class Checkpointing:
         )
 
     def choice(self, which: str | int) -> str | int:
-        """`which`, except that a `never` job whose own checkpoints are at the location
-        (an earlier gang of it wrote them: an emergency checkpoint the operator never
-        saw, say) resumes them: never is about other runs' checkpoints, and starting
-        afresh would move `latest` below the job's own steps. Rank 0's `which` counts
-        for every rank (see `resume`)."""
+        """Rank 0's `which`, on every rank: pods of one gang may have been started with
+        different --resume arguments (a replaced pod, survivors restarted in place), and
+        all ranks must load the same checkpoint. Except that a `never` job whose own
+        checkpoints are at the location (an earlier gang of it wrote them: an emergency
+        checkpoint the operator never saw, say) resumes them: never is about other runs'
+        checkpoints, and starting afresh would move `latest` below the job's own steps."""
         which = self.dist.broadcast(which)
         if self.own_only is None or which != "never":
             return which
@@ -110,11 +111,8 @@ class Checkpointing:
         return self.stop.requested
 
     def resume(self, which: str | int, learner) -> Cursor | None:
-        """Restore the newest checkpoint `which` selects; None when there is none.
-        Rank 0's `which` counts for every rank: pods of one gang may have been started
-        with different --resume arguments (a replaced pod, survivors restarted in place),
-        and all ranks must load the same checkpoint."""
-        which = self.dist.broadcast(which)
+        """Restore the newest checkpoint `which` (from `choice`: the same on every rank)
+        selects; None when there is none."""
         try:
             resumed = self._load(which, learner, restore_rng=True)
         except (NoCheckpointError, DamagedCheckpointsError) as error:
@@ -214,7 +212,7 @@ class Checkpointing:
         it again would withdraw its manifest while the files are replaced), and raise
         StopRequested. Every rank calls this (the loop broadcast the stop)."""
         self.checkpointer.wait()
-        if cursor.step not in (self.checkpointer.stats.last_step, self.resumed_step, 0):
+        if cursor.step not in (self.last_step, 0):
             self._save(cursor, learner, wait=True)
         self.close()
         raise StopRequested(cursor.step)
@@ -225,7 +223,7 @@ class Checkpointing:
         checkpoint): saving it again would withdraw the manifest `latest` names while
         its files are replaced."""
         self.checkpointer.wait()
-        if cursor.step not in (self.checkpointer.stats.last_step, self.resumed_step):
+        if cursor.step != self.last_step:
             self._save(cursor, learner, wait=True)
 
     def _save(self, cursor: Cursor, learner, wait: bool) -> None:

@@ -89,13 +89,18 @@ class WeightStore:
         self._prune(version)
         return self.uri_of(version)
 
-    def versions(self) -> list[int]:
-        found = set()
+    def _folders(self) -> dict[int, set[str]]:
+        """Each version folder's file names, published or not."""
+        found: dict[int, set[str]] = {}
         for info in self.storage.list("v-"):
             folder, _, name = info.key.partition("/")
-            if name == READY:
-                found.add(int(folder.removeprefix("v-")))
-        return sorted(found)
+            number = folder.removeprefix("v-")
+            if number.isdigit():
+                found.setdefault(int(number), set()).add(name)
+        return found
+
+    def versions(self) -> list[int]:
+        return sorted(v for v, names in self._folders().items() if READY in names)
 
     def latest(self) -> int | None:
         try:
@@ -112,11 +117,9 @@ class WeightStore:
         """Versions `keep` or more behind `newest`, published or not: a write cut short
         (the store failing mid-version, the publisher killed) leaves a folder without
         READY that no reader takes and nothing else would remove."""
-        folders = {info.key.partition("/")[0] for info in self.storage.list("v-")}
-        for folder in sorted(folders):
-            number = folder.removeprefix("v-")
-            if number.isdigit() and int(number) <= newest - self.keep:
-                self.storage.delete_prefix(f"{folder}/")
+        for version in sorted(self._folders()):
+            if version <= newest - self.keep:
+                self.storage.delete_prefix(f"{version_key(version)}/")
 
 
 @contextmanager
