@@ -65,6 +65,13 @@ def train_step(model, optimizer, tokens: torch.Tensor, mask: bool = True) -> flo
     return float(loss.detach())
 
 
+def corrupt(storage, key: str) -> None:
+    """Flip one byte in the middle of the stored object `key` (size unchanged)."""
+    data = bytearray(storage.get_bytes(key))
+    data[len(data) // 2] ^= 0xFF
+    storage.put_bytes(key, bytes(data))
+
+
 def params_of(model) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of the parameters."""
     out = {}

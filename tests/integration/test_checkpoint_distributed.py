@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from checkpoint_fixtures import (
     batch_for,
+    corrupt,
     distributed_save_and_resume,
     params_of,
     s3_options,
@@ -76,9 +77,7 @@ def damaged_on_two_ranks(rank: int, port: int, root: str) -> None:
     if rank == 0:
         manifest = Catalog(storage).scan().manifests[2]
         victim = manifest.files[1].path  # checked by rank 1 (files[rank::world_size])
-        data = bytearray(storage.get_bytes(f"step-000002/{victim}"))
-        data[len(data) // 2] ^= 0xFF
-        storage.put_bytes(f"step-000002/{victim}", bytes(data))
+        corrupt(storage, f"step-000002/{victim}")
         Path(root, "victim").write_text(victim)
     dist.barrier()
     try:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_fixtures import batch_for, params_of, s3_options, tiny_model, train_step
+from checkpoint_fixtures import (
+    batch_for,
+    corrupt,
+    params_of,
+    s3_options,
+    tiny_model,
+    train_step,
+)
 
 from rlft.trainer.checkpoint import load, open_storage
 from rlft.trainer.checkpoint.catalog import Catalog
@@ -98,12 +105,6 @@ def _steps_two_and_four(location, keep_last: int):
     return storage, ckpt, model, optimizer
 
 
-def _corrupt(storage, key: str) -> None:
-    data = bytearray(storage.get_bytes(key))
-    data[len(data) // 2] ^= 0xFF
-    storage.put_bytes(key, bytes(data))
-
-
 def test_a_corrupted_shard_is_detected_and_the_previous_one_used(location, caplog) -> None:
     uri, options = location
     storage = open_storage(uri, options)
@@ -113,7 +114,7 @@ def test_a_corrupted_shard_is_detected_and_the_previous_one_used(location, caplo
     at_two = params_of(model)
     train_step(model, optimizer, batch_for(3))
     _save(ckpt, model, optimizer, 4)
-    _corrupt(storage, "step-000004/__0_0.distcp")
+    corrupt(storage, "step-000004/__0_0.distcp")
 
     model2, optimizer2 = _fresh(seed=3)
     with caplog.at_level(logging.WARNING, logger="rlft.checkpoint"):
@@ -141,7 +142,7 @@ def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> No
     naming each damaged folder, and the location is left as it was."""
     storage, ckpt, _, _ = _steps_two_and_four(location, keep_last=5)
     ckpt.close()
-    _corrupt(storage, "step-000002/__0_0.distcp")
+    corrupt(storage, "step-000002/__0_0.distcp")
     storage.delete_prefix("step-000004/extra.json")
     before = {info.key: info.size for info in storage.list("")}
 
@@ -309,7 +310,7 @@ def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> Non
 
     assert rlft(["checkpoints", "verify", uri, *flags]) == 0
     assert capsys.readouterr().out.splitlines() == ["step-000003: ok", "step-000004: ok"]
-    _corrupt(storage, "step-000003/extra.json")
+    corrupt(storage, "step-000003/extra.json")
     assert rlft(["checkpoints", "verify", uri, *flags]) == 1
     assert "step-000003: DAMAGED: extra.json: checksum mismatch" in capsys.readouterr().out
 

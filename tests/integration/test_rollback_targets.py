@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_fixtures import corrupt
 from tiny_jobs import TINY_MODEL, manifest
 
 from rlft.trainer.checkpoint import NoCheckpointError
@@ -68,11 +69,7 @@ def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
 
 
 def _damage(checkpoints: Checkpointing, step: int) -> None:
-    storage = checkpoints.checkpointer.storage
-    key = f"step-{step:06d}/__0_0.distcp"
-    data = bytearray(storage.get_bytes(key))
-    data[len(data) // 2] ^= 0xFF
-    storage.put_bytes(key, bytes(data))
+    corrupt(checkpoints.checkpointer.storage, f"step-{step:06d}/__0_0.distcp")
 
 
 def _state(learner: Learner) -> dict[str, torch.Tensor]:
