@@ -9,11 +9,13 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import yaml
 from checkpoint_fixtures import s3_options
 from processes import descendants, kill_tree, private_tmp
 from prometheus_fixtures import free_port
+from s3_proxy import S3Proxy
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
@@ -173,6 +176,71 @@ def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
     # checkpoint of its own even if it never polled /status after the commit.
     verdict = termination.read((tmp_path / "out.termination").read_text())
     assert verdict is not None and verdict.stopped and verdict.last_checkpoint == step
+
+
+def test_failed_checkpoints_are_reported_as_failed(tmp_path, bucket, s3_env) -> None:
+    """The object store refuses every checkpoint upload (a proxy in front of SeaweedFS
+    answers them 503). A periodic checkpoint, given up once its retries run out, shows on
+    the live run's /metrics (RLFTCheckpointFailing's gauge) and /status (it used to raise
+    in the event handler and reach neither). Then SIGTERM: the emergency save is retried
+    until the grace period runs out, and the run stops cleanly, saying its checkpoint
+    failed and naming none in its termination message (it used to claim one)."""
+    proxy = S3Proxy(s3_env.endpoint)
+    process = None
+    try:
+        job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+        spec = yaml.safe_load(job.read_text())
+        spec["spec"]["trainer"]["steps"] = 5000
+        uri = f"s3://{bucket}/runs/refused"
+        spec["spec"]["checkpoint"] = {
+            "uri": uri,
+            "endpointUrl": proxy.url,
+            "addressingStyle": "path",
+            "intervalSteps": 2,
+            "uploadRetryMinutes": 0.05,
+            "gracePeriodSeconds": 6,
+        }
+        port = free_port()
+        spec["spec"]["telemetry"] = {"port": port}
+        spec["spec"]["stability"] = {"onCollapse": "alert"}  # tiny runs trip it in ~30 steps
+        job.write_text(yaml.safe_dump(spec))
+        proxy.refuse("/step-")  # reads pass: the trainer's start-up check of the bucket
+        process = start(tmp_path, "out")
+        wait_for_step(tmp_path / "out", 2, process)
+        failed = _wait_for_failed_checkpoint(f"http://127.0.0.1:{port}", process)
+        assert "failed and was not committed" in failed["message"], failed
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output = process.communicate(timeout=60)[0]
+        stopped_after = time.monotonic() - sent
+    finally:
+        if process is not None and process.poll() is None:
+            kill_tree(process)
+        proxy.stop()
+    assert process.returncode == 0, output
+    assert stopped_after < 6 + 5, output
+    assert "whose emergency checkpoint failed (the newest committed checkpoint: none)" in output
+    assert "stopped after the emergency checkpoint" not in output, output
+    assert "Traceback" not in output, output
+    storage = open_storage(uri, s3_options(s3_env))
+    assert not storage.exists(LATEST) and not storage.list("step-")  # nothing half-made
+    verdict = termination.read((tmp_path / "out.termination").read_text())
+    assert verdict is not None and verdict.stopped and verdict.last_checkpoint is None
+
+
+def _wait_for_failed_checkpoint(url: str, process: subprocess.Popen) -> dict:
+    """The checkpoint_failed event on /status, once /metrics counts a failed attempt."""
+    counted = re.compile(r'^rlft_checkpoints_total\{[^}]*result="failed"[^}]*\} [1-9]', re.M)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stdout.read()
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+        if counted.search(metrics):
+            assert re.search(r"^rlft_checkpoint_last_ok(\{[^}]*\})? 0\.0$", metrics, re.M)
+            status = json.loads(urllib.request.urlopen(f"{url}/status", timeout=5).read())
+            return next(e for e in status["events"] if e["kind"] == "checkpoint_failed")
+        time.sleep(0.2)
+    raise AssertionError("no failed checkpoint on /metrics")
 
 
 def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(

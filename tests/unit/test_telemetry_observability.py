@@ -90,3 +90,77 @@ def test_promtool_test_rules():
         [promtool(), "test", "rules", *tests], capture_output=True, text=True, cwd=REPO
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _series_of(exporter, minutes: int, moving: str | None = None) -> list[dict]:
+    """What a real trainer's /metrics exports now, held for `minutes` (the `moving`
+    metric goes up by one a minute instead), as promtool input series (the `_created`
+    samples are prometheus_client's, not ours)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series = []
+    text = exporter.exposition().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = {"job": "trainer", "instance": "a", **sample.labels}
+            inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            step = "+1" if sample.name == moving else ""
+            values = f"{sample.value}{step}x{minutes}"
+            series.append({"series": f"{sample.name}{{{inner}}}", "values": values})
+    return series
+
+
+def _firing_on_a(alert) -> dict:
+    def text(template: str) -> str:
+        return template.replace("{{ $labels.instance }}", "a")
+
+    return {
+        "exp_labels": {"severity": alert.severity, "job": "trainer", "instance": "a"},
+        "exp_annotations": {"summary": text(alert.summary), "description": text(alert.description)},
+    }
+
+
+def _promtool_expects(tmp_path: Path, series: list[dict], at: str, firing: set[str]) -> None:
+    cases = [
+        {
+            "eval_time": at,
+            "alertname": alert.name,
+            "exp_alerts": [_firing_on_a(alert)] if alert.name in firing else [],
+        }
+        for alert in ALERTS
+    ]
+    test = {
+        "rule_files": [str(REPO / RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}],
+    }
+    path = tmp_path / "from-exporter.test.yaml"
+    path.write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_fresh_trainers_metrics_raise_no_alert(tmp_path: Path):
+    """The series a real exporter serves before its first checkpoint (the checkpoint
+    gauges exported at 0), 30 minutes on, through the real rules: nothing fires. Both
+    checkpoint alerts used to (a commit at Unix time 0; a last attempt that "failed")."""
+    from rlft.trainer.telemetry.exporter import MetricsExporter
+
+    exporter = MetricsExporter(start_time=1200.0)  # promtool's clock starts at 0
+    exporter.configure(staleness_limit=2, checkpoint_interval_s=600)
+    exporter.record({"step": 1, "policy_version": 1, "grad_norm": 1.0, "loss": 0.5})
+    series = _series_of(exporter, 40, moving=M.TRAIN_STEP.name)
+    _promtool_expects(tmp_path, series, "30m", firing=set())
+
+
+def test_a_failed_checkpoint_in_a_real_exporter_fires_checkpoint_failing(tmp_path: Path):
+    from rlft.trainer.telemetry.exporter import MetricsExporter
+
+    exporter = MetricsExporter(start_time=0.0)
+    exporter.configure(staleness_limit=2, checkpoint_interval_s=3600)
+    exporter.checkpoint(2, ok=False)
+    _promtool_expects(tmp_path, _series_of(exporter, 20), "15m", {"RLFTCheckpointFailing"})

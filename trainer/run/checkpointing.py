@@ -34,15 +34,24 @@ JOB_UID_ENV = "RLFT_JOB_UID"
 
 
 class StopRequested(Exception):
-    """SIGTERM arrived; the checkpoint of `step` is committed (none at step 0)."""
+    """SIGTERM arrived after `step`; `checkpointed` is the newest committed checkpoint
+    (`step`'s own unless its emergency save failed; None before any)."""
 
-    def __init__(self, step: int):
-        super().__init__(
-            f"stopped after the emergency checkpoint of step {step}"
-            if step
-            else "stopped before the first step (nothing to checkpoint)"
-        )
+    def __init__(self, step: int, checkpointed: int | None):
+        if not step:
+            message = "stopped before the first step (nothing to checkpoint)"
+        elif checkpointed == step:
+            message = f"stopped after the emergency checkpoint of step {step}"
+        else:
+            # The save's own error is logged and counted; the resume goes back further.
+            earlier = f"step {checkpointed}" if checkpointed else "none"
+            message = (
+                f"stopped after step {step}, whose emergency checkpoint failed "
+                f"(the newest committed checkpoint: {earlier})"
+            )
+        super().__init__(message)
         self.step = step
+        self.checkpointed = checkpointed
 
 
 class Checkpointing:
@@ -94,7 +103,7 @@ class Checkpointing:
             message = f"checkpoint of step {info.get('step')}: {info.get('what')} retried"
             self.supervisor.checkpoint_retry(f"{message} ({info.get('error')})", info.get("step"))
         elif name == "failed":
-            self.supervisor.event("checkpoint_failed", str(info), "error", info.get("step"))
+            self.supervisor.checkpoint_failed(info["step"], info["uri"], info["error"])
 
     @property
     def stats(self):
@@ -204,7 +213,7 @@ class Checkpointing:
         self._save(cursor, learner, decision.stop)
         if decision.stop:
             self.close()
-            raise StopRequested(cursor.step)
+            raise StopRequested(cursor.step, self.last_step)
 
     def stop_between_steps(self, cursor: Cursor, learner) -> NoReturn:
         """SIGTERM came while rank 0 waited for the next step's batch: checkpoint the
@@ -215,7 +224,7 @@ class Checkpointing:
         if cursor.step not in (self.last_step, 0):
             self._save(cursor, learner, wait=True)
         self.close()
-        raise StopRequested(cursor.step)
+        raise StopRequested(cursor.step, self.last_step)
 
     def final(self, cursor: Cursor, learner) -> None:
         """The last step's checkpoint, committed before the run reports success; not
@@ -223,11 +232,17 @@ class Checkpointing:
         checkpoint): saving it again would withdraw the manifest `latest` names while
         its files are replaced."""
         self.checkpointer.wait()
-        if cursor.step != self.last_step:
-            self._save(cursor, learner, wait=True)
+        if cursor.step != self.last_step and not self._save(cursor, learner, wait=True):
+            # The run's model is still written (and published) as its output; what is
+            # lost is the optimizer state to train on from this step.
+            self.supervisor.log(
+                f"rlft: warning: the final checkpoint of step {cursor.step} failed; the "
+                f"newest committed checkpoint is step {self.last_step}"
+            )
 
-    def _save(self, cursor: Cursor, learner, wait: bool) -> None:
-        self.checkpointer.save(
+    def _save(self, cursor: Cursor, learner, wait: bool) -> bool:
+        """Checkpoint the step; with `wait`, whether it committed."""
+        return self.checkpointer.save(
             cursor.step,
             learner.models.policy,
             learner.optimizer,

@@ -72,6 +72,10 @@ class Supervisor:
         if self.telemetry is not None:
             self.telemetry.checkpoint(step, uri, healthy)
 
+    def checkpoint_failed(self, step: int, uri: str, error: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.checkpoint_failed(step, uri, error)
+
     def checkpoint_retry(self, message: str, step: int | None) -> None:
         if self.telemetry is not None:
             self.telemetry.exporter.checkpoint_retry()

@@ -89,7 +89,8 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "RLFTCheckpointTooOld",
-        f"(time() - ({M.CHECKPOINT_TIME.name} or {M.START_TIME.name})) "
+        # The timestamp is 0 until the first commit: then the age counts from the start.
+        f"(time() - (({M.CHECKPOINT_TIME.name} > 0) or {M.START_TIME.name})) "
         f"> 2 * {M.CHECKPOINT_INTERVAL.name}",
         "5m",
         "warning",
@@ -99,7 +100,9 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "RLFTCheckpointFailing",
-        f"{M.CHECKPOINT_OK.name} == 0",
+        # The gauge is 0 before the first attempt too: a failure must have been counted.
+        f"{M.CHECKPOINT_OK.name} == 0 "
+        f'and ignoring(result) {M.CHECKPOINTS.name}{{result="failed"}} > 0',
         "10m",
         "warning",
         "Checkpoints of {{ $labels.instance }} are failing",

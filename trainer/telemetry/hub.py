@@ -94,22 +94,19 @@ class Telemetry:
                 float(reward) if isinstance(reward, int | float) else None,
             )
 
-    def checkpoint(
-        self, step: int, uri: str, healthy: bool, ok: bool = True, when: float | None = None
-    ) -> None:
-        """A checkpoint attempt: committed (`ok`) or failed."""
+    def checkpoint(self, step: int, uri: str, healthy: bool, when: float | None = None) -> None:
+        """A committed checkpoint."""
         when = time.time() if when is None else when
-        self.exporter.checkpoint(step, ok, when)
-        if ok:
-            self.board.checkpoint(step, uri, when, healthy)
-            self.event(
-                "checkpoint",
-                f"checkpoint at step {step} committed to {uri}"
-                + ("" if healthy else " (not healthy)"),
-                step=step,
-            )
-        else:
-            self.event("checkpoint_failed", f"checkpoint at step {step} failed", "warning", step)
+        self.exporter.checkpoint(step, True, when)
+        self.board.checkpoint(step, uri, when, healthy)
+        message = f"checkpoint at step {step} committed to {uri}"
+        self.event("checkpoint", message + ("" if healthy else " (not healthy)"), step=step)
+
+    def checkpoint_failed(self, step: int, uri: str, error: str) -> None:
+        """A checkpoint given up (its retries ran out): RLFTCheckpointFailing's gauge."""
+        self.exporter.checkpoint(step, False)
+        message = f"checkpoint at step {step} failed and was not committed to {uri}: {error}"
+        self.event("checkpoint_failed", message, "warning", step)
 
     def event(self, kind: str, message: str, level: str = "info", step: int | None = None) -> None:
         self.board.event(kind, message, level, step)

@@ -5,7 +5,8 @@ trainer can be killed while one is in flight.
 Requests go to the server unchanged (the Host header too, so S3 signatures still
 verify), one connection per request. `hold(fragment)` makes every upload (PUT, or a
 multipart POST) whose path contains `fragment` wait until `release()`, which answers the
-held ones with 503 (the client's retry or its death decides what happens next). Reads
+held ones with 503 (the client's retry or its death decides what happens next);
+`refuse(fragment)` answers such uploads with 503 at once, until `release()`. Reads
 pass: retention's scan after a commit reads the manifests of committed steps, and holding
 one of those is not an upload in flight.
 """
@@ -101,6 +102,10 @@ class S3Proxy:
 
     def hold(self, fragment: str) -> None:
         self._released.clear()
+        self.held_fragment = fragment
+
+    def refuse(self, fragment: str) -> None:
+        self._released.set()
         self.held_fragment = fragment
 
     def release(self) -> None:
