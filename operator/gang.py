@@ -34,6 +34,7 @@ from typing import Any
 from rlft.operator import names as N
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.config.gang import GangSpec
+from rlft.trainer.config.pods import QUANTITY_SUFFIXES, quantity
 
 # Kueue (sigs.k8s.io/kueue: pkg/controller/constants, pkg/controller/jobs/pod/constants)
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -141,25 +142,7 @@ def pod_groups(
 
 # ----------------------------------------------------------------- quantities
 
-_SUFFIXES = {
-    **{s: Fraction(1024**i) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), 1)},
-    **{s: Fraction(1000**i) for i, s in enumerate(("k", "M", "G", "T", "P", "E"), 1)},
-    "m": Fraction(1, 1000),
-    "u": Fraction(1, 1_000_000),
-    "n": Fraction(1, 1_000_000_000),
-}
 _BYTES = ("memory", "ephemeral-storage", "hugepages-")
-
-
-def quantity(value: str | int | float) -> Fraction:
-    """A Kubernetes quantity (`500m`, `64Gi`, `1e3`, 8) as an exact number."""
-    if isinstance(value, int | float):
-        return Fraction(value)
-    text = value.strip()
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if text.endswith(suffix) and suffix != text:
-            return Fraction(text[: -len(suffix)]) * _SUFFIXES[suffix]
-    return Fraction(text)  # plain or with an exponent (`1e3`)
 
 
 def format_quantity(resource: str, amount: Fraction) -> str:
@@ -171,9 +154,9 @@ def format_quantity(resource: str, amount: Fraction) -> str:
     whole = int(amount)
     if resource.startswith(_BYTES) and whole:
         exact = [
-            (whole // int(_SUFFIXES[suffix]), suffix)
+            (whole // int(QUANTITY_SUFFIXES[suffix]), suffix)
             for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki", "E", "P", "T", "G", "M", "k")
-            if whole % _SUFFIXES[suffix] == 0
+            if whole % QUANTITY_SUFFIXES[suffix] == 0
         ]
         if exact:  # the shortest: 2G rather than 1953125Ki
             number, suffix = min(exact, key=lambda pair: pair[0])

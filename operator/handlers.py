@@ -276,6 +276,11 @@ async def kick(key: Key) -> None:
                 if error.status != 409:
                     log.warning(f"{key[0]}/{key[1]}: {error}")
                 _schedule(key, state, 0.5 if error.status == 409 else 5.0)
+            except Exception:
+                # A bug, not the API server: counted (alertable) and logged with its
+                # traceback; the job's timer tries again within 15 s.
+                result = "error"
+                log.exception(f"{key[0]}/{key[1]}: reconcile failed")
             RUNTIME.metrics.reconciles.labels(result=result).inc()
             RUNTIME.metrics.reconcile_seconds.observe(time.perf_counter() - started)
 

@@ -268,6 +268,31 @@ def test_refused_extended_resources_name_the_field(resources, expected):
     assert line.startswith(expected), line
 
 
+@pytest.mark.parametrize(
+    ("resources", "expected"),
+    [
+        # Used to pass validation and the CRD, then fail the operator's pod rendering.
+        ({"requests": {"cpu": "8 cores"}}, f"{R}.requests.cpu: '8 cores' is not a Kubernetes"),
+        ({"limits": {"memory": "64GB"}}, f"{R}.limits.memory: '64GB' is not a Kubernetes"),
+        ({"requests": {"cpu": -1}}, f"{R}.requests.cpu: -1 is negative"),
+        (
+            {"requests": {"memory": "80Gi"}, "limits": {"memory": "64Gi"}},
+            f"{R}: requests.memory (80Gi) is above limits.memory (64Gi); Kubernetes refuses",
+        ),
+    ],
+)
+def test_refused_requests_and_limits_name_the_field(resources, expected):
+    lines = problems(manifest(resources=resources))
+    assert lines and all(line.startswith(expected) for line in lines), lines
+
+
+def test_requests_and_limits_accept_kubernetes_quantities():
+    given = {"cpu": "500m", "memory": "1.5Gi", "ephemeral-storage": "1e9", "pods": 0}
+    limits = {"cpu": 1, "memory": "2G", "ephemeral-storage": "2E"}
+    job = parse_job(manifest(resources={"requests": given, "limits": limits}))
+    assert job.spec.trainer.resources.requests == given
+
+
 def test_extended_resources_accept_what_device_plugins_advertise():
     for name in ("rdma/hca_shared_devices_a", "vpc.amazonaws.com/efa", "nvidia.com/mig-1g.10gb"):
         job = parse_job(manifest(resources={"extended": {name: 4}}))

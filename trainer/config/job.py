@@ -28,7 +28,12 @@ from pydantic import (
 from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.config.base import Section
 from rlft.trainer.config.gang import GangSpec
-from rlft.trainer.config.pods import PodCustomisation, check_extended
+from rlft.trainer.config.pods import (
+    PodCustomisation,
+    ResourceQuantity,
+    check_extended,
+    check_requests_within_limits,
+)
 from rlft.trainer.config.stability import StabilitySpec
 from rlft.trainer.config.telemetry import TelemetrySpec
 
@@ -253,10 +258,10 @@ def _unique_names(env: list[EnvVar]) -> list[EnvVar]:
 class Resources(Section):
     """Kubernetes resource requests and limits of a pod's main container."""
 
-    requests: dict[str, str | int] = Field(default_factory=dict)
+    requests: dict[str, ResourceQuantity] = Field(default_factory=dict, max_length=64)
     """Requested resources, e.g. {cpu: "8", memory: 64Gi}."""
-    limits: dict[str, str | int] = Field(default_factory=dict)
-    """Resource limits."""
+    limits: dict[str, ResourceQuantity] = Field(default_factory=dict, max_length=64)
+    """Resource limits (each at least its request)."""
     extended: dict[str, Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         default_factory=dict, max_length=16
     )
@@ -267,6 +272,7 @@ class Resources(Section):
     @model_validator(mode="after")
     def _extended_names(self) -> Resources:
         check_extended(self.extended, {"requests": self.requests, "limits": self.limits})
+        check_requests_within_limits(self.requests, self.limits)
         return self
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import typing
+from fractions import Fraction
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
@@ -25,6 +26,15 @@ _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])
 _C_IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Kubernetes' resource.Quantity syntax (e.g. 100Gi, 1.5G, 500M).
 _QUANTITY = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE]|[eE][+]?[0-9]+)?$"
+# The same with the fractional suffixes (`500m` of a CPU), for resource requests/limits.
+_RESOURCE_QUANTITY = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+QUANTITY_SUFFIXES = {
+    **{s: Fraction(1024**i) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), 1)},
+    **{s: Fraction(1000**i) for i, s in enumerate(("k", "M", "G", "T", "P", "E"), 1)},
+    "m": Fraction(1, 1000),
+    "u": Fraction(1, 1_000_000),
+    "n": Fraction(1, 1_000_000_000),
+}
 # A path segment that is neither `.` nor `..` (RE2 and Rust regex have no lookahead, and the
 # same pattern goes into the CRD for the API server).
 _SEGMENT = r"([^./][^/]*|\.[^./][^/]*|\.\.[^/]+)"
@@ -104,6 +114,18 @@ RelativePath = Annotated[
 Quantity = Annotated[
     str, _pattern(_QUANTITY, 64), _matching(_QUANTITY, "a Kubernetes quantity such as 100Gi")
 ]
+
+
+def _resource_quantity(value: str | int) -> str | int:
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{value} is negative")
+    if isinstance(value, str) and not re.match(_RESOURCE_QUANTITY, value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity such as 500m, 8 or 64Gi")
+    return value
+
+
+# int or string in the CRD (x-kubernetes-int-or-string), as Kubernetes' own Quantity.
+ResourceQuantity = Annotated[str | int, AfterValidator(_resource_quantity)]
 EnvPrefix = Annotated[
     str,
     _pattern(_C_IDENTIFIER, 256),
@@ -360,6 +382,30 @@ def _unique(values: list[str], what: str) -> None:
     repeated = sorted({v for v in values if values.count(v) > 1})
     if repeated:
         raise ValueError(f"{what} must be unique; repeated: {', '.join(repeated)}")
+
+
+def quantity(value: str | int | float) -> Fraction:
+    """A Kubernetes quantity (`500m`, `64Gi`, `1e3`, 8) as an exact number."""
+    if isinstance(value, int | float):
+        return Fraction(value)
+    text = value.strip()
+    for suffix in sorted(QUANTITY_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix) and suffix != text:
+            return Fraction(text[: -len(suffix)]) * QUANTITY_SUFFIXES[suffix]
+    return Fraction(text)  # plain or with an exponent (`1e3`)
+
+
+def check_requests_within_limits(
+    requests: dict[str, str | int], limits: dict[str, str | int]
+) -> None:
+    """What the API server refuses in a pod (422): a request above its limit."""
+    for name in sorted(requests.keys() & limits.keys()):
+        if quantity(requests[name]) > quantity(limits[name]):
+            raise ValueError(
+                f"requests.{name} ({requests[name]}) is above limits.{name} "
+                f"({limits[name]}); Kubernetes refuses such a pod: lower the request or "
+                "raise the limit"
+            )
 
 
 def check_extended(extended: dict[str, int], given: dict[str, dict[str, str | int]]) -> None:
