@@ -24,7 +24,10 @@ from rlft.trainer.exit_codes import ExitCode
 ENV = "RLFT_TERMINATION_LOG"
 MARK = "rlftVerdict"
 MAX_MESSAGE = 600
-"""Per line: Kubernetes keeps at most 4096 bytes of a termination message."""
+"""Characters of one rank's message, at most."""
+MAX_BYTES = 4096
+"""What the kubelet keeps of a termination message: its last 4096 bytes. All ranks'
+lines must fit (a pod runs gpusPerPod ranks), or the first-written verdicts are lost."""
 
 # Which verdict a pod with several ranks shows: the most telling one first.
 _SEVERITY = {
@@ -78,10 +81,25 @@ def _replace(rank: int, line: str, environ: dict[str, str] | None) -> None:
         fcntl.flock(file, fcntl.LOCK_EX)
         file.seek(0)
         kept = [v for v in _parse_lines(file.read()) if v.get("rank") != rank]
+        if line:
+            kept += _parse_lines(line)
         file.seek(0)
         file.truncate()
-        file.write("".join(json.dumps(v, sort_keys=True) + "\n" for v in kept))
-        file.write(line)
+        file.write(_fitted(kept))
+
+
+def _fitted(lines: list[dict]) -> str:
+    """The lines, their messages shortened alike until the whole fits in MAX_BYTES (the
+    flags and numbers that decide the failure policy are never cut)."""
+    limit = MAX_MESSAGE
+    while True:
+        text = "".join(
+            json.dumps({**v, "message": str(v.get("message") or "")[:limit]}, sort_keys=True) + "\n"
+            for v in lines
+        )
+        if len(text.encode()) <= MAX_BYTES or limit == 0:
+            return text
+        limit = max(0, min(limit - 16, limit * 3 // 4))
 
 
 def encode(verdict: Verdict) -> str:

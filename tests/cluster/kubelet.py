@@ -660,7 +660,9 @@ def _remove_cgroup(group: Path | None) -> None:
 
 
 def _termination_message(container: Container, code: int) -> str:
-    message = container.termination.read_text(errors="replace")[:MAX_MESSAGE]
+    # The kubelet keeps the file's last bytes (tail.ReadAtMost), not its first.
+    data = container.termination.read_bytes() if container.termination.exists() else b""
+    message = data[-MAX_MESSAGE:].decode(errors="replace")
     policy = container.spec.get("terminationMessagePolicy", "File")
     if not message and code != 0 and policy == "FallbackToLogsOnError":
         lines = container.log.read_text(errors="replace").splitlines()[-80:]

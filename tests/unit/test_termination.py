@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from rlft.trainer import termination
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.termination import Verdict
@@ -31,3 +33,26 @@ def test_messages_are_capped_and_nothing_is_written_without_the_variable(tmp_pat
     assert len(line) < 1000 and termination.read(line).message == "x" * termination.MAX_MESSAGE
     termination.write(Verdict(1, "lost"), {})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_eight_ranks_with_long_messages_fit_what_the_kubelet_keeps(tmp_path):
+    """The kubelet keeps a termination message's last 4096 bytes. Eight ranks' lines with
+    600-character messages (non-ASCII ones escape to six bytes a character) used to
+    exceed it, and the tail cut dropped the first-written verdicts: here the stalled
+    rank's, the cause of its peers' errors, and with it the operator's Stalled reason."""
+    path = tmp_path / "termination-log"
+    env = {termination.ENV: str(path)}
+    termination.write(Verdict(ExitCode.FAILURE, "no progress for 600 s", stalled=True), env)
+    for rank in range(1, 8):
+        message = f"rank {rank}: collective broke: " + "é" * 600
+        termination.write(Verdict(ExitCode.FAILURE, message, rank=rank, step=40), env)
+    data = path.read_bytes()
+    assert len(data) <= termination.MAX_BYTES
+    kept = data[-termination.MAX_BYTES :].decode()  # what a pod's status would carry
+    assert len(kept.splitlines()) == 8
+    verdict = termination.read(kept)
+    assert verdict is not None and verdict.stalled and verdict.rank == 0
+    assert verdict.message.startswith("no progress")
+    lines = [json.loads(line) for line in kept.splitlines()]
+    assert sorted(v["rank"] for v in lines) == list(range(8))
+    assert all(v["step"] == 40 for v in lines if v["rank"])  # the numbers are never cut
