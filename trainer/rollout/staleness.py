@@ -30,6 +30,12 @@ def required_step(batch: int, max_staleness: int) -> int | None:
     return step if step >= 0 else None
 
 
+class FutureVersionError(RuntimeError):
+    """A sample tagged with a version the trainer has not reached: weights of another
+    timeline are being served. Not a ValueError (the trainer's exit code for a bad job,
+    permanent): a restart republishes the weights, so it is retryable."""
+
+
 @dataclass(frozen=True)
 class GateResult:
     keep: list[int]
@@ -57,7 +63,7 @@ def gate(versions: Sequence[int], trainer_version: int, max_staleness: int) -> G
     for index, version in enumerate(versions):
         lag = trainer_version - version
         if lag < 0:
-            raise ValueError(
+            raise FutureVersionError(
                 f"sample {index} has policy version {version}, newer than the trainer's "
                 f"{trainer_version}: versions must only come from published weights"
             )
