@@ -94,6 +94,26 @@ def test_mismatch_weights_truncate_and_mask() -> None:
     assert w.tolist() == [[1.0, 1.0], [1.0, 1.0]] and rejected.sum() == 0
 
 
+def test_mismatch_mask_drops_weights_outside_one_over_cap_to_cap() -> None:
+    # Weights 1/3, 3 and 1 with cap 2: MIS keeps only [1/2, 2], so it drops both the
+    # weight below 1/cap and the one above cap; TIS truncates the one above cap only.
+    old = torch.log(torch.tensor([[0.3, 0.9, 0.9]], dtype=F64))
+    behaviour = torch.log(torch.tensor([[0.9, 0.3, 0.9]], dtype=F64))
+    mask = torch.ones(1, 3, dtype=F64)
+    w, rejected = mismatch_weights(old, behaviour, mask, "mask", "token", 2.0)
+    assert w[0].tolist() == pytest.approx([0.0, 0.0, 1.0])
+    assert rejected.tolist() == [[1.0, 1.0, 0.0]]
+    w, rejected = mismatch_weights(old, behaviour, mask, "truncate", "token", 2.0)
+    assert w[0].tolist() == pytest.approx([1 / 3, 2.0, 1.0])
+    assert rejected.tolist() == [[0.0, 1.0, 0.0]]
+    # Per sequence: the row's weight 1/3·3·1 = 1 is kept; 1/3 alone (cap 2) is not.
+    w, rejected = mismatch_weights(old, behaviour, mask, "mask", "sequence", 2.0)
+    assert w[0].tolist() == pytest.approx([1.0, 1.0, 1.0]) and rejected.sum() == 0
+    first = torch.tensor([[1.0, 0.0, 0.0]], dtype=F64)
+    w, rejected = mismatch_weights(old, behaviour, first, "mask", "sequence", 2.0)
+    assert w.tolist() == [[0.0, 0.0, 0.0]] and rejected.tolist() == [[1.0, 1.0, 1.0]]
+
+
 def test_kl_estimators_hand_computed() -> None:
     logp = torch.tensor([-1.0, -2.0], dtype=F64)
     ref = torch.tensor([-1.5, -2.0], dtype=F64)  # x = 0.5, 0

@@ -16,6 +16,12 @@ from rlft.trainer.algorithms.objectives import (
 from rlft.trainer.algorithms.registry import Algorithm, register
 from rlft.trainer.config.algorithm import AlgorithmSpec
 
+TEMPERATURE = 1.0
+"""Temperature of every DPO log-prob: the policy's in the loss and the reference's in the
+batch. DPO's implicit reward β·log(π/π_ref) compares the models' own distributions, not
+the rollout sampler's; the two sides must also agree, or an untrained policy (π = π_ref)
+starts with a non-zero margin."""
+
 
 class Preference:
     """DPO / IPO on rows ordered (chosen, rejected) per pair."""
@@ -31,7 +37,7 @@ class Preference:
     def loss(self, models, micro, prepared, norms):
         dpo = self.spec.dpo
         fwd = forward(models.policy, micro)
-        logp = masked(token_logprobs(fwd.logits, micro.targets), micro.mask)
+        logp = masked(token_logprobs(fwd.logits, micro.targets, TEMPERATURE), micro.mask)
         ref = masked(micro.ref_logp, micro.mask)
         summed, ref_summed = logp.sum(-1), ref.sum(-1)
         if dpo.loss == "ipo":  # IPO compares length-normalised log-probs

@@ -95,7 +95,8 @@ class PolicyTerms:
     is_weight: torch.Tensor
     """Train/inference mismatch weight applied to each term (1 without correction)."""
     is_rejected: torch.Tensor
-    """1.0 where the mismatch weight was truncated (truncate) or masked (mask)."""
+    """1.0 where the mismatch weight was truncated (truncate: above cap) or masked (mask:
+    above cap or below 1/cap)."""
 
 
 def mismatch_weights(
@@ -109,8 +110,8 @@ def mismatch_weights(
     """Importance weights π_old/π_behaviour correcting the rollout engine's numerics.
 
     `truncate` (TIS) caps the weight at `cap`; `mask` (MIS) zeroes terms whose weight
-    exceeds it. `sequence` uses one weight per sequence: the product of its token weights.
-    Returns (weights, rejected) without gradient.
+    exceeds `cap` or falls below 1/`cap`. `sequence` uses one weight per sequence: the
+    product of its token weights. Returns (weights, rejected) without gradient.
     """
     log_w = (old_logp - behaviour_logp).detach() * mask
     if level == "sequence":
@@ -118,10 +119,15 @@ def mismatch_weights(
     weight = torch.exp(log_w)
     if mode == "none":
         return torch.ones_like(weight), torch.zeros_like(weight)
-    rejected = (weight > cap).to(weight.dtype)
     if mode == "truncate":
-        return weight.clamp(max=cap), rejected
+        # TIS bounds the weight's variance from above only: a small weight already
+        # shrinks its term, so there is nothing to truncate below.
+        return weight.clamp(max=cap), (weight > cap).to(weight.dtype)
     if mode == "mask":
+        # MIS trusts only terms where the engine and the trainer roughly agree: a weight
+        # far below 1 means the engine sampled a token the trainer finds much less likely
+        # (a numerics outlier just as much as one far above), so both tails are dropped.
+        rejected = ((weight > cap) | (weight < 1 / cap)).to(weight.dtype)
         return weight * (1 - rejected), rejected
     raise ValueError(f"unknown mismatch mode {mode!r}")
 

@@ -24,6 +24,8 @@ class PPO(PolicyGradient):
     def prepare(self, models: Models, micro: SequenceBatch) -> Prepared:
         prepared = super().prepare(models, micro)
         values = _values(models.critic, micro)
+        # At the values' upcast precision (float32 at least, whatever the critic's dtype):
+        # GAE's backward recursion accumulates over every token of a row.
         adv, returns = gae(
             micro.token_rewards.to(values.dtype),
             values,
@@ -48,9 +50,13 @@ class PPO(PolicyGradient):
 
 
 def _values(critic: torch.nn.Module | None, micro: SequenceBatch) -> torch.Tensor:
+    """The critic's value of each position, in float32 (float64 for a float64 critic):
+    a bf16/fp16 critic's outputs would otherwise carry its ~3 significant digits into
+    GAE's accumulation and the value loss, as the policy's log-probs are upcast too."""
     if critic is None:
         raise ValueError("PPO needs a critic model")
-    return critic(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[..., 0]
+    values = critic(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[..., 0]
+    return values.to(torch.float64 if values.dtype == torch.float64 else torch.float32)
 
 
 def _token_rewards(

@@ -71,7 +71,8 @@ def model_config(init: ModelInit, vocab_size: int, pad_id: int, eos_id: int) -> 
 def build_policy(
     spec: ModelSpec, corpus: Iterable[str], seed: int
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The job's policy model and tokenizer, in training mode, with a fixed init seed."""
+    """The job's policy model and tokenizer, in training mode without dropout, with a
+    fixed init seed."""
     if spec.path is not None:
         return _load_local(Path(spec.path), spec.dtype)
     assert spec.init is not None
@@ -81,7 +82,7 @@ def build_policy(
     model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[spec.dtype])
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model, tokenizer
+    return disable_dropout(model), tokenizer
 
 
 def _load_local(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -99,7 +100,36 @@ def _load_local(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedToke
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    return model, tokenizer
+    return disable_dropout(model), tokenizer
+
+
+_DROPOUTS = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def disable_dropout(model: PreTrainedModel) -> PreTrainedModel:
+    """The model with every train-mode source of randomness switched off: dropout modules,
+    the attention-dropout rates Hugging Face attention layers read in training mode (any
+    float attribute named like `*dropout*`) and Mixtral's router jitter.
+
+    The trainer keeps its models in training mode, and these algorithms compare forward
+    passes with each other: the ratio π/π_old against the engine's (eval-mode)
+    log-probs or the `prepare` pass, PPO's values against the old values and GAE taken
+    from another pass. A fresh dropout mask on each pass would make those differ by
+    noise. The config is left as it was, so an exported model keeps its own settings."""
+    for module in model.modules():
+        if isinstance(module, _DROPOUTS):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if isinstance(value, float) and ("dropout" in name or name == "jitter_noise"):
+                setattr(module, name, 0.0)
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -108,11 +138,17 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 def build_critic(policy: PreTrainedModel) -> PreTrainedModel:
     """PPO's value model: the policy's architecture and backbone weights with a scalar
-    head (zero-initialised, so every value starts at 0)."""
+    head (zero-initialised, so every value starts at 0), without dropout: its old values
+    and GAE advantages (`prepare`) and its values in the loss come from separate forward
+    passes in training mode, which must agree."""
     from transformers import AutoModelForTokenClassification
 
     config = copy.deepcopy(policy.config)
     config.num_labels = 1
+    # Without it transformers puts a Dropout(0.1) before the head of models whose config
+    # has neither `classifier_dropout` nor `hidden_dropout` (Qwen3, Llama, ...). Set in
+    # the config, it also holds for the critic saved to and reloaded from a checkpoint.
+    config.classifier_dropout = 0.0
     critic = AutoModelForTokenClassification.from_config(config, dtype=policy.dtype)
     backbone = getattr(critic, critic.base_model_prefix)
     backbone.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
@@ -120,7 +156,7 @@ def build_critic(policy: PreTrainedModel) -> PreTrainedModel:
     torch.nn.init.zeros_(head.weight)
     if head.bias is not None:
         torch.nn.init.zeros_(head.bias)
-    return critic
+    return disable_dropout(critic)
 
 
 def to_float64(model: PreTrainedModel) -> PreTrainedModel:

@@ -105,13 +105,18 @@ class Run:
             value = self.accuracy(self.task.eval_problems()[: self.spec.eval.max_problems])
         return self.dist.broadcast(value)
 
-    def reference_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+    def reference_logprobs(
+        self, batch: SequenceBatch, temperature: float | None = None
+    ) -> torch.Tensor:
+        """The frozen reference's log-probs of the batch's targets at `temperature`: by
+        default the rollout sampling temperature, at which the RL objectives take the
+        policy's (and the engine its behaviour) log-probs, so that KL compares like with
+        like. DPO, which scores at temperature 1, passes its own."""
         assert self.learner.reference is not None
+        if temperature is None:
+            temperature = self.spec.rollout.sampling.temperature
         return reference_logprobs(
-            self.learner.reference,
-            batch,
-            self.spec.rollout.sampling.temperature,
-            self.spec.trainer.micro_batch_size,
+            self.learner.reference, batch, temperature, self.spec.trainer.micro_batch_size
         )
 
     def set_policy_version(self, version: int) -> None:

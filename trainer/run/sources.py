@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlft.trainer.algorithms import dpo
 from rlft.trainer.algorithms.batch import SequenceBatch
 from rlft.trainer.algorithms.registry import Algorithm
 from rlft.trainer.rollout.batches import (
@@ -131,7 +132,10 @@ class PairSource(_Source):
         encoder = run.encoder
         batch = preference_batch(problems, encoder.prompt, encoder.answer, encoder.pad_id, rng)
         digest = data_digest([problem.prompt for problem in problems])
-        return Drawn(batch.with_fields(ref_logp=run.reference_logprobs(batch)), data_digest=digest)
+        # At DPO's temperature, not the rollout sampler's: the loss takes the policy's
+        # log-probs at it, and the margin compares the two.
+        ref_logp = run.reference_logprobs(batch, dpo.TEMPERATURE)
+        return Drawn(batch.with_fields(ref_logp=ref_logp), data_digest=digest)
 
     def describe(self, record: dict[str, Any]) -> str:
         return (
@@ -158,7 +162,7 @@ def held_out_preferences(run: Run) -> float:
             problems, encoder.prompt, encoder.answer, encoder.pad_id, random.Random(12345)
         )
         logp = reference_logprobs(
-            run.learner.engine_model, batch, 1.0, run.spec.trainer.micro_batch_size
+            run.learner.engine_model, batch, dpo.TEMPERATURE, run.spec.trainer.micro_batch_size
         )
         total = (logp * batch.mask).sum(-1)
         value = (total[0::2] > total[1::2]).float().mean().item()

@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from rlft.trainer.algorithms import dpo
 from rlft.trainer.algorithms.batch import SequenceBatch
 from rlft.trainer.algorithms.objectives import Models
 from rlft.trainer.algorithms.registry import algorithm as registered
@@ -40,8 +41,8 @@ def verification_batch(
     if entry.needs_reference(algorithm):
         reference = _perturbed_copy(policy, spec.trainer.seed)
 
-    def ref_logp(batch: SequenceBatch) -> torch.Tensor:
-        return reference_logprobs(reference, batch.to(torch.float64), sampling.temperature, 64)
+    def ref_logp(batch: SequenceBatch, temperature: float = sampling.temperature) -> torch.Tensor:
+        return reference_logprobs(reference, batch.to(torch.float64), temperature, 64)
 
     if entry.source != "rollouts":
         problems = [task.train_problem(rng) for _ in range(max(1, sequences // 2))]
@@ -49,7 +50,7 @@ def verification_batch(
             batch = supervised_batch(problems, encoder.prompt, encoder.answer, encoder.pad_id)
         else:
             batch = preference_batch(problems, encoder.prompt, encoder.answer, encoder.pad_id, rng)
-            batch = batch.with_fields(ref_logp=ref_logp(batch))
+            batch = batch.with_fields(ref_logp=ref_logp(batch, dpo.TEMPERATURE))
         return Models(policy), batch.to(torch.float64), f"{len(batch)} sequences"
 
     group = algorithm.group_size
