@@ -242,6 +242,11 @@ def job_pod(
         "terminationGracePeriodSeconds": grace_seconds or s.grace_seconds,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        # The pod's sandbox is PID 1 then, not the command: the kernel gives a PID 1 no
+        # SIGTERM it has no handler for, and torchrun (before its rendezvous ends) and
+        # `ray start` have none, so a deleted pod would hold its name (and GPUs) for its
+        # whole grace period. The sandbox also reaps the orphans torch and Ray leave.
+        "shareProcessNamespace": True,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": s.run_as_user,

@@ -11,8 +11,9 @@ kubelet reports: phase, podIP, Ready, containerStatuses (running; terminated wit
 code, reason Completed / Error / OOMKilled and the termination message), restarts per
 restartPolicy. It runs httpGet startup, liveness and readiness probes (`probes.py`): they
 set a container's `started` and `ready`, and a failed liveness or startup probe stops it.
-A pod marked for deletion gets SIGTERM on its process group, then SIGKILL after its grace
-period, and is removed. What it does not do is listed in README.md.
+A pod marked for deletion gets SIGTERM on each container's main process (PID 1 of its
+own PID namespace unless the pod sets shareProcessNamespace), then SIGKILL on all its
+processes after its grace period, and is removed. What it does not do is listed in README.md.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class Container:
     """This run's probe workers (probes.py)."""
     kill_at: float | None = None
     """When a container its probe failed gets SIGKILL (it got SIGTERM)."""
+    own_pid_namespace: bool = False
+    """Its command is PID 1 of a PID namespace of its own (the pod does not set
+    shareProcessNamespace): the child podinit forks, not `process`."""
+    term_pending: bool = False
+    """SIGTERM is due but its PID 1 did not exist yet (podinit had not forked)."""
 
     @property
     def name(self) -> str:
@@ -247,6 +253,8 @@ class Kubelet:
         if probes.kill is not None and container.kill_at is None:
             container.kill_at = time.monotonic() + probes.kill.grace
             _signal(container, signal.SIGTERM)
+        elif container.term_pending:
+            _signal(container, signal.SIGTERM)
         if container.kill_at is not None and time.monotonic() >= container.kill_at:
             _signal(container, signal.SIGKILL)
 
@@ -321,7 +329,12 @@ class Kubelet:
             return
         container.cgroup = self._cgroup(run, container)
         security = spec.get("securityContext") or {}
+        # Without shareProcessNamespace a runtime makes the command PID 1 of its own PID
+        # namespace, and the kernel gives PID 1 only the signals it has handlers for
+        # (SIGKILL aside): a command without a SIGTERM handler outlives its grace.
+        container.own_pid_namespace = not pod["spec"].get("shareProcessNamespace", False)
         sandbox = {
+            "ownPidNamespace": container.own_pid_namespace,
             "hostname": pod["spec"].get("hostname") or pod["metadata"]["name"],
             "mounts": mounts,
             "readOnlyRootFilesystem": bool(security.get("readOnlyRootFilesystem")),
@@ -542,6 +555,9 @@ class Kubelet:
                 if container.probes is not None:  # a pod going away is probed no more
                     container.probes.stop()
                 _signal(container, signal.SIGTERM)
+        for container in run.containers:
+            if container.term_pending:
+                _signal(container, signal.SIGTERM)
         if time.monotonic() >= run.kill_at:
             self.kill(run)
         alive = [c for c in run.containers if c.running]
@@ -613,11 +629,37 @@ def _phase(containers: list[Container], policy: str) -> str:
 
 
 def _signal(container: Container, sig: int) -> None:
+    """SIGTERM to the container's main process only, as a runtime sends it (the command
+    passes it on to its children, or not); SIGKILL to every process of the container."""
+    if sig == signal.SIGTERM:
+        container.term_pending = container.running
+        main = _main_pid(container)
+        if main is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(main, sig)
+            container.term_pending = False
+        return
     if container.running:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(container.process.pid, sig)
     if sig == signal.SIGKILL:
         kill_cgroup(container.cgroup)
+
+
+def _main_pid(container: Container) -> int | None:
+    """The process the container's command runs in (its PID 1, seen from the host, when
+    it has a PID namespace of its own); None when not running or not forked yet."""
+    if not container.running:
+        return None
+    if not container.own_pid_namespace:
+        return container.process.pid
+    pid = container.process.pid
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found = (task / "children").read_text().split()
+            if found:
+                return int(found[0])
+    return None
 
 
 def kill_cgroup(group: Path | None) -> None:

@@ -2,9 +2,11 @@
 `unshare -m -u --propagation private python podinit.py SPEC.json`.
 
 Inside its own mount and UTS namespaces it joins the container's memory cgroup, takes
-the pod's hostname, bind-mounts the pod's volumes at their mountPath, its /etc/hosts
-(cluster DNS) and its termination-message file, remounts the root filesystem read-only
-when the container asks, then execs the container's command. Nothing outside the
+the pod's hostname, makes the rest of the container PID 1 of a new PID namespace unless
+the pod shares one (it forks it and ends as it ends), bind-mounts the pod's volumes at
+their mountPath, its /etc/hosts (cluster DNS) and its termination-message file, remounts
+the root filesystem read-only when the container asks, then execs the container's
+command. Nothing outside the
 namespaces changes, except that a missing mount point is created (an empty folder or
 file) on the host. Standard library only: it runs before any environment is chosen.
 """
@@ -14,12 +16,14 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import socket
 import stat
 import sys
 from pathlib import Path
 
-MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+CLONE_NEWPID = 0x20000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -48,11 +52,38 @@ def _mount_point(target: Path, is_file: bool) -> None:
         target.mkdir(parents=True, exist_ok=True)
 
 
+def _become_pid_1() -> None:
+    """Go on as PID 1 of a new PID namespace, in a child; this process waits for it and
+    ends as it did (killed by the same signal), so the kubelet sees the command's own
+    exit. (util-linux 2.38's `unshare --fork` exits 1 when its child is SIGKILLed.)"""
+    if _libc.unshare(CLONE_NEWPID) != 0:
+        raise SystemExit(f"podinit: unshare(CLONE_NEWPID): {os.strerror(ctypes.get_errno())}")
+    child = os.fork()
+    if child == 0:
+        # The container's /proc lists its own processes, as in a real one.
+        flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+        if _libc.mount(b"proc", b"/proc", b"proc", flags, None) != 0:
+            raise SystemExit(f"podinit: mount /proc: {os.strerror(ctypes.get_errno())}")
+        return
+    # The kubelet signals PID 1 itself; a SIGTERM to the process group is not ours.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig != signal.SIGKILL:  # its disposition cannot be changed (nor needs to be)
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("cgroup"):
         Path(spec["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
     socket.sethostname(spec["hostname"])
+    if spec.get("ownPidNamespace"):
+        _become_pid_1()
     # Every source is opened before anything is mounted: a volume mounted over /tmp would
     # otherwise hide the sources of later volumes that live under /tmp.
     sources = [os.open(m["source"], os.O_PATH) for m in spec["mounts"]]

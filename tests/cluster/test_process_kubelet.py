@@ -9,6 +9,7 @@ import base64
 import json
 import shutil
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,6 +295,35 @@ def test_deletion_sends_sigterm_and_waits_then_kills(cluster, tmp_path):
     cluster.wait_pod(NS, "polite", gone=True)
     assert marker.read_text() == "checkpoint committed"
     cluster.wait_pod(NS, "stubborn", gone=True, timeout=30)
+
+
+def test_a_command_without_a_sigterm_handler_is_pid_1_and_waits_for_its_grace(cluster):
+    """What a runtime does: the command is PID 1 of the container's own PID namespace,
+    and PID 1 gets no SIGTERM it has no handler for: it runs until SIGKILL at the end
+    of the grace period. With shareProcessNamespace (the operator's pods) the pod's
+    sandbox is PID 1, the command is not, and SIGTERM ends it at once."""
+    script = """
+        import os, time
+        print("pid", os.getpid(), flush=True)
+        time.sleep(3600)
+        """
+    cluster.apply(pod("pid-one", script, terminationGracePeriodSeconds=4))
+    cluster.apply(
+        pod("shared", script, terminationGracePeriodSeconds=60, shareProcessNamespace=True)
+    )
+    for name in ("pid-one", "shared"):
+        cluster.wait_pod(NS, name, "Running")
+        wait_for(lambda n=name: "pid" in cluster.logs(NS, n), f"{name} to start")
+    assert "pid 1\n" in cluster.logs(NS, "pid-one")
+    assert "pid 1\n" not in cluster.logs(NS, "shared")
+    deleted = time.monotonic()
+    cluster.kubectl("delete", "pod", "pid-one", "shared", "--wait=false")
+    cluster.wait_pod(NS, "shared", gone=True, timeout=20)
+    shared_gone = time.monotonic() - deleted
+    assert cluster.pod(NS, "pid-one") is not None  # still in its grace
+    cluster.wait_pod(NS, "pid-one", gone=True, timeout=30)
+    pid_one_gone = time.monotonic() - deleted
+    assert shared_gone < 4 <= pid_one_gone, (shared_gone, pid_one_gone)
 
 
 def test_restart_policy_on_failure_restarts_and_counts(cluster, tmp_path):

@@ -207,7 +207,7 @@ def test_torch_threads_follow_the_containers_cpus_unless_the_job_sets_them():
     cpus = {"requests": {"cpu": "16"}}
     threads = _threads({"resources": cpus}, {"resources": {"limits": {"cpu": "2500m"}}})
     assert set(threads[N.ROLE_TRAINER]) == {"16"} and threads[N.ROLE_ROLLOUT] == ["2"]
-    both = {"requests": {"cpu": "8"}, "limits": {"cpu": "4"}}
+    both = {"requests": {"cpu": "2"}, "limits": {"cpu": "4"}}  # the limit, not the request
     assert set(_threads({"resources": both})[N.ROLE_TRAINER]) == {"4"}
     assert set(_threads({"resources": {"requests": {"cpu": "500m"}}})[N.ROLE_TRAINER]) == {"1"}
     assert _threads({}) == {N.ROLE_TRAINER: [], N.ROLE_ROLLOUT: []}
@@ -236,6 +236,9 @@ def test_pods_are_hardened(shape):
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert spec["automountServiceAccountToken"] is False
+        # No command is PID 1 (deaf to SIGTERM without a handler): the test cluster's
+        # kubelet makes it so without this, and a deletion waits out its grace.
+        assert spec["shareProcessNamespace"] is True
         for container in spec["containers"]:
             sc = container["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False
