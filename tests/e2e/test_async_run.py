@@ -55,8 +55,11 @@ def train(tmp_path: Path, name: str, spec_changes: dict | None = None, **rollout
 
 
 def test_async_run_with_two_instances_and_broadcast_stays_within_max_staleness(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch
 ) -> None:
+    # The broadcast group's address is the pod's IP, which the operator sets (loopback in
+    # a pod is the pod's own); 127.0.0.7 is this machine's as well.
+    monkeypatch.setenv("RLFT_POD_IP", "127.0.0.7")
     records = train(tmp_path, "async", instances=2, maxStaleness=2, publication="broadcast")
     assert [r["step"] for r in records] == list(range(1, 7))
     for r in records:

@@ -3,11 +3,26 @@
 Requests go to the healthy instance with the fewest requests in flight. An instance that
 refuses, fails or does not answer within the timeout is marked down and the request is
 re-issued to another one; a request therefore yields exactly one answer (no sample lost,
-none used twice). Down instances are probed on `/healthz` and come back once they answer.
+none used twice).
+
+A thread of the client probes down instances on `/healthz` every `probe_every_s`, also
+while others are healthy: one timeout or one 500 must not cost an instance (its capacity
+and its weight loads) for the rest of the run. An instance that answers is live again,
+so the next weight publication reaches it (the publisher ships to `live()`), but it takes
+generate requests only once it serves the newest version an instance acknowledged
+loading: while it was down it missed publications, and its samples would be stale. It
+catches up by that next publication (or, seen by the probes, by a load of its own that
+finished after the client gave up on it, or a restart that read the store). The probes
+never post weights themselves: the publisher stays the one writer of an instance's
+weights, so two loads can never land out of order.
+
+`close()` ends the client: requests in flight or queued stop at their next attempt,
+instead of retrying servers stopped with the run until `deadline_s`.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -35,12 +50,16 @@ def _answers(url: str) -> bool:
             return True
     except urllib.error.HTTPError:
         return True
-    except OSError:
+    except (OSError, http.client.HTTPException):  # a garbled answer is no server yet
         return False
 
 
 class NoInstanceError(RuntimeError):
     """No rollout instance answered within the deadline."""
+
+
+class ClientClosed(RuntimeError):
+    """The client was closed while a request waited for an instance or was re-issued."""
 
 
 class RequestFailed(Exception):
@@ -52,9 +71,13 @@ class Instance:
     url: str
     in_flight: int = 0
     healthy: bool = True
+    """Answers: it gets weight publications (`live()`), and requests once it serves the
+    current version."""
     policy_version: int | None = None
     failures: int = 0
     last_probe: float = 0.0
+    loads: int = 0
+    """Weight loads it acknowledged: a version read across one is older than its own."""
 
 
 def http_json(url: str, body: Any | None, timeout: float) -> Any:
@@ -71,11 +94,17 @@ def http_json(url: str, body: Any | None, timeout: float) -> Any:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as error:
-        text = error.read().decode(errors="replace")[:500]
+        try:
+            text = error.read().decode(errors="replace")[:500]
+        except (OSError, http.client.HTTPException) as cut:  # the error body was cut off
+            text = f"(body unreadable: {type(cut).__name__})"
         if error.code == 400:
             raise ProtocolError(f"{url}: {text}") from None
         raise RequestFailed(f"{url}: HTTP {error.code} {text}") from None
-    except (OSError, json.JSONDecodeError) as error:  # refused, reset, timeout, bad body
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        # Refused, reset, timeout; an answer cut off mid-body (a pod killed while writing:
+        # IncompleteRead, no OSError); a body that is not JSON, or one cut short where no
+        # length was announced (ValueError: JSONDecodeError, UnicodeDecodeError).
         raise RequestFailed(f"{url}: {type(error).__name__}: {error}") from None
 
 
@@ -108,11 +137,38 @@ class RolloutClient:
         )
         self.reissued = 0
         """Requests re-issued to another instance after a failure (cumulative)."""
+        self._current: int | None = None
+        """The newest version an instance acknowledged loading (None before the first
+        load: the instances serve what they started from)."""
+        self._closed = False
+        # Its own thread: a probe of a stopped instance waits out its timeout, which would
+        # hold up the generate call that happened to run it.
+        self._prober = threading.Thread(target=self._probe_loop, name="rollout-probe", daemon=True)
+        self._prober.start()
 
     # --------------------------------------------------------------- instances
     def live(self) -> list[Instance]:
+        """The instances that answer: those a weight publication goes to."""
         with self._lock:
             return [i for i in self.instances if i.healthy]
+
+    @property
+    def current_version(self) -> int | None:
+        with self._lock:
+            return self._current
+
+    def _usable(self, instance: Instance) -> bool:
+        """Healthy and serving the current version (call with the lock held)."""
+        if not instance.healthy:
+            return False
+        if self._current is None:
+            return True
+        return instance.policy_version is not None and instance.policy_version >= self._current
+
+    def usable(self) -> list[Instance]:
+        """The instances generate requests go to."""
+        with self._lock:
+            return [i for i in self.instances if self._usable(i)]
 
     def mark_down(self, instance: Instance, reason: str) -> None:
         with self._lock:
@@ -123,43 +179,71 @@ class RolloutClient:
             self._lock.notify_all()
 
     def probe(self, instance: Instance) -> bool:
-        """Ask /healthz; a healthy answer brings the instance back."""
+        """Ask /healthz; True (and the instance live again) when it serves weights, of
+        any version (`_usable` decides whether requests may go to it)."""
+        with self._lock:
+            loads = instance.loads
         try:
             answer = http_json(f"{instance.url}/healthz", None, min(5.0, self.timeout_s))
         except (RequestFailed, ProtocolError):
             answer = None
         with self._lock:
             instance.last_probe = time.monotonic()
-            if answer and answer.get("ok"):
-                instance.healthy = True
+            self._lock.notify_all()
+            if not (isinstance(answer, dict) and answer.get("ok")):
+                # A live instance behind the current version (the ones probed while
+                # healthy) that stopped answering gets no more weight loads.
+                instance.healthy = False
+                return False
+            instance.healthy = True
+            if instance.loads == loads:  # else a load it acknowledged meanwhile is newer
                 instance.policy_version = answer.get("policy_version")
-                self._lock.notify_all()
-                return True
-            return False
+            return True
 
-    def _probe_due(self) -> None:
-        now = time.monotonic()
-        for instance in self.instances:
-            if not instance.healthy and now - instance.last_probe >= self.probe_every_s:
+    def _probe_loop(self) -> None:
+        """Probe each instance that is down, or live but behind the current version, once
+        per `probe_every_s`, until the client is closed."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                waiting = [i for i in self.instances if not self._usable(i)]
+                due = [i for i in waiting if now - i.last_probe >= self.probe_every_s]
+                if not due:
+                    timeout = self.probe_every_s  # woken early by mark_down, a load, close
+                    if waiting:
+                        timeout = min(i.last_probe for i in waiting) + self.probe_every_s - now
+                    self._lock.wait(timeout=max(0.01, timeout))
+                    continue
+            for instance in due:
+                if self._closed:
+                    return
                 self.probe(instance)
 
     def _acquire(self, deadline: float) -> Instance:
-        while True:
-            with self._lock:
-                healthy = [i for i in self.instances if i.healthy]
-                if healthy:
-                    chosen = min(healthy, key=lambda i: i.in_flight)
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise ClientClosed("the rollout client was closed")
+                usable = [i for i in self.instances if self._usable(i)]
+                if usable:
+                    chosen = min(usable, key=lambda i: i.in_flight)
                     chosen.in_flight += 1
                     return chosen
-            if time.monotonic() > deadline:
-                raise NoInstanceError(
-                    f"no rollout instance answered for {self.deadline_s:.0f} s "
-                    f"({', '.join(i.url for i in self.instances)})"
-                )
-            self._probe_due()
-            with self._lock:
-                if not any(i.healthy for i in self.instances):
-                    self._lock.wait(timeout=self.probe_every_s / 4)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    serving = (
+                        ""
+                        if self._current is None
+                        else f" with the weights of version {self._current} or newer"
+                    )
+                    raise NoInstanceError(
+                        f"no rollout instance answered{serving} for {self.deadline_s:.0f} s "
+                        f"({', '.join(i.url for i in self.instances)})"
+                    )
+                # A probe that brings one back, a load, a failure and close all notify.
+                self._lock.wait(timeout=min(remaining, self.probe_every_s))
 
     def _release(self, instance: Instance) -> None:
         with self._lock:
@@ -167,19 +251,20 @@ class RolloutClient:
 
     # ---------------------------------------------------------------- requests
     def generate(self, request: GenerateRequest) -> Generated:
-        """One request, answered exactly once; re-issued while instances fail."""
+        """One request, answered exactly once; re-issued while instances fail, until the
+        deadline or until the client is closed (ClientClosed)."""
         deadline = time.monotonic() + self.deadline_s
         body = request.to_json()
-        attempt = 0
         while True:
             instance = self._acquire(deadline)
+            with self._lock:
+                loads = instance.loads
             try:
                 answer = http_json(f"{instance.url}/generate", body, self.timeout_s)
             except RequestFailed as error:
                 self.mark_down(instance, str(error))
                 with self._lock:
                     self.reissued += 1
-                attempt += 1
                 continue
             finally:
                 self._release(instance)
@@ -190,7 +275,8 @@ class RolloutClient:
                     f"{instance.url}: {len(completions)} completions for {expected} asked"
                 )
             with self._lock:
-                instance.policy_version = answer["policy_version"]
+                if instance.loads == loads:  # else its newer load's version stands
+                    instance.policy_version = answer["policy_version"]
             return Generated(
                 completions,
                 answer["policy_version"],
@@ -203,14 +289,20 @@ class RolloutClient:
         return self._pool.submit(self.generate, request)
 
     def load_weights(self, instance: Instance, request: WeightsRequest, timeout: float) -> bool:
-        """POST /weights to one instance; False (and the instance marked down) on failure."""
+        """POST /weights to one instance; False (and the instance marked down) on failure.
+        A version it acknowledged becomes the one every instance must serve for requests."""
         try:
             answer = http_json(f"{instance.url}/weights", request.to_json(), timeout)
         except RequestFailed as error:
             self.mark_down(instance, str(error))
             return False
         with self._lock:
-            instance.policy_version = answer["policy_version"]
+            version = answer["policy_version"]
+            instance.policy_version = version
+            instance.loads += 1
+            if self._current is None or version > self._current:
+                self._current = version
+            self._lock.notify_all()
         return True
 
     def wait_reachable(self, timeout_s: float, log: Callable[[str], None] | None = None) -> None:
@@ -245,4 +337,10 @@ class RolloutClient:
                 time.sleep(0.1)
 
     def close(self) -> None:
+        """Stop: queued requests are cancelled, and those in flight end at their next
+        attempt (ClientClosed) rather than retrying stopped servers until the deadline;
+        the threads are not waited for (one may be in a request to a live server)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
         self._pool.shutdown(wait=False, cancel_futures=True)

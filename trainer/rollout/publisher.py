@@ -15,6 +15,7 @@ an outage of the store stalls generation for its length instead of ending the ru
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -28,6 +29,8 @@ from rlft.trainer.storage.retry import backoff_delays
 from rlft.trainer.weights.store import WeightStore, config_json, serialize, unique_tensors
 
 log = logging.getLogger(__name__)
+POD_IP_ENV = "RLFT_POD_IP"
+"""Set by the operator in every pod (the downward API's status.podIP)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,12 +46,14 @@ class WeightPublisher:
         store: WeightStore,
         mode: str = "store",
         timeout_s: float = 600.0,
-        host: str = "127.0.0.1",
+        host: str | None = None,
     ):
         if mode not in ("store", "broadcast"):
             raise ValueError(f"publication mode {mode!r}: use store or broadcast")
         self.client, self.store, self.mode = client, store, mode
-        self.timeout_s, self.host = timeout_s, host
+        # The broadcast group's address, which rollout pods connect to: this pod's own
+        # (loopback there is theirs); loopback in a local run.
+        self.timeout_s, self.host = timeout_s, host or os.environ.get(POD_IP_ENV) or "127.0.0.1"
         self._cond = threading.Condition()
         self._pending: tuple[int, object, str] | None = None
         self._acked = -1
@@ -169,7 +174,10 @@ class WeightPublisher:
             return
         try:
             self._broadcast(version, snapshot)
-        except Exception:  # a member died mid-broadcast: fall back to the store
+        except Exception as error:  # a member died mid-broadcast: fall back to the store
+            log.warning(
+                "weights of version %d: broadcast failed (%s); by the store", version, error
+            )
             self._group, self._members = None, ()
             from safetensors.torch import save
 

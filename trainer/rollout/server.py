@@ -19,12 +19,14 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from rlft.trainer import termination
@@ -290,7 +292,22 @@ def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | Path | N
     return None
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends the server as Ctrl-C does. Installed by `run`, whichever way it is
+    started (`rlft rollout` in a pod, `python -m` locally): in a container the server is
+    PID 1, and the kernel drops a signal PID 1 has no handler for, so without one every
+    pod deletion waited out its grace period for the SIGKILL."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may install handlers (a server run in a test)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def run(args: argparse.Namespace) -> int:
+    _exit_on_sigterm()
     job = None
     if args.job:
         from rlft.trainer.config import load_job
@@ -346,7 +363,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     sys.exit(main())
