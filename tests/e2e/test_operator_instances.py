@@ -51,3 +51,26 @@ def test_an_instance_that_never_answers_is_named(tmp_path, monkeypatch):
     job = _job(tmp_path, requestTimeoutSeconds=2)
     with pytest.raises(NoInstanceError, match=rf"rollout instance 0 \({dead}\) did not answer"):
         run_job(job, tmp_path / "out")
+
+
+def test_a_resumed_run_goes_on_past_the_versions_its_instances_were_given(
+    tmp_path, monkeypatch, instance, capsys
+):
+    """Rollout instances outlive a trainer: a run resumed from an earlier checkpoint
+    finds them (and the store) at versions past it. It goes on after the newest, so no
+    number names two sets of weights (it used to publish its checkpoint's version again,
+    then train to the same numbers with other weights)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("RLFT_ROLLOUT_URLS", instance.url)
+    job = _job(tmp_path)
+    job.spec.checkpoint.interval_steps = 1
+    first = run_job(job, tmp_path / "out")
+    published = first["policy_version"]
+    assert instance.server.host.policy_version == published
+    capsys.readouterr()
+    again = run_job(job, tmp_path / "out", resume=2)  # step 3 again
+    out = capsys.readouterr().out
+    assert "resumed from the checkpoint of step 2" in out
+    assert f"continuing at version {published + 1}" in out
+    assert again["policy_version"] == published + 2  # one optimizer step after it
+    assert instance.server.host.policy_version == published + 2

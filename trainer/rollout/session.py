@@ -161,6 +161,17 @@ class RolloutSession:
             session.client = RolloutClient(urls, rollout.request_timeout_seconds)
             session.client.wait_reachable(rollout.request_timeout_seconds, log)
             store = WeightStore.at(rollout.weights_uri)
+            newest = _newest_published(store, session.client)
+            if newest is not None and newest > cursor.policy_version:
+                # An earlier run of this job published past the checkpoint it resumed
+                # (the instances outlived it): those numbers name other weights, and
+                # versions only grow, so the instances, the store and the staleness gate
+                # never see one number for two sets of weights.
+                log(
+                    f"rlft: weights up to version {newest} were published before this "
+                    f"run; continuing at version {newest + 1} (versions only grow)"
+                )
+                cursor.policy_version = newest + 1
             session._connect(job, producer, stop_ids, cursor, store)
             session.publisher.publish_now(model, cursor.policy_version)
             session.client.wait_ready(rollout.request_timeout_seconds)
@@ -269,3 +280,20 @@ class RolloutSession:
             self.client.close()
         if self.servers is not None:
             self.servers.stop()
+
+
+def _newest_published(store, client) -> int | None:
+    """The highest version any weights were published under: in the store (ready or cut
+    short) or loaded into an instance (a broadcast leaves none in the store)."""
+    from rlft.trainer.rollout.client import ProtocolError, RequestFailed, http_json
+
+    found = list(store.numbers())
+    for instance in client.instances:
+        # Read only: an instance started empty answers not-ok, and is still to be loaded.
+        try:
+            answer = http_json(f"{instance.url}/healthz", None, 5.0)
+        except (RequestFailed, ProtocolError):
+            continue
+        if isinstance(answer, dict) and isinstance(answer.get("policy_version"), int):
+            found.append(answer["policy_version"])
+    return max(found, default=None)

@@ -201,6 +201,8 @@ class RolloutSource(_Source):
             run.out,
             run.reporter.log,
         )
+        # The session may have moved the version past ones an earlier run published.
+        run.set_policy_version(run.cursor.policy_version)
 
     def next(self, run: Run, step: int) -> Drawn:
         started = time.perf_counter()

@@ -102,6 +102,10 @@ class WeightStore:
     def versions(self) -> list[int]:
         return sorted(v for v, names in self._folders().items() if READY in names)
 
+    def numbers(self) -> list[int]:
+        """Every version with a folder, ready or cut short: numbers that are taken."""
+        return sorted(self._folders())
+
     def latest(self) -> int | None:
         try:
             return int(self.storage.get_bytes(LATEST).decode().strip())
