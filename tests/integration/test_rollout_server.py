@@ -15,7 +15,7 @@ import torch
 from rollout_fixtures import PROMPTS, ThreadServer, publish, redraw, store_at, tiny_model
 
 from rlft.trainer.rollout import SamplingParams, TransformersEngine
-from rlft.trainer.rollout.client import RolloutClient, http_json
+from rlft.trainer.rollout.client import RequestFailed, RolloutClient, http_json
 from rlft.trainer.rollout.local import LocalServers
 from rlft.trainer.rollout.protocol import GenerateRequest, ProtocolError, WeightsRequest
 from rlft.trainer.rollout.remote import RemoteEngine
@@ -388,3 +388,39 @@ def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(
             client.close()
     finally:
         s3.stop()
+
+
+def test_a_load_that_fails_part_way_serves_nothing_until_a_good_one(server, tmp_path) -> None:
+    """A load copies the tensors it can, then fails (weights naming a tensor the model
+    lacks): the engine holds a mix of two versions. It used to go on serving under the
+    old version's number; now it serves nothing and reports no version, but still
+    answers /healthz, so the next publication reaches it and brings it back."""
+    from safetensors.torch import save
+
+    from rlft.trainer.weights.store import config_json, unique_tensors
+
+    model, tokenizer = tiny_model()
+    store = store_at(tmp_path)
+    client = RolloutClient([server.url], timeout_s=60)
+    instance = client.instances[0]
+    assert client.load_weights(
+        instance, WeightsRequest(version=1, uri=publish(store, model, 1)), 60
+    )
+    other, _ = tiny_model(seed=1)
+    tensors = {k: v.clone() for k, v in unique_tensors(other.state_dict()).items()}
+    uri = store.write(2, save(tensors | {"bogus.weight": torch.zeros(2)}), config_json(other))
+    assert not client.load_weights(instance, WeightsRequest(version=2, uri=uri), 60)
+    health = http_json(f"{server.url}/healthz", None, 5)
+    assert health["ok"] is True and health["policy_version"] is None
+    assert "the load of version 2 failed part-way" in health["reason"]
+    request = GenerateRequest(PROMPTS, 1, GREEDY, seed=1, stop_ids=[tokenizer.eos_token_id])
+    with pytest.raises(RequestFailed, match=r"HTTP 503.*version 2 failed part-way"):
+        http_json(f"{server.url}/generate", request.to_json(), 30)
+    assert client.probe(instance)  # answers: a publication goes to it
+    assert client.load_weights(
+        instance, WeightsRequest(version=3, uri=publish(store, other, 3)), 60
+    )
+    answer = client.generate(request)
+    assert answer.policy_version == 3
+    assert [c.token_ids for c in answer.completions] == greedy_reference(other, tokenizer)
+    client.close()

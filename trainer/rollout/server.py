@@ -53,6 +53,9 @@ class EngineHost:
         self._writers_waiting = 0
         self._group = None
         self._metrics = metrics
+        self.damaged: str | None = None
+        """Why the engine's weights are no version (a load failed after it had begun
+        copying: a mix of two), until a load succeeds. It serves nothing meanwhile."""
 
     @contextlib.contextmanager
     def _use(self, writer: bool) -> Iterator[None]:
@@ -75,13 +78,17 @@ class EngineHost:
 
     @property
     def policy_version(self) -> int | None:
-        return None if self.engine is None else self.engine.policy_version
+        if self.engine is None or self.damaged:
+            return None
+        return self.engine.policy_version
 
     def generate(self, request: GenerateRequest) -> dict[str, Any]:
         started = time.perf_counter()
         with self._use(writer=False):
             if self.engine is None:
                 raise RuntimeError("no weights loaded yet")
+            if self.damaged:
+                raise RuntimeError(self.damaged)
             completions = self.engine.generate(
                 request.prompts, request.n, request.sampling, request.seed, request.stop_ids
             )
@@ -107,7 +114,8 @@ class EngineHost:
                     raise RuntimeError(
                         "a broadcast cannot start an engine (no config): load a uri first"
                     )
-                self.engine.load_tensors(tensors, version)
+                with self._damaging(version):
+                    self.engine.load_tensors(tensors, version)
         else:
             from rlft.trainer.weights.store import fetched
 
@@ -115,11 +123,27 @@ class EngineHost:
                 if self.engine is None:
                     self.engine = self._build(folder, request.version)
                 else:
-                    self.engine.load_folder(folder, request.version)
+                    with self._damaging(request.version):
+                        self.engine.load_folder(folder, request.version)
         seconds = time.perf_counter() - started
         if self._metrics is not None:
             self._metrics.version(request.version)
         return {"policy_version": request.version, "seconds": seconds}
+
+    @contextlib.contextmanager
+    def _damaging(self, version: int) -> Iterator[None]:
+        """An update in place: if it fails, the weights may be part old, part new, and
+        are served as no version until a load succeeds (the engine's own version number
+        would vouch for weights it no longer holds)."""
+        try:
+            yield
+        except BaseException as error:
+            self.damaged = (
+                f"the load of version {version} failed part-way ({type(error).__name__}: "
+                f"{error}); no weights are served until the next load"
+            )
+            raise
+        self.damaged = None
 
     def load_model(self, folder: Path) -> None:
         """The job's own model folder (spec.model.path) as version 0, before the trainer
@@ -215,6 +239,12 @@ class _Handler(BaseHTTPRequestHandler):
                 "policy_version": version,
                 "engine": self.server.kind,
             }
+            if host.damaged:
+                # Still ready: the trainer's next publication must reach it (it sends
+                # to instances that answer), and version None keeps requests away.
+                body |= {"ok": True, "reason": host.damaged}
+                self._reply(200, body)
+                return
             if version is None:
                 body["reason"] = "no weights loaded yet"
             self._reply(200 if version is not None else 503, body)
