@@ -350,3 +350,27 @@ def test_the_broadcast_group_is_at_the_pods_ip(monkeypatch, tmp_path):
         local.close()
     finally:
         client.close()
+
+
+def test_a_broadcast_group_formed_leaves_its_version_in_the_store(tmp_path):
+    """Weights by broadcast skip the store, but an instance that restarts reads the
+    store's newest version: each time the group is (re)formed its version is written
+    there too (documented, never done: the store stayed at the first version, and a
+    restarted instance served weights every step too stale to train on)."""
+    model, _ = tiny_model()
+    store = store_at(tmp_path)
+    publish(store, model, 0)
+    with LocalServers(2, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
+        client = RolloutClient(servers.start(), timeout_s=60, probe_every_s=0.2)
+        publisher = WeightPublisher(client, store, "broadcast", timeout_s=60)
+        try:
+            client.wait_ready(120)
+            for version in (1, 2, 3):  # 1 by the store (it builds engines), 2 and 3 broadcast
+                redraw(model, version)
+                publisher.publish_now(model, version)
+            assert [i.policy_version for i in client.instances] == [3, 3]
+            assert store.latest() == 2  # the group formed at 2, and was kept for 3
+            assert store.numbers() == [0, 1, 2]
+        finally:
+            publisher.close()
+            client.close()

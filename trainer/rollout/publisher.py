@@ -173,7 +173,7 @@ class WeightPublisher:
             self._post_all(WeightsRequest(version=version, uri=uri))
             return
         try:
-            self._broadcast(version, snapshot)
+            self._broadcast(version, snapshot, config)
         except Exception as error:  # a member died mid-broadcast: fall back to the store
             log.warning(
                 "weights of version %d: broadcast failed (%s); by the store", version, error
@@ -199,15 +199,20 @@ class WeightPublisher:
         if not any(results):
             raise RuntimeError(f"no rollout instance accepted weights version {request.version}")
 
-    def _broadcast(self, version: int, state: dict[str, torch.Tensor]) -> None:
+    def _broadcast(self, version: int, state: dict[str, torch.Tensor], config: str) -> None:
         """Send over the group; (re)form it when the live instances changed. A store copy
-        is written whenever the group is re-formed, for instances that catch up later."""
+        is written whenever the group is re-formed, for instances that catch up later (a
+        restarted one reads the store's newest: without it, the first version's)."""
+        from safetensors.torch import save
+
         from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
 
         live = self.client.live()
         members = tuple(i.url for i in live)
         if members != self._members:
             self._group = None
+        if self._group is None:
+            self.store.write(version, save(state), config)
         address = (
             GroupAddress(self.host, free_port(self.host), len(live) + 1)
             if self._group is None
