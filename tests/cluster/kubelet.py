@@ -394,18 +394,44 @@ class Kubelet:
             "status.podIP": ip,
             "status.hostIP": f"127.0.{self.index}.1",
         }
+        # envFrom first: `env` overrides what it sets, as in a kubelet.
+        for item in spec.get("envFrom") or []:
+            env.update(self._env_from(ns, item))
         for item in spec.get("env") or []:
             if "value" in item:
                 env[item["name"]] = _expand(str(item["value"]), env)
                 continue
             source = item.get("valueFrom") or {}
             if "fieldRef" in source:
-                env[item["name"]] = fields[source["fieldRef"]["fieldPath"]]
+                path = source["fieldRef"]["fieldPath"]
+                if path not in fields:
+                    raise ConfigError(f"fieldRef {path} is not emulated (kubelet.py)")
+                env[item["name"]] = fields[path]
+            elif "resourceFieldRef" in source:
+                raise ConfigError("resourceFieldRef is not emulated (kubelet.py)")
             elif "secretKeyRef" in source or "configMapKeyRef" in source:
                 value = self._key_ref(ns, source)
                 if value is not None:
                     env[item["name"]] = value
         return env
+
+    def _env_from(self, ns: str, item: dict[str, Any]) -> dict[str, str]:
+        """One envFrom source: every key of a ConfigMap or Secret, with the prefix; keys
+        that are not variable names are left out (a kubelet posts an event for them)."""
+        secret = "secretRef" in item
+        ref = item["secretRef"] if secret else item["configMapRef"]
+        obj = self.api.get("secrets" if secret else "configmaps", ns, ref["name"])
+        if obj is None:
+            if ref.get("optional"):
+                return {}
+            raise ConfigError(f'{"secret" if secret else "configmap"} "{ref["name"]}" not found')
+        prefix = item.get("prefix", "")
+        found = {}
+        for key, value in (obj.get("data") or {}).items():
+            name = prefix + key
+            if name.replace("_", "a").isalnum() and not name[0].isdigit():
+                found[name] = base64.b64decode(value).decode() if secret else value
+        return found
 
     def _key_ref(self, ns: str, source: dict[str, Any]) -> str | None:
         secret = "secretKeyRef" in source
@@ -437,6 +463,11 @@ class Kubelet:
             if volume is None:
                 raise ConfigError(f"volume {mount['name']!r} is not defined in the pod")
             source = self._volume(run, ns, volume)
+            if mount.get("subPath"):
+                # A path inside the volume; a kubelet creates it as a folder if missing.
+                source = source / mount["subPath"]
+                if not source.exists():
+                    source.mkdir(parents=True)
             out.append(
                 {
                     "source": str(source),

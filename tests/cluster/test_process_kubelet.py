@@ -297,6 +297,83 @@ def test_deletion_sends_sigterm_and_waits_then_kills(cluster, tmp_path):
     cluster.wait_pod(NS, "stubborn", gone=True, timeout=30)
 
 
+def test_env_from_and_sub_paths_as_a_kubelet_sets_them(cluster):
+    """envFrom (a ConfigMap with a prefix, a Secret; `env` wins over both) and subPath
+    mounts (a folder inside an emptyDir, created when missing; one key of a ConfigMap
+    as a file), which the operator renders from a role's pod settings; a missing
+    non-optional envFrom source is CreateContainerConfigError. (The kubelet ignored
+    both fields: a test using them passed with neither in effect.)"""
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "tuning", "namespace": NS},
+            "data": {"NCCL_DEBUG": "WARN", "MODE": "fast", "bad-name": "x"},
+        }
+    )
+    token = base64.b64encode(b"t0ken").decode()
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "hub", "namespace": NS},
+            "data": {"HF_TOKEN": token},
+        }
+    )
+    script = """
+        import json, os
+        open("/data/written", "w").write("in the sub-folder")
+        print(json.dumps({
+            "env": {k: os.environ.get(k) for k in ("CM_NCCL_DEBUG", "CM_MODE", "HF_TOKEN")},
+            "bad": [k for k in os.environ if "bad" in k],
+            "mode_file": open("/etc/mode").read(),
+        }))
+        """
+    manifest = pod(
+        "env-from",
+        script,
+        container={
+            "envFrom": [
+                {"configMapRef": {"name": "tuning"}, "prefix": "CM_"},
+                {"secretRef": {"name": "hub"}},
+                {"configMapRef": {"name": "absent", "optional": True}},
+            ],
+            "env": [{"name": "CM_MODE", "value": "exact"}],
+            "volumeMounts": [
+                {"name": "scratch", "mountPath": "/data", "subPath": "runs/a"},
+                {"name": "tuning", "mountPath": "/etc/mode", "subPath": "MODE"},
+            ],
+        },
+        volumes=[
+            {"name": "scratch", "emptyDir": {}},
+            {"name": "tuning", "configMap": {"name": "tuning"}},
+        ],
+    )
+    cluster.apply(manifest)
+    done = cluster.wait_pod(NS, "env-from", "Succeeded")
+    facts = json.loads(cluster.logs(NS, "env-from").strip().splitlines()[-1])
+    assert facts["env"] == {"CM_NCCL_DEBUG": "WARN", "CM_MODE": "exact", "HF_TOKEN": "t0ken"}
+    assert facts["bad"] == [] and facts["mode_file"] == "fast"
+    folder = cluster.pod_folder(NS, "env-from")
+    written = list(folder.glob("volumes/scratch/runs/a/written")) if folder else []
+    assert written and written[0].read_text() == "in the sub-folder", done["status"]
+    missing = pod(
+        "env-missing", "print(1)", container={"envFrom": [{"secretRef": {"name": "nope"}}]}
+    )
+    cluster.apply(missing)
+
+    def waiting() -> dict | None:
+        statuses = ((cluster.pod(NS, "env-missing") or {}).get("status") or {}).get(
+            "containerStatuses"
+        ) or [{}]
+        return statuses[0].get("state", {}).get("waiting")
+
+    state = wait_for(lambda: (w := waiting()) and w["reason"] != "Creating" and w, "its state")
+    assert state["reason"] == "CreateContainerConfigError"
+    assert 'secret "nope" not found' in state["message"]
+    cluster.kubectl("delete", "pod", "env-missing", "--wait=false")
+
+
 def test_a_command_without_a_sigterm_handler_is_pid_1_and_waits_for_its_grace(cluster):
     """What a runtime does: the command is PID 1 of the container's own PID namespace,
     and PID 1 gets no SIGTERM it has no handler for: it runs until SIGKILL at the end
