@@ -19,6 +19,7 @@ kicks that arrive meanwhile into one more run, so bursts cost one reconcile. A r
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -141,11 +142,27 @@ async def _ensure_peering(settings: kopf.OperatorSettings, logger: logging.Logge
                 raise
 
 
+def _credentials(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def _fresh_connection(settings: Any) -> Connection | None:
+    """The credentials as they are now (a rotated service-account token is re-read)."""
+    info = _credentials(settings=settings)
+    return None if info is None else Connection.from_kopf(info)
+
+
 @kopf.on.login()
 def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-    if info is not None and RUNTIME.kube is None:
-        RUNTIME.kube = Kube(Connection.from_kopf(info))
+    """kopf calls this at start and again when its own calls get a 401."""
+    info = _credentials(**kwargs)
+    if info is None:
+        return None
+    if RUNTIME.kube is None:
+        relogin = functools.partial(_fresh_connection, kwargs["settings"])
+        RUNTIME.kube = Kube(Connection.from_kopf(info), relogin=relogin)
+    else:
+        RUNTIME.kube.reconnect(Connection.from_kopf(info))
     return info
 
 

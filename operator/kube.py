@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -70,38 +71,68 @@ def job_path(namespace: str, name: str, sub: str | None = None) -> str:
 
 
 class Kube:
-    """The calls the operator makes; one aiohttp session, reused."""
+    """The calls the operator makes; one aiohttp session, reused.
 
-    def __init__(self, connection: Connection, timeout: float = 30.0):
+    Credentials expire (a projected service-account token is rotated by the kubelet,
+    hourly where the API server does not extend it): `reconnect` takes kopf's fresh ones
+    at each re-login, and a 401 asks `relogin` for the current ones and tries once more.
+    """
+
+    def __init__(
+        self,
+        connection: Connection,
+        timeout: float = 30.0,
+        relogin: Callable[[], Connection | None] | None = None,
+    ):
         self.connection = connection
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
+        self._relogin = relogin
+
+    def reconnect(self, connection: Connection) -> None:
+        """Use `connection` (new credentials) from the next call on."""
+        self.connection = connection
+
+    async def _session_for(self, connection: Connection) -> aiohttp.ClientSession:
+        session = self._session
+        if session is not None and not session.closed and session.headers == connection.headers:
+            return session
+        if session is not None:
+            await session.close()
+        self._session = aiohttp.ClientSession(headers=connection.headers, timeout=self._timeout)
+        return self._session
 
     async def _request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
     ) -> dict[str, Any]:
         permissions.require(method, path)  # every call has its RBAC rule in the chart
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                headers=self.connection.headers, timeout=self._timeout
-            )
+        status, text = await self._send(method, path, body, content_type)
+        if status == 401 and self._relogin is not None:
+            fresh = self._relogin()
+            if fresh is not None and fresh.headers != self.connection.headers:
+                self.reconnect(fresh)
+                status, text = await self._send(method, path, body, content_type)
+        if status >= 400:
+            try:
+                message = json.loads(text).get("message", text)
+            except (ValueError, AttributeError):
+                message = text
+            raise ApiError(status, str(message)[:500])
+        return json.loads(text) if text else {}
+
+    async def _send(self, method: str, path: str, body: Any, content_type: str) -> tuple[int, str]:
+        connection = self.connection
+        session = await self._session_for(connection)
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
-        async with self._session.request(
+        async with session.request(
             method,
-            self.connection.server + path,
+            connection.server + path,
             data=data,
             headers=headers,
-            ssl=self.connection.ssl_context,
+            ssl=connection.ssl_context,
         ) as response:
-            text = await response.text()
-            if response.status >= 400:
-                try:
-                    message = json.loads(text).get("message", text)
-                except (ValueError, AttributeError):
-                    message = text
-                raise ApiError(response.status, str(message)[:500])
-            return json.loads(text) if text else {}
+            return response.status, await response.text()
 
     async def close(self) -> None:
         if self._session is not None:

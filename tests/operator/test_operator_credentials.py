@@ -1,0 +1,104 @@
+"""The operator's own API calls follow rotated credentials: a projected service-account
+token expires (hourly where the API server does not extend it) and the kubelet writes a
+new one; the client kept the token it logged in with, so every write failed 401 from
+then on. Against a real HTTP server on loopback that accepts only the current token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from rlft.operator.kube import ApiError, Connection, Kube, job_path
+
+
+class TokenServer:
+    """Answers GET on any path with {} for the token in `token_file`, else 401."""
+
+    def __init__(self, token_file: Path):
+        self.seen: list[str] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                given = self.headers.get("Authorization", "")
+                server.seen.append(given)
+                ok = given == f"Bearer {token_file.read_text()}"
+                body = json.dumps({} if ok else {"message": "Unauthorized"}).encode()
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def token_file(tmp_path) -> Path:
+    path = tmp_path / "token"
+    path.write_text("first")
+    return path
+
+
+@pytest.fixture
+def api(token_file):
+    server = TokenServer(token_file)
+    yield server
+    server.stop()
+
+
+def _connection(url: str, token_file: Path) -> Connection:
+    return Connection(server=url, headers={"Authorization": f"Bearer {token_file.read_text()}"})
+
+
+def test_a_401_re_reads_the_credentials_and_tries_once_more(api, token_file):
+    async def calls() -> None:
+        kube = Kube(
+            _connection(api.url, token_file), relogin=lambda: _connection(api.url, token_file)
+        )
+        try:
+            assert await kube.get_job("ml", "job") == {}
+            token_file.write_text("rotated")  # the kubelet's new token
+            assert await kube.get_job("ml", "job") == {}
+        finally:
+            await kube.close()
+
+    asyncio.run(calls())
+    assert api.seen == ["Bearer first", "Bearer first", "Bearer rotated"]
+
+
+def test_without_fresh_credentials_the_401_is_an_api_error(api, token_file):
+    async def calls() -> None:
+        kube = Kube(
+            _connection(api.url, token_file), relogin=lambda: _connection(api.url, token_file)
+        )
+        try:
+            token_file.write_text("rotated")
+            stale = Kube(_connection(api.url, token_file))
+            token_file.write_text("again")
+            with pytest.raises(ApiError) as raised:
+                await stale.get_job("ml", "job")
+            await stale.close()
+            assert raised.value.status == 401
+            kube.reconnect(_connection(api.url, token_file))  # what kopf's re-login does
+            assert await kube.get_job("ml", "job") == {}
+        finally:
+            await kube.close()
+
+    asyncio.run(calls())
+    assert api.seen[-1] == "Bearer again"
+    assert job_path("ml", "job").endswith("/namespaces/ml/rlfinetunes/job")
