@@ -186,10 +186,12 @@ def test_network_policy_allows_only_what_the_operator_needs(chart):
 def test_notes_say_what_to_do_next(chart):
     _, notes = render(chart, NAMESPACED)
     assert "serving RLFineTunes in ml, research" in notes
-    assert "kubectl -n ml apply -f examples/tiny-grpo.yaml" in notes
+    assert "kubectl -n ml create secret generic rlft-s3-credentials" in notes
+    assert "kubectl -n ml apply -f examples/s3-checkpoints.yaml" in notes
     assert "kubectl get rlft" in notes and "suspend" in notes
     _, notes = render(chart)
     assert "all namespaces" in notes and "jobMetrics.podMonitor.enabled" in notes
+    assert "kubectl -n default apply -f examples/s3-checkpoints.yaml" in notes
 
 
 BAD_VALUES = [

@@ -43,7 +43,15 @@ def _type_name(annotation: Any) -> str:
 
 
 def _bounds(field: FieldInfo) -> str:
-    words = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "min items"}
+    counted = "items" if _is_collection(field.annotation) else "characters"
+    words = {
+        "ge": "≥",
+        "gt": ">",
+        "le": "≤",
+        "lt": "<",
+        "min_length": f"min {counted}",
+        "max_length": f"max {counted}",
+    }
     parts = []
     for item in field.metadata:
         for attr, sign in words.items():
@@ -51,6 +59,15 @@ def _bounds(field: FieldInfo) -> str:
             if value is not None:
                 parts.append(f"{sign} {value}")
     return ", ".join(parts)
+
+
+def _is_collection(annotation: Any) -> bool:
+    """A list or map, also when optional: its length bounds count items."""
+    if typing.get_origin(annotation) in (list, dict):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_is_collection(a) for a in typing.get_args(annotation))
+    return False
 
 
 def _default(field: FieldInfo) -> str:
@@ -62,7 +79,7 @@ def _default(field: FieldInfo) -> str:
         value = field.default
     if isinstance(value, BaseModel):
         return ""
-    return f"`{value!r}`" if value not in (None, {}, []) else ("" if value is None else "`{}`")
+    return "" if value is None else f"`{value!r}`"
 
 
 def _rows(model: type[Section], prefix: str) -> list[str]:
@@ -74,12 +91,25 @@ def _rows(model: type[Section], prefix: str) -> list[str]:
             f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | "
             f"{_bounds(field)} | {description} |"
         )
-        for candidate in (field.annotation, *typing.get_args(field.annotation)):
-            inner = typing.get_args(candidate) if typing.get_origin(candidate) is list else ()
-            for target in (candidate, *inner):
-                if isinstance(target, type) and issubclass(target, Section):
-                    nested.append((target, key + ("[]" if inner else "")))
+        for section, in_list in _sections(field.annotation):
+            entry = (section, key + ("[]" if in_list else ""))
+            if entry not in nested:
+                nested.append(entry)
     return rows, nested
+
+
+def _sections(annotation: Any, in_list: bool = False) -> list[tuple[type[Section], bool]]:
+    """The sections a field holds, each with whether it is an item of a list (a map's
+    values are documented with the map)."""
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return [(annotation, in_list)]
+    origin = typing.get_origin(annotation)
+    if origin is dict:
+        return []
+    found = []
+    for arg in typing.get_args(annotation):
+        found += _sections(arg, in_list or origin is list)
+    return found
 
 
 def render() -> str:
