@@ -46,28 +46,23 @@ def pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
     }
 
 
+def data_object(kind: str, name: str, data: dict[str, str]) -> dict[str, Any]:
+    """A ConfigMap or Secret (its values base64 already) in the test namespace."""
+    return {
+        "apiVersion": "v1",
+        "kind": kind,
+        "metadata": {"name": name, "namespace": NS},
+        "data": data,
+    }
+
+
 def terminated(p: dict[str, Any]) -> dict[str, Any]:
     return p["status"]["containerStatuses"][0]["state"]["terminated"]
 
 
 def test_environment_volumes_dns_read_only_root_and_termination_message(cluster):
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": "job", "namespace": NS},
-            "data": {"job.yaml": "steps: 3\n"},
-        }
-    )
-    secret = base64.b64encode(b"s3cret").decode()
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "creds", "namespace": NS},
-            "data": {"KEY": secret},
-        }
-    )
+    cluster.apply(data_object("ConfigMap", "job", {"job.yaml": "steps: 3\n"}))
+    cluster.apply(data_object("Secret", "creds", {"KEY": base64.b64encode(b"s3cret").decode()}))
     script = """
         import json, os, socket
         facts = {
@@ -303,23 +298,9 @@ def test_env_from_and_sub_paths_as_a_kubelet_sets_them(cluster):
     as a file), which the operator renders from a role's pod settings; a missing
     non-optional envFrom source is CreateContainerConfigError. (The kubelet ignored
     both fields: a test using them passed with neither in effect.)"""
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": "tuning", "namespace": NS},
-            "data": {"NCCL_DEBUG": "WARN", "MODE": "fast", "bad-name": "x"},
-        }
-    )
-    token = base64.b64encode(b"t0ken").decode()
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "hub", "namespace": NS},
-            "data": {"HF_TOKEN": token},
-        }
-    )
+    tuning = {"NCCL_DEBUG": "WARN", "MODE": "fast", "bad-name": "x"}
+    cluster.apply(data_object("ConfigMap", "tuning", tuning))
+    cluster.apply(data_object("Secret", "hub", {"HF_TOKEN": base64.b64encode(b"t0ken").decode()}))
     script = """
         import json, os
         open("/data/written", "w").write("in the sub-folder")

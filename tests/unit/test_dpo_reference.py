@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_jobs import TINY_MODEL
 
 from rlft.trainer.algorithms import dpo
 from rlft.trainer.algorithms.losses import token_logprobs
@@ -33,18 +34,7 @@ def _job(temperature: float):
             "kind": "RLFineTune",
             "metadata": {"name": "tiny-dpo"},
             "spec": {
-                "model": {
-                    "init": {
-                        "family": "qwen3",
-                        "hiddenSize": 32,
-                        "numLayers": 2,
-                        "numHeads": 2,
-                        "numKvHeads": 2,
-                        "intermediateSize": 64,
-                        "maxPositionEmbeddings": 64,
-                    },
-                    "tokenizer": {"kind": "byte"},
-                },
+                "model": TINY_MODEL,
                 "data": {"arithmetic": {"digits": 2, "evalSize": 20}},
                 "algorithm": {"name": "dpo", "dpo": {"pairsPerStep": PAIRS}},
                 "trainer": {"steps": 1, "microBatchSize": 4},

@@ -5,6 +5,7 @@ whatever the model's dtype (GAE and the value loss never run in bf16)."""
 from __future__ import annotations
 
 import torch
+from tiny_jobs import TINY_INIT
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from rlft.trainer.algorithms.advantages import gae
@@ -15,15 +16,7 @@ from rlft.trainer.config import ModelSpec
 from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.model.build import build_critic, build_policy
 
-TINY = {
-    "family": "qwen3",
-    "hiddenSize": 32,
-    "numLayers": 2,
-    "numHeads": 2,
-    "numKvHeads": 2,
-    "intermediateSize": 64,
-    "maxPositionEmbeddings": 128,
-}
+TINY = TINY_INIT | {"maxPositionEmbeddings": 128}
 
 
 def _policy(dtype: str = "float32") -> PreTrainedModel:
