@@ -344,7 +344,10 @@ class Sampling(Section):
     temperature: float = Field(1.0, gt=0, le=10)
     """Softmax temperature; behaviour log-probs are those of this distribution."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Below 1 the engines' behaviour log-probs differ: the
+    in-process engine reports the temperature-scaled distribution's (as the trainer
+    computes them), vLLM the nucleus-renormalised one's, which biases importance ratios
+    low by the nucleus mass; keep 1 for RL through vLLM."""
     max_new_tokens: int = Field(16, ge=1, le=1_000_000)
     """Longest completion; longer ones are cut and marked `length`."""
 
