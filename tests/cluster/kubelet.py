@@ -224,6 +224,7 @@ class Kubelet:
         ]
         for container in containers:
             container.termination.write_text("")
+        _lost_before(pod, containers)
         return PodRun(pod, folder, ip, hosts, containers)
 
     def drive(self, run: PodRun) -> None:
@@ -642,6 +643,32 @@ def _expand(text: str, env: dict[str, str]) -> str:
             out.append(text[i])
             i += 1
     return "".join(out)
+
+
+def _lost_before(pod: dict[str, Any], containers: list[Container]) -> None:
+    """A pod this kubelet admits that already ran here (a node back after an outage
+    shorter than the operator's nodeLostSeconds): its containers died with the machine.
+    As a kubelet does, one that may not restart ends ContainerStatusUnknown (exit code
+    137), and one that may is started again with its restart counted."""
+    policy = pod["spec"].get("restartPolicy", "Always")
+    reported = {s["name"]: s for s in (pod.get("status") or {}).get("containerStatuses") or []}
+    for container in containers:
+        status = reported.get(container.name)
+        if status is None or not (status.get("state") or {}).get("running"):
+            continue  # never started here, or already ended: nothing was lost
+        lost = {
+            "exitCode": 137,
+            "reason": "ContainerStatusUnknown",
+            "message": "The container could not be located when the pod was terminated",
+            "startedAt": status["state"]["running"].get("startedAt"),
+            "finishedAt": now(),
+        }
+        container.restarts = int(status.get("restartCount") or 0)
+        if policy == "Never":
+            container.state = {"terminated": lost}
+        else:
+            container.last_state = {"terminated": lost}
+            container.restarts += 1
 
 
 def _may_start(container: Container, policy: str) -> bool:

@@ -467,3 +467,36 @@ def test_the_readme_lists_what_is_emulated():
     text = (Path(__file__).parent / "README.md").read_text()
     for topic in ("API server", "scheduler", "DNS", "CNI", "probes", "not a real cluster"):
         assert topic in text, topic
+
+
+def test_a_node_back_after_a_short_outage_does_not_rerun_what_must_not_restart(cluster):
+    """The machine dies and comes back before the pods are evicted: their processes died
+    with it. A kubelet ends a `Never` container ContainerStatusUnknown (137) and starts an
+    `Always` one again, its restart counted. (The emulator started both afresh, hiding a
+    trainer's failure behind a seamless rerun.)"""
+    script = """
+        import time
+        print("up", flush=True)
+        time.sleep(3600)
+        """
+    on_b = {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]}
+    cluster.apply(pod("once", script, **on_b))
+    cluster.apply(pod("again", script, restartPolicy="Always", **on_b))
+    for name in ("once", "again"):
+        cluster.wait_pod(NS, name, "Running")
+        wait_for(lambda n=name: "up" in cluster.logs(NS, n), f"{name} to start")
+    node = cluster.node(cluster.pod(NS, "once")["spec"]["nodeName"])
+    node.lose()
+    node.rejoin()
+    state = terminated(cluster.wait_pod(NS, "once", "Failed", timeout=60))
+    assert (state["exitCode"], state["reason"]) == (137, "ContainerStatusUnknown")
+
+    def restarted() -> dict | None:
+        status = (cluster.pod(NS, "again") or {}).get("status") or {}
+        statuses = status.get("containerStatuses") or [{}]
+        running = statuses[0].get("state", {}).get("running")
+        return statuses[0] if running and statuses[0].get("restartCount") == 1 else None
+
+    status = wait_for(restarted, "the Always pod restarted once", timeout=60)
+    assert status["lastState"]["terminated"]["reason"] == "ContainerStatusUnknown"
+    cluster.kubectl("delete", "pod", "once", "again", "--wait=false")
