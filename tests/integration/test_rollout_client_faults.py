@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -287,22 +286,14 @@ def test_closing_the_client_ends_its_requests_when_the_server_is_gone(
 
 
 # ---------------------------------------------------------- SIGTERM as a pod's PID 1
-def _pid_namespaces() -> bool:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
-    command = [unshare, "--pid", "--fork", "--mount-proc", "true"]
-    return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
-
-
-@pytest.mark.skipif(not _pid_namespaces(), reason="needs unshare --pid (root)")
 def test_rlft_rollout_as_pid_1_stops_on_sigterm(tmp_path: Path) -> None:
     """A rollout pod's container runs `rlft rollout …` as PID 1, and the kernel drops a
     signal PID 1 has no handler for: the server must install its SIGTERM handler however
     it is started, or every pod deletion waits out the grace period for the SIGKILL."""
+    # `make setup` installs the console script beside the interpreter; PID namespaces need
+    # root, as the test cluster does (the containers' namespaces).
     rlft = Path(sys.executable).with_name("rlft")
-    if not rlft.exists():
-        pytest.skip("no rlft console script next to this interpreter")
+    assert rlft.exists(), f"no {rlft}: run `make setup`"
     ready = tmp_path / "ready.json"
     # The arguments of the operator's rollout pods (operator/manifests.py), no job file.
     command = [
