@@ -91,10 +91,9 @@ def _rows(model: type[Section], prefix: str) -> list[str]:
             f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | "
             f"{_bounds(field)} | {description} |"
         )
-        for section, in_list in _sections(field.annotation):
-            entry = (section, key + ("[]" if in_list else ""))
-            if entry not in nested:
-                nested.append(entry)
+        nested += [
+            (s, key + ("[]" if in_list else "")) for s, in_list in _sections(field.annotation)
+        ]
     return rows, nested
 
 

@@ -15,22 +15,21 @@ an outage of the store stalls generation for its length instead of ending the ru
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from safetensors.torch import save
 
 from rlft.trainer.rollout.client import RolloutClient
 from rlft.trainer.rollout.protocol import WeightsRequest
 from rlft.trainer.storage.retry import backoff_delays
+from rlft.trainer.telemetry.liveness_server import pod_address
 from rlft.trainer.weights.store import WeightStore, config_json, serialize, unique_tensors
 
 log = logging.getLogger(__name__)
-POD_IP_ENV = "RLFT_POD_IP"
-"""Set by the operator in every pod (the downward API's status.podIP)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,9 +50,8 @@ class WeightPublisher:
         if mode not in ("store", "broadcast"):
             raise ValueError(f"publication mode {mode!r}: use store or broadcast")
         self.client, self.store, self.mode = client, store, mode
-        # The broadcast group's address, which rollout pods connect to: this pod's own
-        # (loopback there is theirs); loopback in a local run.
-        self.timeout_s, self.host = timeout_s, host or os.environ.get(POD_IP_ENV) or "127.0.0.1"
+        # The broadcast group's address, which rollout pods connect to.
+        self.timeout_s, self.host = timeout_s, host or pod_address()
         self._cond = threading.Condition()
         self._pending: tuple[int, object, str] | None = None
         self._acked = -1
@@ -179,8 +177,6 @@ class WeightPublisher:
                 "weights of version %d: broadcast failed (%s); by the store", version, error
             )
             self._group, self._members = None, ()
-            from safetensors.torch import save
-
             uri = self.store.write(version, save(snapshot), config)
             self._post_all(WeightsRequest(version=version, uri=uri))
 
@@ -203,8 +199,6 @@ class WeightPublisher:
         """Send over the group; (re)form it when the live instances changed. A store copy
         is written whenever the group is re-formed, for instances that catch up later (a
         restarted one reads the store's newest: without it, the first version's)."""
-        from safetensors.torch import save
-
         from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
 
         live = self.client.live()

@@ -137,9 +137,18 @@ def start(
     server = None
     port = environ.get(PORT_ENV)
     if port and environ.get("LOCAL_RANK", "0") == "0":
-        host = environ.get("RLFT_POD_IP") or "127.0.0.1"
-        server = _bind(liveness, host, int(port), bind_s)
+        server = _bind(liveness, pod_address(environ), int(port), bind_s)
     return Running(Watch(liveness, watch_interval(stall_timeout_s)), server)
+
+
+POD_IP_ENV = "RLFT_POD_IP"
+"""Set by the operator in every pod (the downward API's status.podIP)."""
+
+
+def pod_address(environ: dict[str, str] | None = None) -> str:
+    """The address others reach this process at: its pod's IP (loopback in a pod is the
+    pod's own), loopback outside Kubernetes."""
+    return (os.environ if environ is None else environ).get(POD_IP_ENV) or "127.0.0.1"
 
 
 def _bind(liveness: Liveness, host: str, port: int, within_s: float) -> LivenessServer:
