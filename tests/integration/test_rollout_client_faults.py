@@ -365,3 +365,35 @@ def test_a_broadcast_group_formed_leaves_its_version_in_the_store(tmp_path):
         finally:
             publisher.close()
             client.close()
+
+
+def test_an_instance_restarted_at_its_address_gets_the_next_broadcast(tmp_path, caplog):
+    """A rollout container restarted in its pod answers at the same URL but is not in the
+    trainer's broadcast group: the group is re-formed for the next version at once (it
+    used to be reused, the new process waited to join a group nobody formed, and the
+    publication stalled for the group's 60 s timeout before falling back to the store)."""
+    model, _ = tiny_model()
+    store = store_at(tmp_path)
+    publish(store, model, 0)
+    with LocalServers(2, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
+        client = RolloutClient(servers.start(), timeout_s=60, probe_every_s=0.2)
+        publisher = WeightPublisher(client, store, "broadcast", timeout_s=60)
+        try:
+            client.wait_ready(120)
+            for version in (1, 2):  # 1 by the store (it builds engines), 2 forms the group
+                redraw(model, version)
+                publisher.publish_now(model, version)
+            url = client.instances[1].url
+            assert servers.restart(1) == url
+            wait_until(lambda: client.probe(client.instances[1]), 120, "the restart serves")
+            redraw(model, 3)
+            started = time.monotonic()
+            with caplog.at_level("WARNING", logger="rlft.trainer.rollout.publisher"):
+                publisher.publish_now(model, 3)
+            assert time.monotonic() - started < 30
+            assert "broadcast failed" not in caplog.text
+            assert [i.policy_version for i in client.instances] == [3, 3]
+            assert store.latest() == 3  # the group was formed again, at 3
+        finally:
+            publisher.close()
+            client.close()

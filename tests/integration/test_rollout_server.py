@@ -56,6 +56,7 @@ def test_protocol_round_trip_health_and_metrics(server, tmp_path: Path) -> None:
         "ok": True,
         "policy_version": 3,
         "engine": "transformers",
+        "server_id": server.server.server_id,
     }
     request = GenerateRequest(PROMPTS, 2, GREEDY, seed=1, stop_ids=[tokenizer.eos_token_id])
     answer = client.generate(request)

@@ -78,6 +78,8 @@ class Instance:
     last_probe: float = 0.0
     loads: int = 0
     """Weight loads it acknowledged: a version read across one is older than its own."""
+    server_id: str | None = None
+    """The server process that answered the last probe (a restart draws a new one)."""
 
 
 def http_json(url: str, body: Any | None, timeout: float) -> Any:
@@ -196,6 +198,7 @@ class RolloutClient:
                 instance.healthy = False
                 return False
             instance.healthy = True
+            instance.server_id = answer.get("server_id")
             if instance.loads == loads:  # else a load it acknowledged meanwhile is newer
                 instance.policy_version = answer.get("policy_version")
             return True

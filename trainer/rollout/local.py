@@ -63,7 +63,7 @@ class LocalServers:
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
 
-    def _command(self, index: int, ready: Path) -> list[str]:
+    def _command(self, index: int, ready: Path, port: int = 0) -> list[str]:
         return [
             self.python,
             "-m",
@@ -73,15 +73,16 @@ class LocalServers:
             "--instance",
             str(index),
             "--port",
-            "0",
+            str(port),
             "--weights-uri",
             self.weights_uri,
             "--ready-file",
             str(ready),
         ]
 
-    def start_one(self, index: int) -> str:
-        """Start (or restart) instance `index`; returns its URL once it listens."""
+    def start_one(self, index: int, port: int = 0) -> str:
+        """Start (or restart) instance `index` on `port` (0: a free one); returns its URL
+        once it listens."""
         ready = self._scratch / f"ready-{index}-{time.monotonic_ns()}.json"
         env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | self.extra_env
         cpus = self.cpus[index % len(self.cpus)] if self.cpus else None
@@ -89,7 +90,7 @@ class LocalServers:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(cpus))))
         log = open(self.log_dir / f"rollout-{index}.log", "ab")  # noqa: SIM115 (kept open for the child)
         process = subprocess.Popen(
-            self._command(index, ready),
+            self._command(index, ready, port),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -127,6 +128,12 @@ class LocalServers:
         """SIGKILL one instance (fault injection)."""
         self.processes[index].send_signal(signal.SIGKILL)
         self.processes[index].wait(timeout=10)
+
+    def restart(self, index: int) -> str:
+        """SIGKILL instance `index` and start it again at the same address, as a container
+        restarts in its pod (fault injection)."""
+        self.kill(index)
+        return self.start_one(index, int(self.urls[index].rpartition(":")[2]))
 
     def stop(self) -> None:
         for process in self.processes:

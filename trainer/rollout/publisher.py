@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors.torch import save
 
-from rlft.trainer.rollout.client import RolloutClient
+from rlft.trainer.rollout.client import Instance, RolloutClient
 from rlft.trainer.rollout.protocol import WeightsRequest
 from rlft.trainer.storage.retry import backoff_delays
 from rlft.trainer.telemetry.liveness_server import pod_address
@@ -58,7 +58,8 @@ class WeightPublisher:
         self._error: BaseException | None = None
         self._closed = False
         self._group = None
-        self._members: tuple[str, ...] = ()
+        self._members: tuple[tuple[str, str | None], ...] = ()
+        """(URL, server id) of the group's instances."""
         self.last_publish_s = 0.0
         """Seconds from snapshot to the last instance's acknowledgement (last publication)."""
         self.published = 0
@@ -195,14 +196,23 @@ class WeightPublisher:
         if not any(results):
             raise RuntimeError(f"no rollout instance accepted weights version {request.version}")
 
+    def _members_now(self) -> list[Instance]:
+        """The live instances, each asked which server process answers at its URL: one
+        restarted in its pod since the group formed is not in it (a broadcast over the
+        old group would wait for it until the group's timeout)."""
+        live = self.client.live()
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            list(pool.map(self.client.probe, live))
+        return self.client.live()
+
     def _broadcast(self, version: int, state: dict[str, torch.Tensor], config: str) -> None:
         """Send over the group; (re)form it when the live instances changed. A store copy
         is written whenever the group is re-formed, for instances that catch up later (a
         restarted one reads the store's newest: without it, the first version's)."""
         from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
 
-        live = self.client.live()
-        members = tuple(i.url for i in live)
+        live = self._members_now()
+        members = tuple((i.url, i.server_id) for i in live)
         if members != self._members:
             self._group = None
         if self._group is None:

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -238,6 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "ok": version is not None,
                 "policy_version": version,
                 "engine": self.server.kind,
+                "server_id": self.server.server_id,
             }
             if host.damaged:
                 # Still ready: the trainer's next publication must reach it (it sends
@@ -284,6 +286,9 @@ class RolloutHTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], host: EngineHost, metrics, kind: str):
         super().__init__(address, _Handler)
         self.host, self.metrics, self.kind = host, metrics, kind
+        self.server_id = uuid.uuid4().hex
+        """Drawn per process: a server restarted at the same address (a container
+        restarted in its pod) has a new one, and is not in the trainer's broadcast group."""
 
 
 def start_server(

@@ -10,8 +10,9 @@ self-describing, so engines need no shape table in advance:
 2. the header as uint8: version, [name, dtype, shape] per tensor
 3. one flat buffer per dtype, tensors concatenated in header order
 
-A change of membership (an instance died, a new one came up) makes a new group on a new
-port; an instance that missed versions catches up from the `store` location instead.
+A change of membership (an instance died, a new one came up, one restarted at its
+address) makes a new group on a new port; an instance that missed versions catches up
+from the `store` location instead.
 """
 
 from __future__ import annotations
