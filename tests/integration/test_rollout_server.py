@@ -425,3 +425,34 @@ def test_a_load_that_fails_part_way_serves_nothing_until_a_good_one(server, tmp_
     assert answer.policy_version == 3
     assert [c.token_ids for c in answer.completions] == greedy_reference(other, tokenizer)
     client.close()
+
+
+def test_sampled_completions_do_not_depend_on_which_instances_are_live(tmp_path) -> None:
+    """A request's seed goes with its slice of the prompts, so the slices must not follow
+    how many instances answer at that moment: with one of two instances down the same
+    call gives the same samples (requests were cut by the live count, and a down instance
+    or a resume while one was down sampled other completions)."""
+    model, tokenizer = tiny_model()
+    uri = publish(store_at(tmp_path), model, 0)
+    servers = [ThreadServer(), ThreadServer()]
+    client = RolloutClient([s.url for s in servers], timeout_s=30, probe_every_s=60)
+    try:
+        for s in servers:
+            http_json(f"{s.url}/weights", {"version": 0, "uri": uri}, 60)
+        client.wait_ready(60)
+        remote = RemoteEngine(client, [tokenizer.eos_token_id])
+        prompts = [[10 + i, 20 + i] for i in range(6)]
+        sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
+
+        def sample() -> list[list[int]]:
+            generator = torch.Generator().manual_seed(7)
+            return [c.token_ids for c in remote.generate(prompts, 2, sampling, generator)]
+
+        both = sample()
+        client.mark_down(client.instances[1], "fault injected by the test")
+        assert [i.healthy for i in client.instances] == [True, False]
+        assert sample() == both
+    finally:
+        client.close()
+        for s in servers:
+            s.stop()

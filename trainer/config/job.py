@@ -388,8 +388,9 @@ class RolloutSpec(Section):
     request_timeout_seconds: float = Field(600.0, gt=0, le=86_400)
     """A generate request unanswered for this long is re-issued to another instance."""
     request_prompts: int = Field(0, ge=0, le=65_536)
-    """Prompts per generate request (0: the step's prompts split evenly over the
-    instances); smaller requests balance load better and lose less when an instance dies."""
+    """Prompts per generate request (0: the step's prompts split evenly over
+    `instances`, whether or not all are up, so the samples do not depend on it); smaller
+    requests balance load better and lose less when an instance dies."""
     local: Literal["auto", "in-process", "servers"] = "auto"
     """How `rlft train` generates on one machine: `in-process` shares the trainer's model
     (synchronous only), `servers` starts `instances` rollout servers as subprocesses;

@@ -50,7 +50,10 @@ class RemoteEngine:
         """Time the instances spent generating them (summed over requests)."""
 
     def _chunks(self, count: int) -> list[tuple[int, int]]:
-        size = self.request_prompts or math.ceil(count / max(1, len(self.client.live()) or 1))
+        """Slices of the prompts, one request (and seed) each. Cut by how many instances
+        the job has, not by how many answer now: the samples must not depend on which are
+        up (a request meant for a down one is sent to another, with its seed)."""
+        size = self.request_prompts or math.ceil(count / max(1, len(self.client.instances)))
         return [(start, min(count, start + size)) for start in range(0, count, size)]
 
     def generate(
