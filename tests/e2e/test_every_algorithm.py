@@ -51,7 +51,7 @@ def metrics(out: Path) -> list[dict]:
                 "mismatch": {"mode": "truncate"},
                 "kl": {"coef": 0.1, "estimator": "k2"},
             },
-            {"groups_kept", "sampling_rounds", "is_weight_mean", "kl"},
+            {"groups_kept", "sampling_rounds", "is_weight_mean", "kl", "ratio_truncated_fraction"},
         ),
     ],
     ids=["rloo", "reinforce++", "ppo", "dpo", "sft", "dapo-tis-k2"],
@@ -66,6 +66,8 @@ def test_each_algorithm_runs_and_reports_its_metrics(tmp_path, algorithm, expect
     assert applied, records
     for record in applied:
         assert expected <= record.keys(), expected - record.keys()
+    if algorithm["name"] not in ("dpo", "sft"):  # completions received (the alert's base)
+        assert all(r["samples"] >= 8 for r in records), records
     assert any(record["grad_norm"] > 0 for record in applied), records
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["algorithm"] == algorithm["name"]
@@ -114,6 +116,7 @@ def test_moe_gspo_trains_and_reports_expert_load(tmp_path, family) -> None:
     for record in metrics(tmp_path / "out"):
         assert len(record["expert_imbalance"]) == 2  # one per layer
         assert record["expert_imbalance_max"] >= 1.0
+        assert 0.0 <= record["expert_dead_fraction"] <= 1.0
         for layer in record["expert_load"]:
             assert len(layer) == 4 and sum(layer) == pytest.approx(1.0)
 

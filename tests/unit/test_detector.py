@@ -197,11 +197,11 @@ def test_importance_ratio_blowup(overrides: dict, level: int):
 def test_expert_load_collapse_uses_the_recent_median():
     rng = random.Random(0)
     records = [
-        healthy(s, rng, expert_imbalance=1.5, expert_dead_fraction=0.0) for s in range(1, 20)
+        healthy(s, rng, expert_imbalance_max=1.5, expert_dead_fraction=0.0) for s in range(1, 20)
     ]
-    records[10]["expert_imbalance"] = 50.0  # one odd step: the median ignores it
+    records[10]["expert_imbalance_max"] = 50.0  # one odd step: the median ignores it
     for record in records[14:]:
-        record["expert_imbalance"] = 12.0
+        record["expert_imbalance_max"] = 12.0
     _, verdicts = run(records)
     levels = [v.levels["expert_load_collapse"] for v in verdicts]
     assert max(levels[:14]) == OK and levels[-1] == CRITICAL

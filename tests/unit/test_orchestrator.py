@@ -79,7 +79,12 @@ def test_dynamic_sampling_refills_with_informative_groups() -> None:
         ]
     )
     out = collect(lambda n: [Problem("q", "1")] * n, lambda _: next(rounds), 2, 2, True, 3)
-    assert out.stats == {"sampling_rounds": 2, "groups_kept": 2, "groups_seen": 4}
+    assert out.stats == {
+        "sampling_rounds": 2,
+        "groups_kept": 2,
+        "groups_seen": 4,
+        "samples": 8.0,  # every completion received, kept or not
+    }
     assert out.rewards.tolist() == [0.0, 1.0, 1.0, 0.0]
     assert [c.prompt_index for c in out.completions] == [0, 0, 1, 1]
 

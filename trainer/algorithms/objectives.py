@@ -37,6 +37,9 @@ from rlft.trainer.config.algorithm import AlgorithmSpec
 Prepared = dict[str, torch.Tensor]
 Sums = dict[str, float]
 
+REJECTED_BY = {"truncate": "is_truncated", "mask": "is_masked"}
+"""The sum of tokens whose mismatch weight was rejected, by `spec.mismatch.mode`."""
+
 
 @dataclass
 class Models:
@@ -208,6 +211,9 @@ class PolicyGradient:
             "is_weight": (terms.is_weight * mask).sum().item(),
             "is_rejected": (rejected * mask).sum().item(),
         }
+        if weight is not None and spec.mismatch.mode != "none":
+            # By what rejected them: the detector judges masking, the exporter shows both.
+            sums[REJECTED_BY[spec.mismatch.mode]] = sums["is_rejected"]
         return loss, sums | expert_sums(fwd)
 
 

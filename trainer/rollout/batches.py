@@ -218,6 +218,7 @@ def collect(
     sampling more rounds (at most `max_rounds`) until enough are found."""
     first = sample(draw(prompts))
     if not dynamic:
+        first.stats["samples"] = float(len(first.completions))
         return first
     kept, rounds, seen = [], 0, 0
     accuracy_sum, count = 0.0, 0
@@ -234,5 +235,10 @@ def collect(
         part = sample(draw(prompts))
     out = concat(kept, prompts, group_size)
     out.accuracy = accuracy_sum / max(count, 1)
-    out.stats = {"sampling_rounds": rounds, "groups_kept": min(have, prompts), "groups_seen": seen}
+    out.stats = {
+        "sampling_rounds": rounds,
+        "groups_kept": min(have, prompts),
+        "groups_seen": seen,
+        "samples": float(count),  # received, kept or not (the staleness alert's denominator)
+    }
     return out

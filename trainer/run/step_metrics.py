@@ -58,6 +58,12 @@ def update_metrics(result: StepResult) -> dict[str, float]:
         out["ratio_max"] = stats["ratio_max"]
         out["ratio_min"] = stats["ratio_min"]
         out["is_rejected_fraction"] = stats["is_rejected"] / tokens
+        for key, name in (
+            ("is_truncated", "ratio_truncated_fraction"),
+            ("is_masked", "ratio_masked_fraction"),
+        ):
+            if key in stats:
+                out[name] = stats[key] / tokens
     if "value_loss" in stats:
         out["value_loss"] = stats["value_loss"]
     if "margin" in stats:
@@ -66,8 +72,13 @@ def update_metrics(result: StepResult) -> dict[str, float]:
     return out | expert_metrics(stats)
 
 
+DEAD_SHARE = 0.01
+"""An expert given under this fraction of an even share of its layer's tokens is unused."""
+
+
 def expert_metrics(stats: dict[str, float]) -> dict[str, float | list[float]]:
-    """MoE load: tokens per expert per layer → imbalance (max / mean load) per layer."""
+    """MoE load: tokens per expert per layer → imbalance (max / mean load) per layer, the
+    worst layer's imbalance and its fraction of unused experts (what the detector judges)."""
     loads: dict[int, dict[int, float]] = {}
     for key, value in stats.items():
         if key.startswith("expert_tokens."):
@@ -75,15 +86,17 @@ def expert_metrics(stats: dict[str, float]) -> dict[str, float | list[float]]:
             loads.setdefault(int(layer), {})[int(expert)] = value
     if not loads:
         return {}
-    imbalance, per_layer = [], []
+    imbalance, dead, per_layer = [], [], []
     for layer in sorted(loads):
         counts = [loads[layer][e] for e in sorted(loads[layer])]
         mean = sum(counts) / len(counts)
         imbalance.append(max(counts) / mean if mean > 0 else float("nan"))
+        dead.append(sum(c < DEAD_SHARE * mean for c in counts) / len(counts))
         total = sum(counts) or 1.0
         per_layer.append([c / total for c in counts])
     return {
         "expert_imbalance_max": max(imbalance),
+        "expert_dead_fraction": max(dead),
         "expert_imbalance": imbalance,
         "expert_load": per_layer,
     }

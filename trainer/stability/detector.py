@@ -16,7 +16,7 @@ Checks (thresholds in `spec.stability.detector`, see `rlft.trainer.config.stabil
 | entropy_collapse | median of recent entropy / reference median | trend | collapse |
 | kl_blowup | median of recent kl / reference median, or kl itself | trend | collapse |
 | reward_collapse | relative drop of recent median reward | trend | collapse |
-| expert_load_collapse | expert_imbalance, expert_dead_fraction | trend | collapse |
+| expert_load_collapse | expert_imbalance_max, expert_dead_fraction | trend | collapse |
 
 "step" checks judge one update: a critical one means that update must not be applied,
 and its values never enter the rolling statistics (a spike cannot raise the bar for the
@@ -268,7 +268,7 @@ class Detector:
         level = OK
         for key, history, warning, critical, what in (
             (
-                "expert_imbalance",
+                "expert_imbalance_max",
                 self.expert_imbalance,
                 spec.warning_imbalance,
                 spec.critical_imbalance,
@@ -342,8 +342,8 @@ class Detector:
         ):
             if _finite(record.get(key)) and levels[check] < CRITICAL:
                 history.append(float(record[key]))
-        if _finite(record.get("expert_imbalance")):
-            self.expert_imbalance.append(float(record["expert_imbalance"]))
+        if _finite(record.get("expert_imbalance_max")):
+            self.expert_imbalance.append(float(record["expert_imbalance_max"]))
         if _finite(record.get("expert_dead_fraction")):
             self.expert_dead.append(float(record["expert_dead_fraction"]))
 

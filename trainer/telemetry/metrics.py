@@ -413,7 +413,7 @@ BINDINGS: dict[str, Binding] = {
     "ratio_min": Binding(IMPORTANCE_RATIO, {"stat": "min"}),
     "ratio_truncated_fraction": Binding(RATIO_TRUNCATED),
     "ratio_masked_fraction": Binding(RATIO_MASKED),
-    "expert_imbalance": Binding(EXPERT_IMBALANCE),
+    "expert_imbalance_max": Binding(EXPERT_IMBALANCE),
     "expert_dead_fraction": Binding(EXPERT_DEAD),
     "reward_mean": Binding(REWARD_MEAN),
     "reward_std": Binding(REWARD_STD),
