@@ -25,7 +25,7 @@ from rlft.trainer.checkpoint.manifest import (
     step_dir,
 )
 from rlft.trainer.checkpoint.schedule import SavePolicy
-from rlft.trainer.storage.backends import FileStorage, open_storage, parse_file_uri
+from rlft.trainer.storage.backends import FileStorage, S3Options, open_storage, parse_file_uri
 from rlft.trainer.storage.retry import backoff_delays, with_retries
 from rlft.trainer.storage.s3 import parse_s3_uri, read_credentials_dir
 
@@ -271,6 +271,20 @@ def test_uris() -> None:
 def test_bad_uris_say_what_a_good_one_looks_like(uri: str, words: str) -> None:
     with pytest.raises(BadUriError, match=words):
         open_storage(uri)
+
+
+@pytest.mark.parametrize(
+    ("uri", "options"),
+    [
+        ("s3://AKIDEXAMPLE:s3cr3t-value@store.local/ckpt", S3Options()),
+        ("s3://bucket/ckpt", S3Options(endpoint_url="http://AKIDEXAMPLE:s3cr3t-value@store:8333")),
+    ],
+)
+def test_a_location_given_with_credentials_is_refused_without_repeating_them(uri, options):
+    """`rlft checkpoints list/verify/export` take locations from the command line."""
+    with pytest.raises(BadUriError, match="must not hold credentials") as error:
+        open_storage(uri, options)
+    assert "s3cr3t-value" not in str(error.value) and "AKIDEXAMPLE" not in str(error.value)
 
 
 def test_credentials_folder(tmp_path: Path) -> None:

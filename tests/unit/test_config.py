@@ -332,6 +332,43 @@ def test_micro_batch_size_zero_exact_line() -> None:
             "spec.scheduling.tolerations[0].operator: must be one of 'Exists' or 'Equal'",
             id="toleration",
         ),
+        pytest.param(
+            manifest(data={"jsonl": {"train": "/data/train.jsonl"}}),
+            "spec.data: a `jsonl` section with source `arithmetic` would be ignored",
+            id="jsonl-without-source",
+        ),
+        pytest.param(
+            manifest(
+                algorithm={"name": "ppo", "groupSize": 1, "dynamicSampling": {"enabled": True}}
+            ),
+            "spec.algorithm: dynamicSampling keeps groups whose rewards differ",
+            id="dynamic-sampling-group-of-one",
+        ),
+        pytest.param(
+            manifest(stability={"detector": {"entropy": {"window": 10}}}),
+            "spec.stability.detector.entropy: minHistory 20 > window 10",
+            id="trend-history-beyond-window",
+        ),
+        pytest.param(
+            manifest(stability={"detector": {"sustained": {"criticalCount": 25}}}),
+            "spec.stability.detector.sustained: criticalCount 25 > window 20",
+            id="sustained-count-beyond-window",
+        ),
+        pytest.param(
+            manifest(rollout={"weightsUri": "gs://bucket/weights"}),
+            "spec.rollout.weightsUri: must look like s3://bucket/prefix or file:///path",
+            id="weights-scheme",
+        ),
+        pytest.param(
+            manifest(rollout={"weightsUri": "file://weights"}),
+            "spec.rollout.weightsUri: a file location is absolute: file:///path",
+            id="weights-relative",
+        ),
+        pytest.param(
+            manifest(checkpoint={"uri": "s3://My_Bucket/x"}),
+            "spec.checkpoint.uri: must look like s3://bucket/prefix, the bucket 3–63",
+            id="checkpoint-bucket",
+        ),
     ],
 )
 def test_bad_field_is_named(document: dict[str, Any], expected: str) -> None:
@@ -397,6 +434,36 @@ def test_non_mapping_yaml_file(tmp_path: Path, text: str) -> None:
     assert caught.value.problems == [
         "(top level): must be a mapping with apiVersion, kind, metadata, spec"
     ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("uri", "s3://AKIAEXAMPLEKEY:wJalrEXAMPLESECRET@minio.local:9000/ckpt"),
+        ("endpointUrl", "http://AKIAEXAMPLEKEY:wJalrEXAMPLESECRET@minio.local:9000"),
+    ],
+)
+def test_a_location_holding_credentials_is_refused_without_repeating_them(field, value) -> None:
+    lines = problems(manifest(checkpoint={field: value}))
+    assert lines == [
+        f"spec.checkpoint.{field}: must not hold credentials (user:secret@): give them by "
+        "spec.checkpoint.credentialsSecret, credentialsDir or the AWS environment"
+    ]
+    assert not any("wJalrEXAMPLESECRET" in line or "AKIAEXAMPLEKEY" in line for line in lines)
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys: the job below ran GRPO with groupSize 8."""
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: rlft.dev/v1alpha1\nkind: RLFineTune\nmetadata: {name: dup}\nspec:\n"
+        "  model: {path: /models/m}\n"
+        "  algorithm: {name: ppo, groupSize: 4}\n"
+        "  algorithm: {groupSize: 8}\n"
+    )
+    with pytest.raises(JobFileError) as caught:
+        load_job(path)
+    assert caught.value.problems == ["line 7: not valid YAML (duplicate key 'algorithm')"]
 
 
 def test_invalid_yaml_syntax_names_the_line(tmp_path: Path) -> None:

@@ -199,4 +199,9 @@ class AlgorithmSpec(Section):
     def _check_groups(self) -> AlgorithmSpec:
         if self.name in ("grpo", "rloo") and self.group_size < 2:
             raise ValueError(f"`{self.name}` compares completions of one prompt: groupSize ≥ 2")
+        if self.dynamic_sampling.enabled and self.group_size < 2:
+            raise ValueError(
+                "dynamicSampling keeps groups whose rewards differ, and a group of one "
+                "never does (every step would be skipped): groupSize ≥ 2, or disable it"
+            )
         return self

@@ -12,6 +12,7 @@ has bounds, so a bad file fails at load time with the field named, e.g.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -28,6 +29,7 @@ from pydantic import (
 from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.config.base import Section
 from rlft.trainer.config.gang import GangSpec
+from rlft.trainer.config.locations import endpoint_problem, location_problem
 from rlft.trainer.config.pods import (
     PodCustomisation,
     ResourceQuantity,
@@ -42,6 +44,14 @@ KIND = "RLFineTune"
 
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _USER_FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _checked(value: str | None, problem: Callable[[str], str | None]) -> str | None:
+    """`value` if `problem` finds nothing wrong with it; else the problem, as a field error."""
+    found = None if value is None else problem(value)
+    if found:
+        raise ValueError(found)
+    return value
 
 
 # --------------------------------------------------------------------------- model
@@ -161,6 +171,11 @@ class DataSpec(Section):
     def _jsonl_needs_files(self) -> DataSpec:
         if self.source == "jsonl" and self.jsonl is None:
             raise ValueError("source `jsonl` needs the `jsonl` section with a `train` file")
+        if self.source != "jsonl" and self.jsonl is not None:
+            raise ValueError(
+                f"a `jsonl` section with source `{self.source}` would be ignored: set "
+                "`source: jsonl`, or remove the section"
+            )
         return self
 
 
@@ -385,6 +400,12 @@ class RolloutSpec(Section):
     weights_uri: str | None = None
     """Where published weight versions live (file:///… or s3://…). Default: the output
     folder's `weights/` (local runs)."""
+
+    @field_validator("weights_uri")
+    @classmethod
+    def _weights_location(cls, uri: str | None) -> str | None:
+        return _checked(uri, location_problem)
+
     request_timeout_seconds: float = Field(600.0, gt=0, le=86_400)
     """A generate request unanswered for this long is re-issued to another instance."""
     request_prompts: int = Field(0, ge=0, le=65_536)
@@ -453,7 +474,7 @@ class CheckpointSpec(Section):
     """Folder holding the object store's credentials as files named AWS_ACCESS_KEY_ID and
     AWS_SECRET_ACCESS_KEY (and optionally AWS_SESSION_TOKEN), e.g. a mounted Secret.
     Unset: the standard AWS environment variables and config files."""
-    endpoint_url: str | None = Field(None, pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)
+    endpoint_url: str | None = Field(None, pattern=r"^https?://[^\s/@]+(/\S*)?$", max_length=2048)
     """Endpoint of an S3-compatible store (SeaweedFS, MinIO, Ceph…), e.g.
     `http://seaweedfs.storage:8333`. Unset: AWS S3 (or AWS_ENDPOINT_URL)."""
     region: str | None = Field(None, min_length=1, max_length=64)
@@ -485,9 +506,12 @@ class CheckpointSpec(Section):
     @field_validator("uri")
     @classmethod
     def _known_scheme(cls, uri: str | None) -> str | None:
-        if uri is not None and not re.match(r"^(s3://[^/]+(/.*)?|file://.+)$", uri):
-            raise ValueError("must look like s3://bucket/prefix or file:///path")
-        return uri
+        return _checked(uri, location_problem)
+
+    @field_validator("endpoint_url", mode="before")  # before the pattern: say why
+    @classmethod
+    def _http_endpoint(cls, url: Any) -> Any:
+        return _checked(url, endpoint_problem) if isinstance(url, str) else url
 
 
 class RestartPolicy(Section):
@@ -689,7 +713,23 @@ def parse_job(document: Any, source: str = "<job>") -> RLFineTune:
 
 class _Yaml12Loader(yaml.SafeLoader):
     """PyYAML follows YAML 1.1, which reads `1e-3` as a string; Kubernetes reads YAML
-    1.2, where it is a number. Job files must mean the same thing in both."""
+    1.2, where it is a number. Job files must mean the same thing in both. A key given
+    twice in one mapping is refused (PyYAML keeps the last one without a word: a second
+    `algorithm:` silently replaced the first; kubectl refuses duplicate fields too)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen and key != "<<":
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Yaml12Loader.add_implicit_resolver(

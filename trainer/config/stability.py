@@ -75,6 +75,19 @@ class SustainedCheck(Section):
     critical_count: int = Field(3, ge=1, le=10_000)
     """Steps at critical level (skipped updates) that declare collapse."""
 
+    @model_validator(mode="after")
+    def _counts_fit_the_window(self) -> SustainedCheck:
+        for name, count in (
+            ("warningCount", self.warning_count),
+            ("criticalCount", self.critical_count),
+        ):
+            if count > self.window:
+                raise ValueError(
+                    f"{name} {count} > window {self.window}: no window of {self.window} steps "
+                    "holds that many, so the check could never fire"
+                )
+        return self
+
 
 class TrendCheck(_Levels):
     """A slow signal judged by the median of the last `recent` steps against the median
@@ -86,6 +99,15 @@ class TrendCheck(_Levels):
     """Earlier accepted steps forming the reference median."""
     min_history: int = Field(20, ge=1, le=100_000)
     """Reference steps needed before the check judges anything."""
+
+    @model_validator(mode="after")
+    def _history_fits_the_window(self) -> TrendCheck:
+        if self.min_history > self.window:
+            raise ValueError(
+                f"minHistory {self.min_history} > window {self.window}: the reference "
+                "never holds that many steps, so the check could never judge"
+            )
+        return self
 
 
 class EntropyCheck(TrendCheck):

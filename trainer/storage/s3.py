@@ -26,6 +26,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.loaders import create_loader
 
+from rlft.trainer.config.locations import BUCKET, NO_CREDENTIALS, holds_credentials
 from rlft.trainer.storage.backends import ObjectInfo, S3Options, check_key
 from rlft.trainer.storage.errors import (
     BadUriError,
@@ -36,7 +37,6 @@ from rlft.trainer.storage.errors import (
     redact,
 )
 
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
 _CREDENTIAL_FILES = {
     "aws_access_key_id": ("AWS_ACCESS_KEY_ID", "aws_access_key_id", "accessKeyId"),
     "aws_secret_access_key": (
@@ -82,11 +82,13 @@ _CONNECTION_ERRORS = (
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """Bucket and key prefix (no trailing slash) of `s3://bucket/prefix`."""
+    if holds_credentials(uri):  # not repeated: the message would carry the secret
+        raise BadUriError(f"the S3 location {NO_CREDENTIALS}")
     parsed = urlparse(uri)
     bucket = parsed.netloc
     if parsed.scheme != "s3" or not bucket:
         raise BadUriError(f"{uri!r}: an S3 URI looks like s3://bucket/prefix")
-    if not _BUCKET.match(bucket):
+    if not BUCKET.match(bucket):
         raise BadUriError(
             f"{uri!r}: {bucket!r} is not a valid bucket name (3–63 lower-case letters, "
             "digits, dots and hyphens)"
@@ -151,6 +153,8 @@ class S3Storage:
     def __init__(self, uri: str, options: S3Options):
         self.uri = uri.rstrip("/")
         self.bucket, self.prefix = parse_s3_uri(uri)
+        if options.endpoint_url and holds_credentials(options.endpoint_url):
+            raise BadUriError(f"the S3 endpoint URL {NO_CREDENTIALS}")
         self.options = options
         credentials: dict[str, str] = {}
         if options.credentials_dir:
