@@ -110,10 +110,13 @@ class _Run(FailureResponses):
         if report is None:
             return
         st = self.st
-        if report.step is not None:
-            st.step = report.step
-        if report.policy_version is not None:
-            st.policy_version = report.policy_version
+        # A trainer starting (or in its warm start) has not restored its step and policy
+        # version yet: its 0s would set the job's back after every restart.
+        if report.phase not in ("starting", "warm_start"):
+            if report.step is not None:
+                st.step = report.step
+            if report.policy_version is not None:
+                st.policy_version = report.policy_version
         if report.reward is not None:
             st.reward = report.reward
         healthy = report.last_healthy_checkpoint

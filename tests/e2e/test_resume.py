@@ -178,6 +178,37 @@ def test_sigterm_writes_an_emergency_checkpoint_and_exits_0(tmp_path) -> None:
     assert verdict is not None and verdict.stopped and verdict.last_checkpoint == step
 
 
+def test_a_resumed_run_reports_its_step_once_training_and_not_before(tmp_path) -> None:
+    """/status says `starting` until the checkpoint is restored, then `training` at the
+    resumed step and policy version: the operator mirrors step and version only then
+    (it copied the 0s of every restarting trainer into the job's status)."""
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    first = start(tmp_path, "out", "--max-steps", "4")
+    assert first.wait(timeout=600) == 0, first.stdout.read()
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = 400
+    port = free_port()
+    spec["spec"]["telemetry"] = {"port": port}
+    job.write_text(yaml.safe_dump(spec))
+    process = start(tmp_path, "out")
+    seen: list[tuple[str, int, int]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not seen or seen[-1][0] != "training":
+            assert time.monotonic() < deadline and process.poll() is None, seen
+            with contextlib.suppress(OSError):
+                url = f"http://127.0.0.1:{port}/status"
+                status = json.loads(urllib.request.urlopen(url, timeout=5).read())
+                seen.append((status["phase"], status["step"], status["policyVersion"]))
+            time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    assert {phase for phase, _, _ in seen[:-1]} <= {"starting"}, seen
+    _, step, version = seen[-1]
+    assert step >= 4 and version >= 4, seen  # the checkpoint's, or a step after it
+
+
 def test_failed_checkpoints_are_reported_as_failed(tmp_path, bucket, s3_env) -> None:
     """The object store refuses every checkpoint upload (a proxy in front of SeaweedFS
     answers them 503). A periodic checkpoint, given up once its retries run out, shows on

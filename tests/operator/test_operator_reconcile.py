@@ -421,6 +421,24 @@ def test_status_mirrors_the_trainer_report_and_keeps_the_checkpoint():
     assert w.status.last_checkpoint.step == 100
 
 
+@pytest.mark.parametrize("phase", ["starting", "warm_start"])
+def test_a_trainer_not_yet_training_leaves_step_and_version_as_they_were(phase):
+    """A restarted trainer serves /status (step 0, version 0) before it restores its
+    checkpoint: the job's step and policy version used to drop to 0 after every restart."""
+    w = _world()
+    w.step()
+    w.run_all()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.report = TrainerReport(pod_uid=uid, step=50, policy_version=50, phase="training")
+    w.step()
+    w.report = TrainerReport(pod_uid=uid, step=0, policy_version=0, phase=phase)
+    w.step()
+    assert (w.status.step, w.status.policy_version) == (50, 50)
+    w.report = TrainerReport(pod_uid=uid, step=48, policy_version=48, phase="training")
+    w.step()  # resumed from an older checkpoint: that is where the job is now
+    assert (w.status.step, w.status.policy_version) == (48, 48)
+
+
 def test_a_collapse_in_status_is_shown_and_left_to_the_trainer():
     """One owner: the trainer rolls back in process. The operator mirrors what it sees
     (Healthy=False, one Event, the trainer's rollback count) and restarts nothing."""

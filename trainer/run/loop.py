@@ -154,6 +154,7 @@ def warmup_lr(step: int, warmup_steps: int, peak: float) -> float:
 def train(run: Run, phase: Phase) -> int:
     """Steps `first_step`..`steps` of `phase`; returns the last step taken."""
     run.reporter.start(phase.title, phase.steps)
+    run.supervisor.begin(phase.guarded, run.cursor.step, run.cursor.policy_version)
     liveness.begin()  # judged from here on: what came before is the startup probe's
     phase.source.start(run)
     step = phase.first_step - 1

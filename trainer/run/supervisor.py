@@ -99,6 +99,15 @@ class Supervisor:
         if self.telemetry is not None:
             self.telemetry.set_phase(phase)
 
+    def begin(self, main: bool, step: int, policy_version: int) -> None:
+        """A phase's loop begins: the main phase at the step and version it resumed from
+        (or 0), which /status reports from now on (the operator mirrors it only then)."""
+        if self.telemetry is None:
+            return
+        if main:
+            self.telemetry.board.progress(step, policy_version)
+        self.telemetry.set_phase("training" if main else "warm_start")
+
     def close(self) -> None:
         if self.telemetry is not None:
             self.telemetry.close()
