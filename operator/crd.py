@@ -94,7 +94,13 @@ def _data_rules(model: type[BaseModel]) -> list[dict[str, str]]:
             "rule": f"{source} != 'jsonl' || has(self.jsonl)",
             "message": "source `jsonl` needs the `jsonl` section with a `train` file",
             "fieldPath": ".jsonl",
-        }
+        },
+        {
+            "rule": f"{source} == 'jsonl' || !has(self.jsonl)",
+            "message": "a `jsonl` section is read only with `source: jsonl`: set it, or "
+            "remove the section",
+            "fieldPath": ".jsonl",
+        },
     ]
 
 

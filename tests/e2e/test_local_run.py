@@ -227,6 +227,15 @@ def test_warm_start_stops_once_the_probe_reaches_its_target(
     assert not list(temporary.glob("torchelastic_*")) + list(temporary.glob("rlft-*"))
 
 
+def checkpoint_files(location: Path) -> dict[str, bytes]:
+    """Every file of the location but the trainers' local staging folders."""
+    return {
+        str(p.relative_to(location)): p.read_bytes()
+        for p in sorted(location.rglob("*"))
+        if p.is_file() and not p.relative_to(location).parts[0].startswith(".rlft-tmp")
+    }
+
+
 def test_a_never_job_restarted_resumes_its_own_checkpoints_not_another_runs(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
@@ -247,9 +256,14 @@ def test_a_never_job_restarted_resumes_its_own_checkpoints_not_another_runs(
     assert "this job's own checkpoints are here" in output
     assert "resumed from the checkpoint of step 2" in output
     assert [json.loads(line)["step"] for line in (again / "metrics.jsonl").open()] == [1, 2, 3, 4]
-    # Another job (another uid) at the same location: never means afresh.
+    # Another job (another uid) at the same location: a fresh start would overwrite job
+    # a's checkpoints (its commits moved `latest`, retention deleted the steps above it,
+    # later steps replace the same folders): refused, job a's left as they were.
+    before = checkpoint_files(tmp_path / "ckpts")
     monkeypatch.setenv("RLFT_JOB_UID", "job-b")
     other = tmp_path / "other"
-    assert main(["train", job, "--out", str(other), "--max-steps", "1"]) == 0
-    output = capsys.readouterr().out
-    assert "resumed from" not in output and "own checkpoints" not in output
+    assert main(["train", job, "--out", str(other), "--max-steps", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "holds the committed checkpoints of another job (uid job-a)" in captured.err
+    assert "give it its own spec.checkpoint.uri" in captured.err
+    assert checkpoint_files(tmp_path / "ckpts") == before

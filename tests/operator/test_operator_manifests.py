@@ -176,7 +176,7 @@ def test_a_roles_own_env_follows_the_operators_which_it_cannot_change():
         job_doc(
             trainer={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
             rollout={"env": [{"name": "HF_TOKEN", "valueFrom": secret}]},
-            checkpoint={"uri": "s3://b/run", "credentialsSecret": "s3"},
+            checkpoint={"uri": "s3://bkt/run", "credentialsSecret": "s3"},
         )
     )
     d = M.desired(job, body, SETTINGS, "auto")

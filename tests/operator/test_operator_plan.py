@@ -173,7 +173,7 @@ def _secret_names(value: Any) -> list[str]:
 
 
 def test_credentials_appear_only_as_secret_references():
-    doc = job_doc(checkpoint={"uri": "s3://b/x", "credentialsSecret": "s3-creds"})
+    doc = job_doc(checkpoint={"uri": "s3://bkt/x", "credentialsSecret": "s3-creds"})
     objects = plan.plan(parse_job(doc), "ml")
     assert "Secret" not in {o["kind"] for o in objects}
     for pod in (o for o in objects if o["kind"] == "Pod"):
@@ -201,7 +201,7 @@ def test_namespace_comes_from_the_option_then_the_manifest_then_default():
     [None, "file:///tmp/runs", f"{CLUSTER_URI}/x"],
     ids=["no-uri", "file-uri", "s3-uri"],
 )
-@pytest.mark.parametrize("weights", [None, "file:///tmp/w", "s3://b/w"], ids=str)
+@pytest.mark.parametrize("weights", [None, "file:///tmp/w", "s3://bkt/w"], ids=str)
 def test_refused_as_the_crd_refuses(checkpoint, weights):
     doc = job_doc(checkpoint={"uri": checkpoint} if checkpoint else {})
     if checkpoint is None:

@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "CredentialsError",
     "DamagedCheckpointsError",
+    "LocationTakenError",
     "ManifestError",
     "NewerFormatError",
     "NoCheckpointError",
@@ -49,6 +50,11 @@ class NewerFormatError(ManifestError):
 
 class NoCheckpointError(CheckpointError):
     """No committed, intact checkpoint matches what was asked for."""
+
+
+class LocationTakenError(CheckpointError):
+    """A `resume: never` job starting at a location that holds another job's committed
+    checkpoints: its own would overwrite theirs (same step folders, one `latest`)."""
 
 
 class DamagedCheckpointsError(CheckpointError):

@@ -27,7 +27,7 @@ def _job(path: str) -> RLFineTune | None:
 def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     # Imported here so that `rlft validate` works without the trainer's heavy extras.
     from rlft.trainer.checkpoint import BadUriError, CheckpointError, NoCheckpointError
-    from rlft.trainer.checkpoint.errors import NewerFormatError
+    from rlft.trainer.checkpoint.errors import LocationTakenError, NewerFormatError
     from rlft.trainer.data.jsonl import DataFileError
     from rlft.trainer.data.rewards import RewardError
     from rlft.trainer.model.build import ModelLoadError
@@ -53,6 +53,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         ValueError,
         NoCheckpointError,
         NewerFormatError,  # upgrade rlft: a restart would refuse it again
+        LocationTakenError,
         BadUriError,
     ) as error:
         return _failed(ExitCode.INVALID_CONFIG, error, rank)

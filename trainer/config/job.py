@@ -496,8 +496,9 @@ class CheckpointSpec(Section):
     resume: Literal["auto", "latest-healthy", "never"] = "auto"
     """What a (re)started trainer does when the location holds committed checkpoints:
     `auto` resumes from the latest, `latest-healthy` from the newest one the collapse
-    detector tagged healthy, `never` starts afresh (on the operator: ignores other
-    runs' checkpoints, and a restart still resumes the job's own)."""
+    detector tagged healthy, `never` starts afresh (on the operator: a restart still
+    resumes the job's own, and a location holding another job's checkpoints is refused
+    rather than overwritten)."""
     grace_period_seconds: float = Field(60.0, ge=5, le=3600)
     """Time from SIGTERM (preemption, drain, suspend) to exit: the trainer writes an
     emergency checkpoint within it; on Kubernetes, the pods'

@@ -24,6 +24,7 @@ from rlft.trainer.checkpoint import (
     checkpointer_from_spec,
 )
 from rlft.trainer.checkpoint import load as load_checkpoint
+from rlft.trainer.checkpoint.errors import LocationTakenError
 from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
@@ -88,12 +89,22 @@ class Checkpointing:
         which = self.dist.broadcast(which)
         if self.own_only is None or which != "never":
             return which
-        own = False
+        found = None
         if self.dist.is_main:
-            own = bool(self.checkpointer.catalog.scan().own(self.own_only))
-        if self.dist.broadcast(own):
+            scan = self.checkpointer.catalog.scan()
+            others = sorted({m.job_uid for m in scan.manifests.values()} - {None, self.own_only})
+            found = ("own", []) if scan.own(self.own_only) else ("others", others)
+        kind, others = self.dist.broadcast(found)
+        if kind == "own":
             self.supervisor.log("rlft: this job's own checkpoints are here: resuming them")
             return "latest-healthy"
+        if others:
+            raise LocationTakenError(
+                f"{self.checkpointer.storage.uri} holds the committed checkpoints of another "
+                f"job (uid {', '.join(others)}), and this one (resume: never) would "
+                "overwrite them: give it its own spec.checkpoint.uri, or delete them "
+                "(`rlft checkpoints list` shows them), or set resume: auto to go on from them"
+            )
         return which
 
     def _on_event(self, name: str, info: dict[str, Any]) -> None:

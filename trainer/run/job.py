@@ -99,9 +99,9 @@ def run_job(
     dist.barrier()
     run = _assemble(job, out, parts, dist, reporter)
     liveness.beat("sharded the model")
-    if not overwrite:
-        resume = run.checkpoints.choice(resume)
     try:
+        if not overwrite:
+            resume = run.checkpoints.choice(resume)
         if resume == "never" or not _resume(run, parts, resume):
             if existing and not overwrite:
                 # Rank 0's view decides for every rank (each may have other arguments).
