@@ -38,6 +38,8 @@ class StepResult:
     """Gradient norm per parameter group before clipping (first epoch)."""
     decision: GuardDecision = field(default_factory=lambda: GuardDecision(0, "apply", "ok", 0))
     """What the stability guard decided for this update (apply, skip, rollback, …)."""
+    dropped_epochs: int = 0
+    """Epochs after the first not applied for a non-finite gradient (those before stand)."""
 
     @property
     def action(self) -> str:
@@ -112,26 +114,28 @@ class Learner:
         result = StepResult()
         for epoch in range(epochs):
             self._zero_grad()
-            result.stats = backward(objective, self.models, plan, self.dist)
-            result.stats |= {"norm_tokens": plan.norms.tokens, "norm_pairs": plan.norms.pairs}
+            stats = backward(objective, self.models, plan, self.dist)
+            stats |= {"norm_tokens": plan.norms.tokens, "norm_pairs": plan.norms.pairs}
             if self.planted and step is not None:
                 faults.apply(self.planted, step, self.models.policy.parameters())
             groups = group_grad_norms(self.models.policy, self.dist)
+            grad_norm = math.sqrt(sum(norm * norm for norm in groups.values()))
+            clip_to_norm(list(self.models.policy.parameters()), self.trainer.grad_clip, grad_norm)
+            if epoch > 0 and not math.isfinite(grad_norm):
+                # The epochs before it changed the weights, and that update stands (a
+                # new policy version); this epoch and those after it are dropped.
+                self._zero_grad()
+                result.dropped_epochs = epochs - epoch
+                break
+            result.stats, result.grad_norm = stats, grad_norm  # the last applied epoch's
             if epoch == 0:
                 result.group_norms = groups
-            result.grad_norm = math.sqrt(sum(norm * norm for norm in groups.values()))
-            clip_to_norm(
-                list(self.models.policy.parameters()), self.trainer.grad_clip, result.grad_norm
-            )
-            if epoch == 0 and judge is not None:
-                result.decision = judge(result)
-            elif not math.isfinite(result.grad_norm):
-                reasons = [f"non-finite gradient in epoch {epoch + 1}"]
-                result.decision = GuardDecision(step or 0, "skip", "warning", 1, reasons)
-            if result.action != "apply":
-                self._zero_grad()
-                result.applied, result.reason = False, result.action
-                break
+                if judge is not None:
+                    result.decision = judge(result)
+                if result.action != "apply":
+                    self._zero_grad()
+                    result.applied, result.reason = False, result.action
+                    break
             self.optimizer.step()
             self.engine_current = not self.dist.active  # one process samples the policy itself
             if self.critic_optimizer is not None:

@@ -49,6 +49,8 @@ def update_metrics(result: StepResult) -> dict[str, float]:
     if result.group_norms:
         out["grad_norm_groups"] = result.group_norms
     out["tokens"] = stats.get("norm_tokens", 0.0)
+    if result.dropped_epochs:
+        out["dropped_epochs"] = result.dropped_epochs
     for key in ("kl", "entropy", "is_weight"):
         if key in stats:
             out[key if key != "is_weight" else "is_weight_mean"] = stats[key] / tokens
