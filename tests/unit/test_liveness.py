@@ -280,3 +280,32 @@ def test_a_rollout_server_is_started_before_it_has_weights():
         server.shutdown()
         thread.join()
         server.server_close()
+
+
+@pytest.mark.parametrize(("rank", "judged"), [(1, False), (0, True)])
+def test_the_end_of_step_vote_waits_for_rank_0_unjudged_on_other_ranks(
+    installed, monkeypatch, rank, judged
+):
+    """Every rank votes on saving and stopping after each step; ranks ≥ 1 wait there for
+    rank 0 to end its step (an evaluation, a weight publication), which rank 0's own
+    liveness judges: a long evaluation used to make every other rank stalled."""
+    from rlft.trainer.checkpoint import saver as saver_module
+
+    seen = []
+
+    def slow_vote(flags, op=None, group=None):  # rank 0 evaluates meanwhile
+        installed.now += 61
+        seen.append(liveness.current().state())
+
+    monkeypatch.setattr(saver_module.dist, "all_reduce", slow_vote)
+    liveness.begin()  # the loop runs: ranks are judged
+    checkpointer = object.__new__(Checkpointer)
+    checkpointer.__dict__.update(
+        policy=SimpleNamespace(due=lambda step: False),
+        _thread=None,
+        distributed=True,
+        rank=rank,
+        _control=None,
+    )
+    assert not checkpointer.poll(7).save
+    assert seen[0].alive is not judged

@@ -13,6 +13,7 @@ of the background thread (DCP planning, gather, commit verdict) from ever interl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -174,7 +175,11 @@ class Checkpointer:
         whether to stop. One tiny all-reduce, so every rank decides the same."""
         flags = torch.tensor([self.policy.due(step), self.busy, stop_requested], dtype=torch.int32)
         if self.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
+            # Ranks ≥ 1 wait here while rank 0 ends its step (evaluation, publication):
+            # rank 0's work, which its own liveness judges.
+            waiting = liveness.waiting("waiting for rank 0 to end its step")
+            with waiting if self.rank else contextlib.nullcontext():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
         due, busy, stop = (bool(x) for x in flags.tolist())
         if stop:
             return SaveDecision(save=True, stop=True)
