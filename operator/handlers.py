@@ -65,6 +65,9 @@ class _JobState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dirty: bool = False
     timer: asyncio.TimerHandle | None = None
+    served: bool = False
+    """kopf serves the job on this replica (its `_serve` daemon runs): false while kopf
+    pauses for a replica of higher priority, whose indexes are live where ours froze."""
     oom_killed: dict[str, tuple[PodView, float]] = field(default_factory=dict)
     """uid → (the pod's view, when seen): pods seen OOM-killed, until the planner names
     the OOM or OOM_MEMORY_SECONDS pass (see Observed.oom_killed)."""
@@ -232,6 +235,25 @@ async def _poll(namespace: str, name: str, meta: Any, **kwargs: Any) -> None:
         await kick((namespace, name))
 
 
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, cancellation_timeout=5.0)
+async def _serve(namespace: str, name: str, stopped: Any, **_: Any) -> None:
+    """Runs while this replica serves the job: kopf stops it when it pauses (another
+    replica leads) or the job goes. The job's own wake-ups (`_schedule`) kick only
+    meanwhile: they went on through a pause, reconciling from indexes frozen at its
+    start, and deleted gangs the leader had restarted since."""
+    key = (namespace, name)
+    RUNTIME.jobs.setdefault(key, _JobState()).served = True
+    try:
+        await stopped.wait()
+    finally:
+        state = RUNTIME.jobs.get(key)
+        if state is not None:
+            state.served = False
+            if state.timer is not None:
+                state.timer.cancel()
+                state.timer = None
+
+
 @kopf.on.delete(crd.GROUP, crd.VERSION, crd.PLURAL)
 async def _finalize(body: Any, namespace: str, name: str, spec: Any, **kwargs: Any) -> None:
     """The finalizer: remove the job's pods, Services and ConfigMap (owner references would
@@ -315,7 +337,8 @@ async def _wake(key: Key) -> None:
     state = RUNTIME.jobs.get(key)
     if state is not None:
         state.timer = None
-        await kick(key)
+        if state.served:
+            await kick(key)
 
 
 def _recent_ooms(state: _JobState) -> list[PodView]:

@@ -6,6 +6,7 @@ and resume, deletion through the finalizer, admission of invalid manifests, the 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -380,8 +381,22 @@ def test_leader_election_between_two_replicas(tmp_path):
         api.apply(job_doc(name="second", namespace="default"))
         _started(api, "default", "second", 2)
         assert "default/second: Creating" in standby.log()
+        # A replica of higher priority comes back: the standby pauses, and nothing of
+        # it reconciles any more (its own wake-ups went on, from pods frozen in its
+        # indexes, and killed gangs the new leader had restarted).
+        leader = OperatorProcess(api, *args, "--priority", "300", name="newer")
+        wait_for(lambda: standby.log().count("Pausing operations") == 2, "the standby to pause")
+        before = _reconciles(standby)
+        wait_for(lambda: _reconciles(leader) >= 4, "the new leader to reconcile both jobs")
+        time.sleep(5)  # more than two --poll-seconds
+        assert _reconciles(standby) == before
     finally:
         for process in (standby, leader):
             if process is not None:
                 process.stop()
         api.stop()
+
+
+def _reconciles(process: OperatorProcess) -> float:
+    found = re.findall(r"^rlft_operator_reconciles_total\{[^}]*\} (\S+)$", process.metrics(), re.M)
+    return sum(float(v) for v in found)
