@@ -182,11 +182,14 @@ class FailureResponses:
 
     def gang_unplaced(self) -> bool:
         """Fewer than replicas.min trainer pods of the current gang have a node (the rest
-        are Pending, or not created yet: their slot still held by a terminating pod), so
-        the gang could not have met."""
+        are Pending, or not created yet: their slot still held by a terminating pod of an
+        earlier gang), so the gang could not have met. A pod of the current gang being
+        deleted (its node lost) was placed: that gang met, and losing it is a failure."""
+        current = {gang_uid(entry) for entry in self.st.gang_pods}
         placed = [
             p for p in self.pods.values()
-            if p.role == N.ROLE_TRAINER and p.scheduled and not p.deleting
+            if p.role == N.ROLE_TRAINER and p.scheduled
+            and (not p.deleting or p.uid in current)
         ]  # fmt: skip
         return len(placed) < self.spec.trainer.replicas.min
 

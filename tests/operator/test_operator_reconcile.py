@@ -869,6 +869,29 @@ def test_a_gang_that_cannot_meet_for_want_of_a_node_waits_without_spending_resta
     assert w.events.count("Waiting") == RESTARTS["maxRestarts"] + 2
 
 
+def test_a_running_gang_whose_member_is_being_lost_spends_a_restart():
+    """The exemption is for a gang that could not meet. A gang that ran, losing a member
+    (its node gone: deleted with a DisruptionTarget) while another rank's collective
+    times out, spends its budget: it used to count as "unplaced" and restart for free,
+    the lost pod marked handled, so a loss that kept coming never failed the job."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    assert len(w.status.gang_pods) == 2
+    w.set(
+        "tiny-grpo-trainer-1",
+        phase="Running",
+        deleting=True,
+        disruption="DeletionByTaintManager",
+    )
+    message = "Watchdog caught collective operation timeout"
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1, message=message)
+    w.step()
+    assert len(w.status.restart_history) == 1, w.events
+    assert "Waiting" not in w.events
+
+
 def test_a_spec_pydantic_rejects_fails_the_job_and_frees_its_pods():
     """The API server's schema let it through (or an upgraded operator is stricter): the
     job fails naming the field, and its running pods are deleted like any failed job's;
