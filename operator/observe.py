@@ -27,6 +27,8 @@ class PodView:
     reason: str = ""
     """The pod-level reason (Evicted, NodeLost, Preempting, …)."""
     scheduled: bool = False
+    scheduled_at: str | None = None
+    """When the pod got its node (PodScheduled's lastTransitionTime)."""
     deleting: bool = False
     deletion_deadline: str | None = None
     """metadata.deletionTimestamp: when the pod's grace period ends."""
@@ -92,6 +94,9 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
     scheduled = bool(pod.get("spec", {}).get("nodeName")) or (
         scheduled_cond is not None and scheduled_cond.get("status") == "True"
     )
+    scheduled_at = None
+    if scheduled_cond is not None and scheduled_cond.get("status") == "True":
+        scheduled_at = scheduled_cond.get("lastTransitionTime")
     unschedulable = ""
     if scheduled_cond is not None and scheduled_cond.get("status") == "False":
         unschedulable = scheduled_cond.get("message") or scheduled_cond.get("reason") or ""
@@ -124,6 +129,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
         phase=status.get("phase") or "Pending",
         reason=status.get("reason") or "",
         scheduled=scheduled,
+        scheduled_at=scheduled_at,
         deleting=bool(meta.get("deletionTimestamp")),
         deletion_deadline=meta.get("deletionTimestamp"),
         created=meta.get("creationTimestamp"),

@@ -198,8 +198,10 @@ class _Run(FailureResponses):
             w = P.waiting_problem(pod)
             if w is None or pod.deleting:
                 continue
-            created = parse_time(pod.created) or self.now
-            waited = (self.now - created).total_seconds()
+            # From the pod's placement: waiting for a node is no image pull's time (a
+            # registry's first 429 on a node that came after 10 minutes failed the job).
+            since = parse_time(pod.scheduled_at) or parse_time(pod.created) or self.now
+            waited = (self.now - since).total_seconds()
             if w.permanent or waited >= timeout:
                 why = "permanent" if w.permanent else f"for {waited:.0f} s ≥ schedulingTimeout"
                 self.fail(w.kind, f"pod {w.pod} cannot start ({why}): {w.message}")

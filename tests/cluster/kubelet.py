@@ -559,14 +559,17 @@ class Kubelet:
             statuses.append(status)
         phase = _phase(run.containers, pod["spec"].get("restartPolicy", "Always"))
         ready = "True" if all(s["ready"] for s in statuses) and phase == "Running" else "False"
+        started = run.reported.get("startTime") or now()
         status = {
             "phase": phase,
             "hostIP": f"127.0.{self.index}.1",
             "podIP": run.ip,
             "podIPs": [{"ip": run.ip}],
-            "startTime": run.reported.get("startTime") or now(),
+            "startTime": started,
             "conditions": [
-                {"type": "PodScheduled", "status": "True"},
+                # When it was bound: the kubelet saw it at once (the scheduler's own
+                # condition, which a kubelet keeps).
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": started},
                 {"type": "Initialized", "status": "True"},
                 {"type": "ContainersReady", "status": ready},
                 {"type": "Ready", "status": ready},

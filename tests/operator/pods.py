@@ -19,6 +19,7 @@ def raw_pod(
     *,
     phase: str = "Pending",
     scheduled: bool = False,
+    scheduled_at: str | None = None,
     exit_code: int | None = None,
     terminated_reason: str = "",
     message: str = "",
@@ -39,7 +40,10 @@ def raw_pod(
         message = termination.encode(verdict)
     status: dict[str, Any] = {"phase": phase, "conditions": []}
     if scheduled or phase in ("Running", "Succeeded", "Failed"):
-        status["conditions"].append({"type": "PodScheduled", "status": "True"})
+        placed = {"type": "PodScheduled", "status": "True"}
+        status["conditions"].append(
+            placed | ({"lastTransitionTime": scheduled_at} if scheduled_at else {})
+        )
     elif phase == "Pending":
         status["conditions"].append(
             {

@@ -869,6 +869,25 @@ def test_a_gang_that_cannot_meet_for_want_of_a_node_waits_without_spending_resta
     assert w.events.count("Waiting") == RESTARTS["maxRestarts"] + 2
 
 
+def test_an_image_pull_error_on_a_node_that_came_late_is_timed_from_its_placement():
+    """A pod waited 601 s for capacity (allowed: a condition, no failure), then its node's
+    first pull of the image fails (a registry's 429): that is waiting to start, timed
+    from when it got its node. It was timed from the pod's creation, and failed the job
+    at once."""
+    w = _world()
+    w.step()
+    w.tick(601)
+    placed = w.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    w.set("tiny-grpo-trainer-0", scheduled=True, scheduled_at=placed, waiting="ErrImagePull")
+    w.step()
+    assert w.status.phase != "Failed", w.status.message
+    ready = {c.type: c for c in w.status.conditions}["Ready"]
+    assert (ready.status, ready.reason) == ("False", "ImagePull")
+    w.tick(601)  # the registry keeps refusing: past schedulingTimeout from the placement
+    w.step()
+    assert w.status.phase == "Failed" and "for 601 s" in w.status.message
+
+
 def test_a_running_gang_whose_member_is_being_lost_spends_a_restart():
     """The exemption is for a gang that could not meet. A gang that ran, losing a member
     (its node gone: deleted with a DisruptionTarget) while another rank's collective
