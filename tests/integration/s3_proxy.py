@@ -8,7 +8,8 @@ multipart POST) whose path contains `fragment` wait until `release()`, which ans
 held ones with 503 (the client's retry or its death decides what happens next);
 `refuse(fragment)` answers such uploads with 503 at once, until `release()`. Reads
 pass: retention's scan after a commit reads the manifests of committed steps, and holding
-one of those is not an upload in flight.
+one of those is not an upload in flight; `refuse(fragment, reads=True)` refuses every
+request (a store that is down).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class S3Proxy:
         target = urlsplit(upstream)
         self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
         self.held_fragment: str | None = None
+        self.methods = WRITES
+        """The requests `hold` and `refuse` act on."""
         self.held = 0
         """Requests waiting now."""
         self.held_paths: list[str] = []
@@ -64,7 +67,7 @@ class S3Proxy:
             def _forward(self) -> None:
                 body = self._body()
                 fragment = proxy.held_fragment
-                if fragment is not None and fragment in self.path and self.command in WRITES:
+                if fragment is not None and fragment in self.path and self.command in proxy.methods:
                     with proxy._lock:
                         proxy.held += 1
                         proxy.held_paths.append(self.path)
@@ -102,11 +105,12 @@ class S3Proxy:
 
     def hold(self, fragment: str) -> None:
         self._released.clear()
-        self.held_fragment = fragment
+        self.held_fragment, self.methods = fragment, WRITES
 
-    def refuse(self, fragment: str) -> None:
+    def refuse(self, fragment: str, reads: bool = False) -> None:
         self._released.set()
         self.held_fragment = fragment
+        self.methods = {"GET", "HEAD", "PUT", "POST", "DELETE"} if reads else WRITES
 
     def release(self) -> None:
         self.held_fragment = None

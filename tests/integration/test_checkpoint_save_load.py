@@ -4,6 +4,8 @@ exact resume, checksum fallback, retention, rollback timelines, the CLI and expo
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from rlft.trainer.checkpoint.errors import (
     DamagedCheckpointsError,
     NewerFormatError,
     NoCheckpointError,
+    StorageError,
 )
 from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.checkpoint.saver import Checkpointer
@@ -322,3 +325,30 @@ def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> Non
         assert torch.equal(value, model.state_dict()[name]), name
     assert rlft(["export", f"{uri}/step-000004", str(out), *flags]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket) -> None:
+    """The object store answers 503 to every read for a few seconds (past botocore's own
+    retries): the resume retries, and restores once the store is back. It used to end
+    the (re)start with exit 1: each operator restart during an outage spent budget."""
+    from s3_proxy import S3Proxy
+
+    storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage)
+    _save(ckpt, model, optimizer, 2)
+    ckpt.close()
+    proxy = S3Proxy(s3_env.endpoint)
+    try:
+        behind = open_storage(f"s3://{bucket}/run", s3_options(s3_env, endpoint_url=proxy.url))
+        proxy.refuse("/", reads=True)
+        threading.Timer(4.0, proxy.release).start()
+        started = time.monotonic()
+        assert load(behind, "auto", *_fresh(seed=3), retry_s=120).step == 2
+        assert time.monotonic() - started >= 4.0
+        proxy.refuse("/", reads=True)  # down past the wait: an error, no hang
+        with pytest.raises(StorageError) as error:
+            load(behind, "auto", *_fresh(seed=3), retry_s=1)
+        assert error.value.transient
+    finally:
+        proxy.stop()

@@ -29,6 +29,7 @@ from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, probl
 from rlft.trainer.checkpoint.saver import RANKS
 from rlft.trainer.checkpoint.state import Modules, apply_tensor_state, tensor_state
 from rlft.trainer.storage.backends import FileStorage, Storage, sha256_file
+from rlft.trainer.storage.retry import with_retries
 
 log = logging.getLogger("rlft.checkpoint")
 
@@ -52,14 +53,27 @@ class Resumed:
         return self.manifest.step
 
 
+RESUME_RETRY_S = 900.0
+"""How long a resume retries reads the store refuses for a while (the default of
+spec.checkpoint.uploadRetryMinutes, which a job's resume uses)."""
+
+
 class LocalCopy:
     """A checkpoint folder readable by DCP on this machine: the folder itself on
     file://, a verified download elsewhere (removed by `cleanup`)."""
 
-    def __init__(self, storage: Storage, cache_dir: Path | None, rank: int, world_size: int):
+    def __init__(
+        self,
+        storage: Storage,
+        cache_dir: Path | None,
+        rank: int,
+        world_size: int,
+        retry_s: float = RESUME_RETRY_S,
+    ):
         self.storage = storage
         self.rank = rank
         self.world_size = world_size
+        self.retry_s = retry_s
         self.cache = cache_dir or Path(tempfile.mkdtemp(prefix="rlft-resume-"))
         self.owned = cache_dir is None
         self.path: Path | None = None
@@ -83,8 +97,12 @@ class LocalCopy:
         found = {}
         for entry in manifest.files:
             target = self.path / entry.path
+            key = f"{manifest.folder}/{entry.path}"
             try:
-                self.storage.get_file(f"{manifest.folder}/{entry.path}", target)
+                with_retries(
+                    lambda key=key, target=target: self.storage.get_file(key, target),
+                    deadline_s=self.retry_s,
+                )
             except (BucketMissingError, CredentialsError):
                 raise  # the location's trouble, not this checkpoint's: every one would fail
             except StorageError as error:
@@ -114,11 +132,11 @@ def _every_ranks(problems: list[str], group: Any) -> list[str]:
     return list(dict.fromkeys(p for found in gathered for p in found or []))
 
 
-def shared_scan(catalog: Catalog, group: Any = None) -> Scan:
-    """Rank 0's scan of the location, on every rank."""
+def shared_scan(catalog: Catalog, group: Any = None, retry_s: float = RESUME_RETRY_S) -> Scan:
+    """Rank 0's scan of the location, on every rank (retried while the store is down)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return catalog.scan()
-    box = [catalog.scan() if dist.get_rank() == 0 else None]
+        return with_retries(catalog.scan, deadline_s=retry_s)
+    box = [with_retries(catalog.scan, deadline_s=retry_s) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
@@ -134,6 +152,7 @@ def load(
     restore_rng: bool = True,
     modules: Modules | None = None,
     job_uid: str | None = None,
+    retry_s: float = RESUME_RETRY_S,
 ) -> Resumed:
     """Restore model and optimizer (and this rank's RNG states) from the checkpoint that
     `which` selects (`auto`, `latest-healthy` or a step); returns the rest of the state.
@@ -142,19 +161,21 @@ def load(
     the optimizer created. NoCheckpointError when nothing intact matches. A group other
     than the default one can be passed (it must have a CPU backend). With `job_uid`, the
     checkpoints of other jobs (another job uid in their manifest) are not candidates.
+    Reads the store refuses for a while (a transient error: down, throttling) are retried
+    for `retry_s`: an outage stalls a (re)start instead of ending it.
     """
     which = parse_which(which)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
     catalog = Catalog(storage)
-    local = LocalCopy(storage, cache_dir, rank, world_size)
+    local = LocalCopy(storage, cache_dir, rank, world_size, retry_s)
 
     def check(manifest: Manifest) -> list[str]:
         return _every_ranks(local.fetch(manifest), process_group)
 
     try:
-        scan = shared_scan(catalog, process_group)
+        scan = shared_scan(catalog, process_group, retry_s)
         if job_uid is not None:
             scan = scan.without_other_jobs(job_uid)
         manifest = catalog.choose(which, check=check, scan=scan)

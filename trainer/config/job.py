@@ -488,7 +488,8 @@ class CheckpointSpec(Section):
     """Part size of multipart uploads, in MiB (S3 needs ≥ 5)."""
     upload_retry_minutes: float = Field(15.0, gt=0, le=1440)
     """How long a failed upload or commit is retried in the background, with exponential
-    backoff, before that checkpoint is given up (training continues meanwhile)."""
+    backoff, before that checkpoint is given up (training continues meanwhile); also how
+    long a resume or rollback retries reads the store refuses for a while."""
     staging_dir: str | None = Field(None, min_length=1, max_length=4096)
     """Local folder where each trainer process writes its shards before uploading them
     (room for its share of one checkpoint). Unset: beside a file:// location, else the

@@ -29,6 +29,7 @@ from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.run.state import Cursor
+from rlft.trainer.storage.retry import with_retries
 
 JOB_UID_ENV = "RLFT_JOB_UID"
 """Set by the operator in trainer pods: the RLFineTune's metadata.uid."""
@@ -66,6 +67,8 @@ class Checkpointing:
         self.resumed_step: int | None = None
         """The step this run resumed from (its checkpoint is committed)."""
         self.stop = GracefulStop(spec.grace_period_seconds).install()
+        self.retry_s = spec.upload_retry_minutes * 60
+        """How long reads the store refuses are retried (resume, rollback, the scan)."""
         job_uid = os.environ.get(JOB_UID_ENV) or None
         self.own_only = job_uid if spec.resume == "never" else None
         """`resume: never` on the operator: only this job's checkpoints (by the job uid in
@@ -91,7 +94,7 @@ class Checkpointing:
             return which
         found = None
         if self.dist.is_main:
-            scan = self.checkpointer.catalog.scan()
+            scan = with_retries(self.checkpointer.catalog.scan, deadline_s=self.retry_s)
             others = sorted({m.job_uid for m in scan.manifests.values()} - {None, self.own_only})
             found = ("own", []) if scan.own(self.own_only) else ("others", others)
         kind, others = self.dist.broadcast(found)
@@ -176,6 +179,7 @@ class Checkpointing:
             modules=_modules(learner),
             restore_rng=restore_rng,
             job_uid=self.own_only,
+            retry_s=self.retry_s,
         )
         learner.sync_engine_model()
         return resumed
@@ -187,7 +191,7 @@ class Checkpointing:
         self.checkpointer.wait()
         candidates: list[int] = []
         if self.dist.is_main:
-            scan = self.checkpointer.catalog.scan()
+            scan = with_retries(self.checkpointer.catalog.scan, deadline_s=self.retry_s)
             if self.own_only is not None:
                 scan = scan.without_other_jobs(self.own_only)
             healthy = [step for step, ok in scan.committed.items() if ok and step < before_step]
