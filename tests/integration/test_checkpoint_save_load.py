@@ -352,3 +352,25 @@ def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket) -> 
         assert error.value.transient
     finally:
         proxy.stop()
+
+
+def test_a_failed_save_leaves_nothing_it_uploaded(tmp_path: Path) -> None:
+    """The store refuses one file of a save for good: its other uploads are removed, not
+    left above `latest` where retention never looks (the last save of a run stayed)."""
+    storage = open_storage(f"file://{tmp_path}/ckpts")
+
+    class RefusingTheMetadata:
+        def __getattr__(self, name: str):
+            return getattr(storage, name)
+
+        def put_file(self, key: str, path: Path, move: bool = False) -> None:
+            if key.endswith(".metadata"):
+                raise StorageError(f"the object store refused {key}")
+            storage.put_file(key, path, move=move)
+
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(RefusingTheMetadata(), retry_seconds=1)
+    assert not ckpt.save(7, model, optimizer, extra={"step": 7}, wait=True)
+    ckpt.close()
+    assert storage.list("step-000007/") == []
+    assert Catalog(storage).scan().uncommitted == set()

@@ -393,6 +393,7 @@ class Checkpointer:
         if errors:
             log.error("checkpoint %s failed and was not committed: %s", folder, "; ".join(errors))
             self._emit("failed", step=job.step, uri=folder, error="; ".join(errors))
+            self._remove_uncommitted(job.step)
             return False
         files = tuple(sorted((e for _, entries in results for e in entries), key=lambda e: e.path))
         manifest = Manifest(
@@ -412,6 +413,7 @@ class Checkpointer:
         except (StorageError, CheckpointError) as failure:
             log.error("checkpoint %s uploaded but not committed: %s", folder, failure)
             self._emit("failed", step=job.step, uri=folder, error=str(failure))
+            self._remove_uncommitted(job.step)
             return False
         retries = self.stats.upload_retries
         log.info(
@@ -427,6 +429,18 @@ class Checkpointer:
         if deleted:
             log.info("checkpoint retention deleted steps %s", sorted(deleted))
         return True
+
+
+    def _remove_uncommitted(self, step: int) -> None:
+        """What a failed save uploaded (every rank's uploads have ended by now), unless
+        its manifest made it (the pointer failed after: then it is committed). Retention
+        removes leftovers only below `latest`, so the last failed save of a run stayed."""
+        folder = step_dir(step)
+        try:
+            if not self.storage.exists(f"{folder}/{MANIFEST}"):
+                self.storage.delete_prefix(f"{folder}/")
+        except StorageError as error:
+            log.warning("the uploads of failed checkpoint %s stay (%s)", folder, error)
 
 
 def _json_or_error(value: dict[str, Any], name: str) -> str:
