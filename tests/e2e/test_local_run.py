@@ -267,3 +267,15 @@ def test_a_never_job_restarted_resumes_its_own_checkpoints_not_another_runs(
     assert "holds the committed checkpoints of another job (uid job-a)" in captured.err
     assert "give it its own spec.checkpoint.uri" in captured.err
     assert checkpoint_files(tmp_path / "ckpts") == before
+
+
+def test_ranks_started_with_nproc_exit_with_their_own_code(tmp_path: Path, monkeypatch, capfd):
+    """torchrun's agent exits 1 whatever its workers returned; `rlft train --nproc 2` exits
+    as its ranks do: 2 for a job that cannot run (a retry would loop on it as on 1)."""
+    monkeypatch.delenv("RLFT_TERMINATION_LOG", raising=False)
+    spec = arithmetic_spec()
+    missing = str(tmp_path / "missing.jsonl")
+    spec["data"] = {"source": "jsonl", "jsonl": {"train": missing}}
+    job = str(write_job(tmp_path / "job.yaml", spec))
+    assert main(["train", job, "--out", str(tmp_path / "out"), "--nproc", "2"]) == 2
+    assert "missing.jsonl" in capfd.readouterr().err

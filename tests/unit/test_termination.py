@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlft.trainer import termination
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.termination import Verdict
@@ -56,3 +58,21 @@ def test_eight_ranks_with_long_messages_fit_what_the_kubelet_keeps(tmp_path):
     lines = [json.loads(line) for line in kept.splitlines()]
     assert sorted(v["rank"] for v in lines) == list(range(8))
     assert all(v["step"] == 40 for v in lines if v["rank"])  # the numbers are never cut
+
+
+@pytest.mark.parametrize(
+    ("agent", "verdict", "code"),
+    [
+        (0, None, ExitCode.OK),
+        (1, None, ExitCode.FAILURE),  # killed before writing anything
+        (1, termination.Verdict(ExitCode.INVALID_CONFIG, "bad job", 0), ExitCode.INVALID_CONFIG),
+        (1, termination.Verdict(ExitCode.COLLAPSED, "collapse", 1), ExitCode.COLLAPSED),
+        (1, termination.Verdict(ExitCode.OK, "stopped", 0, stopped=True), ExitCode.OK),
+        # One rank finished while another died without a word: a failure.
+        (1, termination.Verdict(ExitCode.OK, "done", 0, completed=True), ExitCode.FAILURE),
+    ],
+)
+def test_nproc_runs_exit_as_their_ranks_did(agent, verdict, code):
+    from rlft.trainer.cli.training import ranks_exit_code
+
+    assert ranks_exit_code(agent, verdict) == code

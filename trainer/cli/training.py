@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -157,8 +158,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         forwarded += ["--max-steps", str(args.max_steps)]
     if args.overwrite:
         forwarded.append("--overwrite")
-    code = run_workers(args.nproc, WORKER, forwarded)
-    return ExitCode.OK if code == 0 else ExitCode.FAILURE
+    with tempfile.TemporaryDirectory(prefix="rlft-verdicts-") as folder:
+        # The ranks' verdicts: torchrun's agent exits 1 whatever its workers returned.
+        log = os.environ.get(termination.ENV) or str(Path(folder) / "termination-log")
+        code = run_workers(args.nproc, WORKER, forwarded, env={termination.ENV: log})
+        written = Path(log).read_text() if Path(log).is_file() else ""
+    return ranks_exit_code(code, termination.read(written))
+
+
+def ranks_exit_code(agent_code: int, verdict: termination.Verdict | None) -> int:
+    """`rlft train --nproc`'s exit code: the ranks' own (2 for a bad job, 3 for a
+    collapse, 0 for a stop that checkpointed), not the agent's 1 for any of them."""
+    if agent_code == 0:
+        return ExitCode.OK
+    if verdict is None or (verdict.exit_code == ExitCode.OK and not verdict.stopped):
+        return ExitCode.FAILURE  # a rank died without a word (killed), whatever others said
+    return verdict.exit_code
 
 
 def launched_by_torchrun(environ: dict[str, str] | None = None) -> bool:

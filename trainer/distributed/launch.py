@@ -39,11 +39,19 @@ def worker_env(nproc: int) -> dict[str, str]:
     return env
 
 
-def run_workers(nproc: int, module: str, args: list[str], timeout_s: float | None = None) -> int:
-    """Run the module on `nproc` local ranks; returns torchrun's exit code."""
+def run_workers(
+    nproc: int,
+    module: str,
+    args: list[str],
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Run the module on `nproc` local ranks (with `env` added to their environment);
+    returns torchrun's exit code."""
     with _log_dir() as logs:
         command = torchrun_command(nproc, module, args, logs)
-        return subprocess.run(command, env=worker_env(nproc), timeout=timeout_s).returncode
+        environment = worker_env(nproc) | (env or {})
+        return subprocess.run(command, env=environment, timeout=timeout_s).returncode
 
 
 class WorkersFailed(RuntimeError):
