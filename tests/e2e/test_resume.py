@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -207,6 +209,34 @@ def test_a_resumed_run_reports_its_step_once_training_and_not_before(tmp_path) -
     assert {phase for phase, _, _ in seen[:-1]} <= {"starting"}, seen
     _, step, version = seen[-1]
     assert step >= 4 and version >= 4, seen  # the checkpoint's, or a step after it
+
+
+def test_sigterm_in_the_warm_start_stops_at_once_and_exits_0(tmp_path) -> None:
+    """The warm start is not checkpointed: SIGTERM there stops after the step in hand
+    with exit 0 and a stopped verdict. It was ignored until the grace period ran out and
+    the watchdog ended the rank with exit 1 and no verdict (counted a failure)."""
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["algorithm"]["sft"] = {"steps": 4000, "batchSize": 16}
+    spec["spec"]["checkpoint"] = {"gracePeriodSeconds": 60}
+    job.write_text(yaml.safe_dump(spec))
+    process = start(tmp_path, "out")
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
+    seen = ""
+    while "[200/4000]" not in seen:  # the reporter's line of every 200th warm-start step
+        seen += lines.get(timeout=120)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    time.sleep(0.5)  # the reader's last lines
+    output = seen + "".join(lines.get() for _ in range(lines.qsize()))
+    assert process.returncode == 0, output
+    assert time.monotonic() - sent < 30, output
+    assert "stopped before the first training step" in output, output
+    assert "[4000/4000]" not in output
+    verdict = termination.read((tmp_path / "out.termination").read_text())
+    assert verdict is not None and verdict.stopped and verdict.exit_code == 0
 
 
 def test_failed_checkpoints_are_reported_as_failed(tmp_path, bucket, s3_env) -> None:

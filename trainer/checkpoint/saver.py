@@ -430,7 +430,6 @@ class Checkpointer:
             log.info("checkpoint retention deleted steps %s", sorted(deleted))
         return True
 
-
     def _remove_uncommitted(self, step: int) -> None:
         """What a failed save uploaded (every rank's uploads have ended by now), unless
         its manifest made it (the pointer failed after: then it is committed). Retention

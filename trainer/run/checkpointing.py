@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
+
 from rlft.trainer.checkpoint import (
     DamagedCheckpointsError,
     GracefulStop,
@@ -41,7 +43,10 @@ class StopRequested(Exception):
 
     def __init__(self, step: int, checkpointed: int | None):
         if not step:
-            message = "stopped before the first step (nothing to checkpoint)"
+            message = (
+                "stopped before the first training step (nothing to checkpoint; a warm "
+                "start is not checkpointed, and a restart runs it again)"
+            )
         elif checkpointed == step:
             message = f"stopped after the emergency checkpoint of step {step}"
         else:
@@ -219,6 +224,14 @@ class Checkpointing:
         cursor.policy_version += 1
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}), rollback=True)
         return target
+
+    def stop_unsaved(self) -> None:
+        """After a step of a phase that is not checkpointed (the warm start): raise
+        StopRequested when any rank got SIGTERM (collective: every rank calls it)."""
+        flag = torch.tensor([int(self.stop.requested)])
+        if self.dist.all_reduce(flag, "max").item():
+            self.close()
+            raise StopRequested(0, self.last_step)
 
     def end_of_step(self, cursor: Cursor, learner) -> None:
         """Save when due; on SIGTERM save synchronously and raise StopRequested."""

@@ -265,6 +265,9 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
             run.main.write(record)
         run.reporter.advance(step, line)
     if not phase.guarded:
+        # SIGTERM in a warm start: nothing to save, stop now (it went on until the
+        # grace's end, and the watchdog's exit 1 wrote no verdict: counted a failure).
+        run.checkpoints.stop_unsaved()
         return
     run.cursor.step = step
     decision = outcome.result.decision
