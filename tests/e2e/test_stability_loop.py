@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_fixtures import prometheus  # noqa: F401 (fixture)
 from tiny_jobs import TINY_MODEL, manifest
@@ -114,8 +115,10 @@ def test_planted_spike_is_skipped_and_prometheus_fires(tmp_path, prometheus) -> 
     assert by_step[spike + 1]["policy_version"] == by_step[spike - 1]["policy_version"] + 1
 
 
-def test_persistent_blowup_is_rolled_back_and_the_run_finishes(tmp_path) -> None:
-    write_job(tmp_path, 70, checkpoint={"intervalSteps": 5})
+@pytest.mark.parametrize("skip_window", [True, False], ids=["skip-window", "replay-window"])
+def test_persistent_blowup_is_rolled_back_and_the_run_finishes(tmp_path, skip_window) -> None:
+    stability = {"skipDataWindow": skip_window}
+    write_job(tmp_path, 70, checkpoint={"intervalSteps": 5}, stability=stability)
     run = start(tmp_path, [{"kind": "grad_scale", "from": 40, "to": 46, "factor": 100}])
     output = run.communicate(timeout=600)[0]
     assert run.returncode == 0, output
@@ -135,6 +138,11 @@ def test_persistent_blowup_is_rolled_back_and_the_run_finishes(tmp_path) -> None
     assert by_step[rollback + 1]["lr"] < by_step[rollback - 1]["lr"]  # scaled down
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 70
+    # The step after the rollback trains on what came after the restored checkpoint
+    # again (skipDataWindow: false), or on what comes after the bad window (true: the
+    # option did nothing, the window was always skipped).
+    again = by_step[rollback + 1]["data_digest"] == by_step[int(restored[1]) + 1]["data_digest"]
+    assert again is not skip_window
 
 
 def test_rollback_with_rollout_servers_regenerates_from_the_restored_weights(tmp_path) -> None:

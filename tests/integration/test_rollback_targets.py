@@ -80,7 +80,7 @@ def test_a_damaged_healthy_target_is_skipped_for_an_older_healthy_one(saved_run)
     checkpoints, learner, cursor, weights = saved_run
     _damage(checkpoints, 30)
     # Before: step 30 named, then the fallback below it took step 20, the unhealthy one.
-    assert checkpoints.rollback(35, cursor, learner) == 10
+    assert checkpoints.rollback(35, cursor, learner, replay_data=False) == 10
     assert all(torch.equal(v, weights[10][k]) for k, v in _state(learner).items())
     assert not any(torch.equal(v, weights[20][k]) for k, v in _state(learner).items())
 
@@ -90,7 +90,7 @@ def test_a_rollback_with_every_healthy_one_damaged_names_them(saved_run) -> None
     _damage(checkpoints, 30)
     _damage(checkpoints, 10)
     with pytest.raises(NoCheckpointError) as raised:
-        checkpoints.rollback(35, cursor, learner)
+        checkpoints.rollback(35, cursor, learner, replay_data=False)
     message = str(raised.value)
     assert "no intact healthy checkpoint to roll back to before step 35" in message
     assert "step-000030: __0_0.distcp: checksum mismatch" in message

@@ -251,6 +251,7 @@ class StabilitySpec(Section):
     """Factor applied to the learning rate at each rollback (1 keeps it)."""
     skip_data_window: bool = True
     """On rollback, skip the data between the restored checkpoint and the collapse
-    instead of training on it again."""
+    (the data and sampling streams go on from where they are); false trains on that
+    window again (the streams as the checkpoint had them)."""
     detector: DetectorSpec = DetectorSpec()
     """Thresholds of the collapse detector's checks."""

@@ -189,10 +189,12 @@ class Checkpointing:
         learner.sync_engine_model()
         return resumed
 
-    def rollback(self, before_step: int, cursor: Cursor, learner) -> int:
+    def rollback(self, before_step: int, cursor: Cursor, learner, replay_data: bool) -> int:
         """Restore the newest healthy checkpoint older than `before_step` into the live
         run; the data and sampling streams go on from where they are (past the bad
-        window). Returns the restored step; RunEnded-worthy NoCheckpointError if none."""
+        window), or with `replay_data` from where the checkpoint had them (the window is
+        trained on again). Returns the restored step; RunEnded-worthy NoCheckpointError
+        if none."""
         self.checkpointer.wait()
         candidates: list[int] = []
         if self.dist.is_main:
@@ -222,6 +224,8 @@ class Checkpointing:
         # only grow, so rollout servers, the weight store and the staleness gate never
         # see a number reused for other weights.
         cursor.policy_version += 1
+        if replay_data:
+            cursor.set_streams(resumed.extra["cursor"])
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}), rollback=True)
         return target
 

@@ -272,7 +272,8 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
     run.cursor.step = step
     decision = outcome.result.decision
     if decision.action == "rollback":
-        _roll_back(run, phase, step, decision.restore_before_step or step)
+        replay = decision.resume_data_after_step is None  # spec.stability.skipDataWindow
+        _roll_back(run, phase, step, decision.restore_before_step or step, replay)
     ended = run.supervisor.ended(decision, step)
     if ended is not None:
         if ended.code == ExitCode.OK:  # pause: keep everything for a later resume
@@ -312,9 +313,9 @@ def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:
     return record
 
 
-def _roll_back(run: Run, phase: Phase, step: int, before: int) -> None:
+def _roll_back(run: Run, phase: Phase, step: int, before: int, replay: bool) -> None:
     try:
-        restored = run.checkpoints.rollback(before, run.cursor, run.learner)
+        restored = run.checkpoints.rollback(before, run.cursor, run.learner, replay)
     except NoCheckpointError as error:
         raise RunEnded(f"collapse at step {step} and {error}", ExitCode.COLLAPSED) from None
     run.set_policy_version(run.cursor.policy_version)
