@@ -21,8 +21,11 @@ dropped; nothing is created once the job is Failed, Succeeded or Suspended.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
+
+import yaml
 
 from rlft.operator import creation as C
 from rlft.operator import failures as P
@@ -40,7 +43,7 @@ from rlft.operator.status import (
     set_condition,
 )
 from rlft.operator.status import RLFineTuneStatus as Status
-from rlft.trainer.config import RLFineTune
+from rlft.trainer.config import JobFileError, RLFineTune, parse_job, read_yaml
 from rlft.trainer.termination import Verdict
 
 SCHEDULER_REASON_POLL_SECONDS = 2.0
@@ -86,8 +89,21 @@ class _Run(FailureResponses):
         its own choice (never, say); then latest-healthy (see checkpointed_once)."""
         return self.st.resume if self.st.resume != "auto" else self.job.spec.checkpoint.resume
 
-    def desired(self) -> M.Desired:
-        return M.desired(self.job, self.body, self.settings, self.resume(), self.st.gang_attempt)
+    def desired(self, job: RLFineTune | None = None) -> M.Desired:
+        return M.desired(
+            job or self.job, self.body, self.settings, self.resume(), self.st.gang_attempt
+        )
+
+    def running_job(self, desired: M.Desired) -> M.Desired | None:
+        """The children of the job file the running pods read (the ConfigMap as it is);
+        None when it is unknown or unreadable."""
+        texts = [self.observed.config_data.get(name) for name in desired.config_maps]
+        if not texts or texts[0] is None:
+            return None
+        try:
+            return self.desired(parse_job(read_yaml(texts[0])))
+        except (JobFileError, yaml.YAMLError):
+            return None
 
     def checkpointed_once(self) -> None:
         """Every trainer start after the job's first checkpoint resumes with
@@ -258,12 +274,18 @@ class _Run(FailureResponses):
 
     def ensure_children(self) -> None:
         desired = self.desired()
-        for pod in self.pods.values():
-            if pod.name not in desired.pods:
-                self.delete(pod)  # a slot that no longer exists (replicas or instances lowered)
         self.refresh_config(
             {n: cm for n, cm in desired.config_maps.items() if n in self.observed.config_maps}
         )
+        if self.waiting:
+            # The edit waits for a suspend: new pods (replacements) and the slots are the
+            # job's as its running pods read it, not the edit's.
+            running = self.running_job(desired)
+            if running is not None:
+                desired = replace(desired, pods=running.pods, pod_groups=running.pod_groups)
+        for pod in self.pods.values():
+            if pod.name not in desired.pods:
+                self.delete(pod)  # a slot that no longer exists (replicas or instances lowered)
         wait = C.hold_seconds(self.st, self.generation, self.now)
         if wait is not None:  # the API server refused a create: back off (creation.py)
             self.requeue(wait)

@@ -129,6 +129,28 @@ def test_an_edit_that_reaches_a_running_job_waits_for_a_suspend():
     assert _condition(w, "SpecApplied").status == "True"
 
 
+def test_replacement_pods_of_a_job_whose_edit_waits_run_the_spec_it_runs():
+    """While an edit waits for a suspend, a failed trainer is replaced by a pod of the
+    job as its running pods have it (image, command), and no slot of it goes: the edit
+    used to reach every new pod (a new image reading the old job file), and lowering
+    rollout.instances deleted an instance the trainers still send to."""
+    w = _running(rollout={"instances": 2})
+    w.edit(**_trainer(image="registry/trainer:NEW"), rollout={"instances": 1})
+    d = w.step()
+    assert d.delete_pods == [] and d.update == []
+    assert _condition(w, "SpecApplied").reason == "SuspendToApply"
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1)
+    decisions = [w.step()]
+    w.tick(3600)
+    decisions += [w.step() for _ in range(3)]
+    created = [m for d in decisions for m in d.create if m["kind"] == "Pod"]
+    assert created, "the failed trainer was not replaced"
+    images = {c["image"] for m in created for c in m["spec"]["containers"]}
+    assert "registry/trainer:NEW" not in images, images
+    deleted = [name for d in decisions for name in d.delete_pods]
+    assert not [name for name in deleted if "rollout" in name], deleted
+
+
 def test_an_edit_of_live_fields_is_applied_at_once():
     w = _running()
     w.edit(restartPolicy={"maxRestarts": 7, "windowMinutes": 60, "backoffSeconds": 10})
