@@ -333,6 +333,38 @@ def test_micro_batch_size_zero_exact_line() -> None:
             id="toleration",
         ),
         pytest.param(
+            manifest(checkpoint={"credentialsSecret": "Bad_Name"}),
+            "spec.checkpoint.credentialsSecret: 'Bad_Name' is not a DNS-1123 subdomain",
+            id="secret-name",
+        ),
+        pytest.param(
+            manifest(scheduling={"priorityClassName": "Not Valid"}),
+            "spec.scheduling.priorityClassName: 'Not Valid' is not a DNS-1123 subdomain",
+            id="priority-class",
+        ),
+        pytest.param(
+            manifest(scheduling={"nodeSelector": {"bad key!": "v"}}),
+            "spec.scheduling.nodeSelector: nodeSelector key 'bad key!' is not a qualified name",
+            id="node-selector-key",
+        ),
+        pytest.param(
+            manifest(
+                scheduling={"tolerations": [{"key": "a", "operator": "Exists", "value": "x"}]}
+            ),
+            "spec.scheduling.tolerations[0]: operator Exists takes no value",
+            id="toleration-exists-value",
+        ),
+        pytest.param(
+            manifest(scheduling={"tolerations": [{"operator": "Equal", "value": "x"}]}),
+            "spec.scheduling.tolerations[0]: a toleration without a key needs operator: Exists",
+            id="toleration-no-key",
+        ),
+        pytest.param(
+            manifest(trainer={"image": ""}),
+            "spec.trainer.image: string should have at least 1 character",
+            id="empty-image",
+        ),
+        pytest.param(
             manifest(data={"jsonl": {"train": "/data/train.jsonl"}}),
             "spec.data: a `jsonl` section with source `arithmetic` would be ignored",
             id="jsonl-without-source",

@@ -31,9 +31,11 @@ from rlft.trainer.config.base import Section
 from rlft.trainer.config.gang import GangSpec
 from rlft.trainer.config.locations import endpoint_problem, location_problem
 from rlft.trainer.config.pods import (
+    DnsSubdomain,
     PodCustomisation,
     ResourceQuantity,
     check_extended,
+    check_node_selector,
     check_requests_within_limits,
 )
 from rlft.trainer.config.stability import StabilitySpec
@@ -325,7 +327,7 @@ class TrainerSpec(Section):
     """Seed of every random choice (model init, data order, sampling)."""
     parallelism: Parallelism = Parallelism()
     """Sharding, precision and recomputation of the training model."""
-    image: str = "ghcr.io/rlft/trainer:latest"
+    image: str = Field("ghcr.io/rlft/trainer:latest", min_length=1, pattern=r"^\S+$")
     """Container image of trainer pods (Kubernetes only)."""
     replicas: Replicas = Replicas()
     """Elastic trainer group size (Kubernetes only)."""
@@ -380,7 +382,7 @@ class RolloutSpec(Section):
     """Sampling parameters of RL rollouts."""
     max_staleness: int = Field(0, ge=0, le=64)
     """Largest policy lag of a trained sample (0 = synchronous, on-policy)."""
-    image: str = "ghcr.io/rlft/trainer:latest"
+    image: str = Field("ghcr.io/rlft/trainer:latest", min_length=1, pattern=r"^\S+$")
     """Container image of rollout pods (Kubernetes only)."""
     instances: int = Field(1, ge=1, le=4096)
     """Rollout engine instances."""
@@ -468,7 +470,7 @@ class CheckpointSpec(Section):
     """...and at least every this many minutes."""
     keep_last: int = Field(3, ge=1, le=1000)
     """Committed checkpoints kept besides those tagged healthy."""
-    credentials_secret: str | None = None
+    credentials_secret: DnsSubdomain | None = None
     """Name of a Secret with the object store's credentials (Kubernetes only)."""
     credentials_dir: str | None = Field(None, min_length=1, max_length=4096)
     """Folder holding the object store's credentials as files named AWS_ACCESS_KEY_ID and
@@ -541,17 +543,33 @@ class Toleration(Section):
     toleration_seconds: int | None = Field(None, ge=0)
     """How long a NoExecute taint is tolerated."""
 
+    @model_validator(mode="after")
+    def _as_kubernetes_checks(self) -> Toleration:
+        # The API server's own rules: a pod breaking them is refused at every create.
+        if self.operator == "Exists" and self.value:
+            raise ValueError("operator Exists takes no value (it matches any)")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("a toleration without a key needs operator: Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds applies to effect NoExecute only")
+        return self
+
 
 class SchedulingSpec(Section):
     """Where pods may run (Kubernetes only)."""
 
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels every pod requires."""
+
+    @field_validator("node_selector")
+    @classmethod
+    def _node_labels(cls, values: dict[str, str]) -> dict[str, str]:
+        return check_node_selector(values)
     tolerations: list[Toleration] = Field(default_factory=list)
     """Taints the pods tolerate."""
     affinity: dict[str, Any] = Field(default_factory=dict)
     """A Kubernetes affinity object, passed through unchanged."""
-    priority_class_name: str | None = None
+    priority_class_name: DnsSubdomain | None = None
     """PriorityClass of the pods."""
     scheduling_timeout_seconds: int = Field(600, ge=1, le=604800)
     """If the trainer gang is not scheduled within this time, say so in a condition."""

@@ -275,25 +275,43 @@ class PullSecret(Section):
     """Name of the Secret."""
 
 
+def _check_qualified(key: str, what: str) -> None:
+    prefix, _, name = key.rpartition("/")
+    if not _QUALIFIED_NAME.match(key) or len(name) > 63 or len(prefix) > 253:
+        raise ValueError(
+            f"{what} key {key!r} is not a qualified name: an optional DNS-subdomain "
+            "prefix and '/', then at most 63 letters, digits, '-', '_' or '.'"
+        )
+
+
+def _check_label_value(key: str, value: str) -> None:
+    if len(value) > 63 or not _LABEL_VALUE.match(value):
+        raise ValueError(
+            f"label {key}: value {value!r} is not a label value: at most 63 letters, "
+            "digits, '-', '_' or '.', starting and ending with a letter or digit"
+        )
+
+
+def check_node_selector(values: dict[str, str]) -> dict[str, str]:
+    """Node labels: qualified keys, label values (the API server refuses a pod otherwise,
+    and every create of the job's pods would fail)."""
+    for key, value in values.items():
+        _check_qualified(key, "nodeSelector")
+        _check_label_value(key, value)
+    return values
+
+
 def _check_keys(values: dict[str, str], what: str, label_values: bool) -> dict[str, str]:
     for key, value in values.items():
-        prefix, _, name = key.rpartition("/")
-        if not _QUALIFIED_NAME.match(key) or len(name) > 63 or len(prefix) > 253:
-            raise ValueError(
-                f"{what} key {key!r} is not a qualified name: an optional DNS-subdomain "
-                "prefix and '/', then at most 63 letters, digits, '-', '_' or '.'"
-            )
+        _check_qualified(key, what)
         if key in OPERATOR_LABELS or key.startswith(OPERATOR_PREFIX):
             raise ValueError(
                 f"{what} key {key!r} is the operator's (it sets and selects pods by "
                 f"{OPERATOR_PREFIX}… and app.kubernetes.io/name, instance, managed-by and "
                 "component); choose another key"
             )
-        if label_values and (len(value) > 63 or not _LABEL_VALUE.match(value)):
-            raise ValueError(
-                f"label {key}: value {value!r} is not a label value: at most 63 letters, "
-                "digits, '-', '_' or '.', starting and ending with a letter or digit"
-            )
+        if label_values:
+            _check_label_value(key, value)
     return values
 
 
