@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -279,3 +280,23 @@ def test_ranks_started_with_nproc_exit_with_their_own_code(tmp_path: Path, monke
     job = str(write_job(tmp_path / "job.yaml", spec))
     assert main(["train", job, "--out", str(tmp_path / "out"), "--nproc", "2"]) == 2
     assert "missing.jsonl" in capfd.readouterr().err
+
+
+def test_settings_the_machine_refuses_are_named_without_a_traceback(tmp_path: Path, capsys):
+    """A telemetry port in use (retryable: exit 1) and a staging folder that cannot be made
+    (the job's error: exit 2) name their field; they were raw tracebacks with exit 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        spec = arithmetic_spec() | {"telemetry": {"port": taken.getsockname()[1]}}
+        job = str(write_job(tmp_path / "busy.yaml", spec))
+        assert main(["train", job, "--out", str(tmp_path / "busy")]) == 1
+    err = capsys.readouterr().err
+    assert "rlft: spec.telemetry: cannot serve /metrics and /status" in err, err
+    assert "Traceback" not in err
+    spec = arithmetic_spec() | {"checkpoint": {"stagingDir": "/proc/rlft-cannot-be-made"}}
+    job = str(write_job(tmp_path / "staging.yaml", spec))
+    assert main(["train", job, "--out", str(tmp_path / "staging")]) == 2
+    err = capsys.readouterr().err
+    assert "rlft: spec.checkpoint.stagingDir: cannot make /proc/rlft-cannot-be-made" in err, err
+    assert "Traceback" not in err

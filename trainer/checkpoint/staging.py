@@ -53,12 +53,22 @@ def _lock(folder: Path) -> int | None:
     return None
 
 
+class StagingDirError(ValueError):
+    """The staging folder cannot be made (a configuration error: exit 2)."""
+
+
 class Stage:
     """This rank's stage folder under `parent`, locked until `release`."""
 
     def __init__(self, parent: Path, rank: int):
         self.parent = parent
-        parent.mkdir(parents=True, exist_ok=True)
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise StagingDirError(
+                f"spec.checkpoint.stagingDir: cannot make {parent} ({error.strerror}): "
+                "give a writable folder with room for this rank's share of a checkpoint"
+            ) from None
         for name in (f"rank-{rank}", f"rank-{rank}-{os.getpid()}"):
             fd = _lock(parent / name)
             if fd is not None:

@@ -34,6 +34,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     from rlft.trainer.model.build import ModelLoadError
     from rlft.trainer.run.job import OutputExistsError, run_job
     from rlft.trainer.storage.errors import StorageError
+    from rlft.trainer.telemetry.server import TelemetryServeError
 
     rank = dist.rank if dist is not None else 0
     try:
@@ -58,7 +59,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         BadUriError,
     ) as error:
         return _failed(ExitCode.INVALID_CONFIG, error, rank)
-    except (CheckpointError, StorageError) as error:  # storage trouble: worth retrying
+    except (CheckpointError, StorageError, TelemetryServeError) as error:  # worth retrying
         return _failed(ExitCode.FAILURE, error, rank)
     code = summary.get("exit_code", ExitCode.OK)
     verdict = _verdict(job, summary, code, rank)

@@ -565,6 +565,7 @@ class SchedulingSpec(Section):
     @classmethod
     def _node_labels(cls, values: dict[str, str]) -> dict[str, str]:
         return check_node_selector(values)
+
     tolerations: list[Toleration] = Field(default_factory=list)
     """Taints the pods tolerate."""
     affinity: dict[str, Any] = Field(default_factory=dict)

@@ -50,6 +50,10 @@ class _Server(ThreadingHTTPServer):
     status: Callable[[], dict]
 
 
+class TelemetryServeError(RuntimeError):
+    """The telemetry endpoint cannot listen where the job says (a port in use, say)."""
+
+
 class TelemetryServer:
     """Serves an exporter's registry and a status board until `close()`."""
 
@@ -60,7 +64,14 @@ class TelemetryServer:
         host: str = "127.0.0.1",
         port: int = 0,
     ):
-        self._server = _Server((host, port), _Handler)
+        try:
+            self._server = _Server((host, port), _Handler)
+        except OSError as error:
+            raise TelemetryServeError(
+                f"spec.telemetry: cannot serve /metrics and /status on {host}:{port} "
+                f"({error.strerror or error}): choose another port (0: a free one) or "
+                "host, or set enabled: false"
+            ) from None
         self._server.metrics = exporter.exposition
         self._server.status = board.snapshot
         self._thread = threading.Thread(
