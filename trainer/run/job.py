@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -229,22 +230,29 @@ def outputs_uri(checkpoint_uri: str | None) -> str | None:
 
 def _publish_outputs(run: Run) -> None:
     """Rank 0: the final model (Hugging Face folder), metrics.jsonl and summary.json
-    under the checkpoint location, the summary last (its presence says the rest is there)."""
+    under the checkpoint location, the summary last (its presence says the rest is there).
+    An earlier run's outputs there are replaced whole: its summary is withdrawn, then its
+    model, before anything is uploaded, so an export never takes a mix of two runs'
+    models (without a summary it takes the latest checkpoint)."""
     storage = storage_from_spec(run.spec.checkpoint, run.out / "checkpoints")
     model = run.out / "model"
     files = [
         (f"{OUTPUTS}/model/{path.relative_to(model).as_posix()}", path)
         for path in sorted(p for p in model.rglob("*") if p.is_file())
-    ] + [(f"{OUTPUTS}/{name}", run.out / name) for name in ("metrics.jsonl", "summary.json")]
+    ] + [(f"{OUTPUTS}/metrics.jsonl", run.out / "metrics.jsonl")]
     # Retried through a store outage as checkpoint uploads are: the run is done by now.
     deadline = time.monotonic() + run.spec.checkpoint.upload_retry_minutes * 60
+
+    def retried(what: str, call: Callable[[], object]) -> None:
+        liveness.beat(f"publishing {what}")
+        with_retries(call, deadline_s=max(0.0, deadline - time.monotonic()), cap=10.0)
+
+    summary = f"{OUTPUTS}/summary.json"
+    retried(summary, lambda: storage.delete_prefix(summary))
+    retried(f"{OUTPUTS}/model/", lambda: storage.delete_prefix(f"{OUTPUTS}/model/"))
     for key, path in files:
-        liveness.beat(f"publishing {key}")
-        with_retries(
-            lambda key=key, path=path: storage.put_file(key, path),
-            deadline_s=max(0.0, deadline - time.monotonic()),
-            cap=10.0,
-        )
+        retried(key, lambda key=key, path=path: storage.put_file(key, path))
+    retried(summary, lambda: storage.put_file(summary, run.out / "summary.json"))
 
 
 def _announce(run: Run, parts: JobParts, resumed: bool) -> None:
