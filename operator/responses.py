@@ -206,17 +206,12 @@ class FailureResponses:
         """A pod deleted gracefully that is still there well past its grace period has no
         kubelet to finish the deletion (its node is lost): force-delete it, so that its
         slot, whose name is fixed, can be filled again."""
+        said = set(self.st.force_deleted) & {p.uid for p in self.pods.values()}
         for pod in sorted(self.pods.values(), key=lambda p: p.name):
             if pod.on_lost_node:
                 # Its node was silent for nodeLostSeconds already: waiting out the grace
                 # too would only keep the slot empty (no kubelet runs the shutdown).
-                self.d.force_delete_pods.append(pod.name)
-                self.event(
-                    "Warning",
-                    "ForceDeleted",
-                    f"pod {pod.name} was evicted from a node that stopped reporting: "
-                    "force-deleted so it can be replaced",
-                )
+                self._force_delete(pod, said, "was evicted from a node that stopped reporting")
                 continue
             deadline = parse_time(pod.deletion_deadline) if pod.deleting else None
             if deadline is None:
@@ -225,12 +220,23 @@ class FailureResponses:
             if late < STUCK_TERMINATING_SECONDS:
                 self.requeue(STUCK_TERMINATING_SECONDS - late)
                 continue
-            self.d.force_delete_pods.append(pod.name)
+            self._force_delete(
+                pod,
+                said,
+                f"still Terminating {late:.0f} s after its grace period ended (its node "
+                "stopped reporting?)",
+            )
+        self.st.force_deleted = sorted(said)
+
+    def _force_delete(self, pod: PodView, said: set[str], why: str) -> None:
+        """Force-delete `pod` (again, if a finalizer held it); its Event only the first time."""
+        self.d.force_delete_pods.append(pod.name)
+        if pod.uid not in said:
+            said.add(pod.uid)
             self.event(
                 "Warning",
                 "ForceDeleted",
-                f"pod {pod.name} still Terminating {late:.0f} s after its grace period "
-                "ended (its node stopped reporting?): force-deleted so it can be replaced",
+                f"pod {pod.name} {why}: force-deleted so it can be replaced",
             )
 
     def lost_trainers(self) -> None:

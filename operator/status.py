@@ -141,6 +141,9 @@ class RLFineTuneStatus(_Status):
     """No pod is recreated before this time (exponential backoff)."""
     handled_pods: list[str] = Field(default_factory=list)
     """UIDs of failed pods already counted, so a failure is never counted twice."""
+    force_deleted: list[str] = Field(default_factory=list)
+    """UIDs of pods force-deleted already: one Event each, however often the delete is
+    repeated (a pod held by a finalizer stays)."""
     gang_pods: list[str] = Field(default_factory=list)
     """`name/uid` of the current trainer gang's pods once seen running: one that vanishes
     (deleted, evicted, its node lost) breaks the others, so the gang restarts."""

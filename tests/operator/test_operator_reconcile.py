@@ -781,6 +781,25 @@ def test_a_pod_evicted_from_a_node_that_stopped_reporting_is_force_deleted_at_on
     assert "tiny-grpo-trainer-0" in d.delete_pods  # the gang restarts without waiting
 
 
+def test_a_pod_a_finalizer_holds_is_force_deleted_again_with_one_event():
+    """A force-deleted pod a finalizer holds (Kueue's, say) stays: the delete is repeated
+    each reconcile, its Event is not (one Warning every 15 s flooded the job's Events)."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    grace_ends = (w.now + timedelta(seconds=30)).isoformat()
+    evicted = {"deleting": True, "grace_ends": grace_ends, "disruption": "DeletionByTaintManager"}
+    w.set("tiny-grpo-trainer-1", phase="Running", ready=False, **evicted)
+    held = w.pods["tiny-grpo-trainer-1"]
+    for _ in range(3):
+        d = w.step()
+        assert "tiny-grpo-trainer-1" in d.force_delete_pods
+        w.pods["tiny-grpo-trainer-1"] = held  # the finalizer keeps it
+        w.tick(15)
+    assert w.events.count("ForceDeleted") == 1, w.events
+
+
 OOM_KILLED = {"phase": "Failed", "exit_code": 137, "terminated_reason": "OOMKilled"}
 
 
