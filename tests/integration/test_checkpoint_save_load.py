@@ -374,3 +374,14 @@ def test_a_failed_save_leaves_nothing_it_uploaded(tmp_path: Path) -> None:
     ckpt.close()
     assert storage.list("step-000007/") == []
     assert Catalog(storage).scan().uncommitted == set()
+
+
+def test_listing_or_verifying_a_folder_that_is_not_there_fails(tmp_path: Path, capsys) -> None:
+    """A wrong path is an error, not an empty location: `rlft checkpoints verify` as a CI
+    gate on a typo passed."""
+    for command in ("list", "verify"):
+        assert rlft(["checkpoints", command, str(tmp_path / "typo")]) == 1
+        assert f"no folder at {tmp_path / 'typo'}" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert rlft(["checkpoints", "verify", str(tmp_path / "empty")]) == 0
+    assert "no committed checkpoints" in capsys.readouterr().out

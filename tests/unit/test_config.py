@@ -571,6 +571,15 @@ def test_cli_train_rejects_max_steps_below_one(
     assert "--max-steps must be ≥ 1" in capsys.readouterr().err
 
 
+def test_cli_train_refuses_resume_with_overwrite(
+    repo_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--overwrite deletes the checkpoints --resume asks for (it was silently ignored)."""
+    path = str(repo_root / "examples" / "tiny-grpo.yaml")
+    assert cli.main(["train", path, "--resume", "1", "--overwrite"]) == 2
+    assert "--resume 1 with --overwrite: give one of them" in capsys.readouterr().err
+
+
 def test_cli_train_bad_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml(tmp_path, manifest(trainer={"steps": 0}))
     assert cli.main(["train", str(path), "--out", str(tmp_path / "out")]) == 2

@@ -11,7 +11,7 @@ from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import BadUriError, CheckpointError, StorageError
 from rlft.trainer.checkpoint.manifest import step_dir
 from rlft.trainer.exit_codes import ExitCode
-from rlft.trainer.storage.backends import S3Options, open_storage
+from rlft.trainer.storage.backends import FileStorage, S3Options, open_storage
 
 FAILURES = (CheckpointError, StorageError, BadUriError)
 
@@ -36,9 +36,18 @@ def _options(args: argparse.Namespace) -> S3Options:
     )
 
 
+def _readable(uri: str, args: argparse.Namespace):
+    """The location's storage; a local folder that does not exist is the caller's typo,
+    not an empty location (a CI gate on a wrong path used to pass)."""
+    storage = open_storage(uri, _options(args))
+    if isinstance(storage, FileStorage) and not storage.root.is_dir():
+        raise BadUriError(f"no folder at {storage.root}: check the path")
+    return storage
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     try:
-        catalog = Catalog(open_storage(args.uri, _options(args)))
+        catalog = Catalog(_readable(args.uri, args))
         scan = catalog.scan()
     except FAILURES as error:
         print(f"rlft: {error}", file=sys.stderr)
@@ -75,7 +84,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Check every committed checkpoint's files against its manifest (sizes and
     SHA-256); exit 1 if any is damaged."""
     try:
-        catalog = Catalog(open_storage(args.uri, _options(args)))
+        catalog = Catalog(_readable(args.uri, args))
         scan = catalog.scan()
         damaged = 0
         steps = sorted(scan.manifests) if args.step is None else [args.step]

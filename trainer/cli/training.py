@@ -143,6 +143,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         print("rlft: --nproc must be ≥ 1", file=sys.stderr)
         return ExitCode.INVALID_CONFIG
+    if args.overwrite and args.resume not in (None, "never"):
+        # --overwrite deletes the run's checkpoints: there would be nothing to resume.
+        print(f"rlft: --resume {args.resume} with --overwrite: give one of them", file=sys.stderr)
+        return ExitCode.INVALID_CONFIG
     if launched_by_torchrun():
         # A rank of a job whose ranks torchrun started (on Kubernetes: every worker of
         # every trainer pod): join the group it described, whatever --nproc says.

@@ -259,7 +259,7 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
     step = outcome.step
     if run.main is not None:
         record = _record(run, phase, outcome)
-        line = phase.source.describe(record)
+        line = _progress_line(phase, record)
         if phase.guarded:
             run.supervisor.record(record)
             run.main.write(record)
@@ -285,6 +285,16 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
         run.checkpoints.end_of_step(run.cursor, run.learner)
     run.supervisor.record({"checkpoint_time_s": time.perf_counter() - started})
     liveness.beat(f"{phase.title} step {step}: done")
+
+
+def _progress_line(phase: Phase, record: dict) -> str:
+    """The step's progress text, saying why its update was skipped (metrics.jsonl has
+    it; the line showed only `loss nan`)."""
+    skipped = record.get("skip_reason")
+    if skipped and "loss" not in record:
+        return f"update skipped: {skipped}"
+    line = phase.source.describe(record)
+    return f"{line} (update skipped: {skipped})" if skipped else line
 
 
 def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:
