@@ -4,6 +4,7 @@ test folder: the root conftest's folder is on sys.path)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -58,3 +59,26 @@ def arithmetic_rl_spec(algorithm: dict, steps: int = 3, init: dict = TINY_INIT, 
         "rollout": {"sampling": {"maxNewTokens": 4}},
         "eval": {"maxProblems": 20},
     } | more
+
+
+def float64_model(family: str, vocab: int, **init: Any):
+    """A tiny random model of `family` (seeded), in float64 and train mode: for tests that
+    compare losses and gradients exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlft.trainer.config import ModelInit
+    from rlft.trainer.model.build import model_config, to_float64
+
+    spec = ModelInit(
+        family=family,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **init,
+    )
+    torch.manual_seed(0)
+    return to_float64(AutoModelForCausalLM.from_config(model_config(spec, vocab, 0, 1))).train()

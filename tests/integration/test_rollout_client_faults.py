@@ -343,11 +343,16 @@ def test_the_broadcast_group_is_at_the_pods_ip(monkeypatch, tmp_path):
         client.close()
 
 
-def test_a_broadcast_group_formed_leaves_its_version_in_the_store(tmp_path):
+def test_broadcast_groups_are_formed_when_members_change_and_leave_the_store_a_copy(
+    tmp_path, caplog
+):
     """Weights by broadcast skip the store, but an instance that restarts reads the
     store's newest version: each time the group is (re)formed its version is written
-    there too (documented, never done: the store stayed at the first version, and a
-    restarted instance served weights every step too stale to train on)."""
+    there too (documented, never done: a restarted instance served weights every step
+    too stale to train on). A rollout container restarted in its pod answers at the same
+    URL but is not in the group: the group is re-formed for the next version at once (it
+    was reused, the new process waited to join a group nobody formed, and the
+    publication stalled for the group's 60 s timeout before falling back to the store)."""
     model, _ = tiny_model()
     store = store_at(tmp_path)
     publish(store, model, 0)
@@ -362,38 +367,17 @@ def test_a_broadcast_group_formed_leaves_its_version_in_the_store(tmp_path):
             assert [i.policy_version for i in client.instances] == [3, 3]
             assert store.latest() == 2  # the group formed at 2, and was kept for 3
             assert store.numbers() == [0, 1, 2]
-        finally:
-            publisher.close()
-            client.close()
-
-
-def test_an_instance_restarted_at_its_address_gets_the_next_broadcast(tmp_path, caplog):
-    """A rollout container restarted in its pod answers at the same URL but is not in the
-    trainer's broadcast group: the group is re-formed for the next version at once (it
-    used to be reused, the new process waited to join a group nobody formed, and the
-    publication stalled for the group's 60 s timeout before falling back to the store)."""
-    model, _ = tiny_model()
-    store = store_at(tmp_path)
-    publish(store, model, 0)
-    with LocalServers(2, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
-        client = RolloutClient(servers.start(), timeout_s=60, probe_every_s=0.2)
-        publisher = WeightPublisher(client, store, "broadcast", timeout_s=60)
-        try:
-            client.wait_ready(120)
-            for version in (1, 2):  # 1 by the store (it builds engines), 2 forms the group
-                redraw(model, version)
-                publisher.publish_now(model, version)
             url = client.instances[1].url
             assert servers.restart(1) == url
             wait_until(lambda: client.probe(client.instances[1]), 120, "the restart serves")
-            redraw(model, 3)
+            redraw(model, 4)
             started = time.monotonic()
             with caplog.at_level("WARNING", logger="rlft.trainer.rollout.publisher"):
-                publisher.publish_now(model, 3)
+                publisher.publish_now(model, 4)
             assert time.monotonic() - started < 30
             assert "broadcast failed" not in caplog.text
-            assert [i.policy_version for i in client.instances] == [3, 3]
-            assert store.latest() == 3  # the group was formed again, at 3
+            assert [i.policy_version for i in client.instances] == [4, 4]
+            assert store.latest() == 4  # the group was formed again, at 4
         finally:
             publisher.close()
             client.close()

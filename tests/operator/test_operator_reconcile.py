@@ -738,16 +738,22 @@ def test_a_preempted_or_evicted_trainer_pod_is_judged_while_it_is_being_deleted(
     assert d.delete_pods == ["tiny-grpo-trainer-0"]  # the other is already going
 
 
-def test_a_pod_stuck_terminating_past_its_grace_is_force_deleted_and_replaced():
-    """A lost node's pod, evicted by the taint manager, keeps its deletion timestamp for
-    ever (no kubelet finishes it) and holds its slot's name: once STUCK_TERMINATING_SECONDS
-    past its grace it is force-deleted (one Event), and the gang restarts without it."""
+def _running_gang_and_an_eviction() -> tuple[World, dict[str, Any]]:
+    """A running 2-pod gang, and the pod fields of a taint-manager eviction (its grace
+    ending in 30 s)."""
     w = _world(trainer={"replicas": {"min": 2, "max": 2}})
     w.step()
     w.run_all()
     w.step()
     grace_ends = (w.now + timedelta(seconds=30)).isoformat()
-    evicted = {"deleting": True, "grace_ends": grace_ends, "disruption": "DeletionByTaintManager"}
+    return w, {"deleting": True, "grace_ends": grace_ends, "disruption": "DeletionByTaintManager"}
+
+
+def test_a_pod_stuck_terminating_past_its_grace_is_force_deleted_and_replaced():
+    """A lost node's pod, evicted by the taint manager, keeps its deletion timestamp for
+    ever (no kubelet finishes it) and holds its slot's name: once STUCK_TERMINATING_SECONDS
+    past its grace it is force-deleted (one Event), and the gang restarts without it."""
+    w, evicted = _running_gang_and_an_eviction()
     w.set("tiny-grpo-trainer-1", phase="Running", **evicted)
     w.tick(30 + STUCK_TERMINATING_SECONDS - 1)
     d = w.step()
@@ -765,12 +771,7 @@ def test_a_pod_evicted_from_a_node_that_stopped_reporting_is_force_deleted_at_on
     so its grace is not waited out. It is a NodeLost failure of the gang, and its slot is
     freed at once. A pod evicted from a node whose kubelet still reports stays ready
     while it stops, and keeps its grace."""
-    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
-    w.step()
-    w.run_all()
-    w.step()
-    grace_ends = (w.now + timedelta(seconds=30)).isoformat()
-    evicted = {"deleting": True, "grace_ends": grace_ends, "disruption": "DeletionByTaintManager"}
+    w, evicted = _running_gang_and_an_eviction()
     w.set("tiny-grpo-trainer-1", phase="Running", ready=True, **evicted)
     d = w.step()
     assert d.force_delete_pods == [] and "ForceDeleted" not in w.events
@@ -784,12 +785,7 @@ def test_a_pod_evicted_from_a_node_that_stopped_reporting_is_force_deleted_at_on
 def test_a_pod_a_finalizer_holds_is_force_deleted_again_with_one_event():
     """A force-deleted pod a finalizer holds (Kueue's, say) stays: the delete is repeated
     each reconcile, its Event is not (one Warning every 15 s flooded the job's Events)."""
-    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
-    w.step()
-    w.run_all()
-    w.step()
-    grace_ends = (w.now + timedelta(seconds=30)).isoformat()
-    evicted = {"deleting": True, "grace_ends": grace_ends, "disruption": "DeletionByTaintManager"}
+    w, evicted = _running_gang_and_an_eviction()
     w.set("tiny-grpo-trainer-1", phase="Running", ready=False, **evicted)
     held = w.pods["tiny-grpo-trainer-1"]
     for _ in range(3):

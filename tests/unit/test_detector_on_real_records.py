@@ -7,37 +7,19 @@ silently skipped in every run.)"""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
+from tiny_jobs import float64_model
 
 from rlft.trainer.algorithms.aggregation import Normalisers
 from rlft.trainer.algorithms.batch import pack
 from rlft.trainer.algorithms.objectives import Models, PolicyGradient
-from rlft.trainer.config import ModelInit
 from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.learner.learner import StepResult
-from rlft.trainer.model.build import model_config, to_float64
 from rlft.trainer.run.step_metrics import update_metrics
 from rlft.trainer.stability.detector import CRITICAL, OK, Detector
 from rlft.trainer.telemetry.exporter import MetricsExporter
 
 VOCAB = 40
-
-
-def tiny(family: str) -> torch.nn.Module:
-    init = ModelInit(
-        family=family,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_experts=4,
-        experts_per_token=2,
-        moe_intermediate_size=16,
-    )
-    torch.manual_seed(0)
-    return to_float64(AutoModelForCausalLM.from_config(model_config(init, VOCAB, 0, 1))).train()
+EXPERTS = {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 16}
 
 
 def step_record(model, algorithm: dict, behaviour_shift: float = 0.0) -> dict:
@@ -77,7 +59,7 @@ def exported(record: dict) -> str:
 
 
 def test_tokens_masked_for_their_mismatch_weight_are_judged_and_exported():
-    model = tiny("qwen3")
+    model = float64_model("qwen3", VOCAB)
     masked = {"mismatch": {"mode": "mask", "cap": 2.0}}
     # Every behaviour log-prob 1 nat above the trainer's: weights e^-1 < 1/2, all masked.
     record = step_record(model, masked, behaviour_shift=1.0)
@@ -98,7 +80,7 @@ def test_tokens_masked_for_their_mismatch_weight_are_judged_and_exported():
 
 
 def test_a_collapsed_router_is_judged_and_exported():
-    model = tiny("qwen3-moe")
+    model = float64_model("qwen3-moe", VOCAB, **EXPERTS)
     healthy = step_record(model, {})
     assert healthy["expert_dead_fraction"] < 0.5
     with torch.no_grad():  # a router whose logits are all equal: the same experts always

@@ -9,34 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_jobs import float64_model
 
 from rlft.trainer.algorithms import objectives
 from rlft.trainer.algorithms.aggregation import Normalisers
 from rlft.trainer.algorithms.batch import empty_like, pack
 from rlft.trainer.algorithms.objectives import Models, PolicyGradient
 from rlft.trainer.algorithms.prefix import completion_layout
-from rlft.trainer.config import ModelInit
 from rlft.trainer.config.algorithm import AlgorithmSpec
-from rlft.trainer.model.build import model_config, to_float64
 
 VOCAB = 40
-
-
-def tiny_model(family: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    init = ModelInit(
-        family=family,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(model_config(init, VOCAB, 0, 1))
-    return to_float64(model).train()
 
 
 def grouped_batch(filler: bool = True):
@@ -92,7 +74,7 @@ def plain(objective_class):
 )
 @pytest.mark.parametrize("mismatch", ["none", "truncate"])
 def test_the_shared_prefix_forward_matches_the_whole_batch(family, policy_loss, mismatch):
-    model = tiny_model(family)
+    model = float64_model(family, VOCAB)
     spec = AlgorithmSpec.model_validate(
         {
             "name": "grpo",
@@ -124,7 +106,7 @@ def test_the_shared_path_is_taken_only_where_rows_share_a_prompt(monkeypatch):
     calls = []
     real = objectives.shared_prefix_logits
     monkeypatch.setattr(objectives, "shared_prefix_logits", lambda *a: calls.append(1) or real(*a))
-    model = tiny_model("qwen3")
+    model = float64_model("qwen3", VOCAB)
     objective = PolicyGradient(AlgorithmSpec.model_validate({"name": "grpo"}), 1.0, 5.0)
     distinct = pack([[3, 4, 5], [6, 7, 8], [9, 10]], [[11], [12, 13], [14]], 0, None, [1, -1, 0.5])
     assert completion_layout(distinct) is None
