@@ -59,6 +59,14 @@ def test_a_later_epochs_non_finite_gradient_drops_it_and_keeps_the_update_before
     assert math.isfinite(record["grad_norm"]) and math.isfinite(record["loss"])
 
 
+def test_an_unguarded_first_epochs_non_finite_gradient_is_skipped():
+    """Without a guard to judge it (the warm start), a non-finite gradient in the first
+    epoch is not applied: one NaN would make every weight NaN."""
+    result, weights = trained(epochs=2, broken=1)
+    assert not result.applied and result.action == "skip"
+    assert torch.equal(weights, torch.ones(3))
+
+
 def test_every_epoch_applied_when_gradients_are_finite():
     result, weights = trained(epochs=3)
     _, one_epoch = trained(epochs=1)

@@ -132,6 +132,9 @@ class Learner:
                 result.group_norms = groups
                 if judge is not None:
                     result.decision = judge(result)
+                elif not math.isfinite(grad_norm):  # unguarded (a warm start): skipped
+                    reasons = ["non-finite gradient"]
+                    result.decision = GuardDecision(step or 0, "skip", "warning", 1, reasons)
                 if result.action != "apply":
                     self._zero_grad()
                     result.applied, result.reason = False, result.action

@@ -257,6 +257,10 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
     """Record the step, act on the guard's decision, checkpoint when due. May raise
     StopRequested (SIGTERM: emergency checkpoint committed) or RunEnded."""
     step = outcome.step
+    if _eval_due(run, phase, step):
+        # Collective: sources without a per-step sync (DPO, SFT) left rank 0's engine
+        # copy at the weights of the phase's start on several ranks.
+        run.learner.refresh_engine_model()
     if run.main is not None:
         record = _record(run, phase, outcome)
         line = _progress_line(phase, record)
@@ -287,6 +291,13 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
     liveness.beat(f"{phase.title} step {step}: done")
 
 
+def _eval_due(run: Run, phase: Phase, step: int) -> bool:
+    """spec.eval.everySteps: a held-out evaluation in the record of this step (the last
+    step's is the run's final one)."""
+    every = run.spec.eval.every_steps
+    return bool(phase.guarded and every and step % every == 0 and step < phase.steps)
+
+
 def _progress_line(phase: Phase, record: dict) -> str:
     """The step's progress text, saying why its update was skipped (metrics.jsonl has
     it; the line showed only `loss nan`)."""
@@ -315,8 +326,7 @@ def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:
     if scoring:
         record["score_time_s"] = sum(scoring) / 1e9
     record |= phase.source.step_metrics(drawn, step_seconds)
-    every = run.spec.eval.every_steps
-    if phase.guarded and every and step % every == 0 and step < phase.steps:
+    if _eval_due(run, phase, step):
         record["eval_accuracy"] = run.accuracy(
             run.task.eval_problems()[: run.spec.eval.max_problems]
         )
