@@ -393,7 +393,7 @@ class Checkpointer:
         if errors:
             log.error("checkpoint %s failed and was not committed: %s", folder, "; ".join(errors))
             self._emit("failed", step=job.step, uri=folder, error="; ".join(errors))
-            self._remove_uncommitted(job.step)
+            self._remove_uncommitted(job, deadline)
             return False
         files = tuple(sorted((e for _, entries in results for e in entries), key=lambda e: e.path))
         manifest = Manifest(
@@ -413,7 +413,7 @@ class Checkpointer:
         except (StorageError, CheckpointError) as failure:
             log.error("checkpoint %s uploaded but not committed: %s", folder, failure)
             self._emit("failed", step=job.step, uri=folder, error=str(failure))
-            self._remove_uncommitted(job.step)
+            self._remove_uncommitted(job, deadline)
             return False
         retries = self.stats.upload_retries
         log.info(
@@ -430,11 +430,15 @@ class Checkpointer:
             log.info("checkpoint retention deleted steps %s", sorted(deleted))
         return True
 
-    def _remove_uncommitted(self, step: int) -> None:
+    def _remove_uncommitted(self, job: _Job, deadline: float) -> None:
         """What a failed save uploaded (every rank's uploads have ended by now), unless
         its manifest made it (the pointer failed after: then it is committed). Retention
-        removes leftovers only below `latest`, so the last failed save of a run stayed."""
-        folder = step_dir(step)
+        removes leftovers only below `latest`, so the last failed save of a run stayed.
+        Not past the save's deadline, nor for an emergency save: a store that refused
+        the uploads refuses the deletes too, slowly, and the grace period is short."""
+        if job.emergency or time.monotonic() >= deadline:
+            return
+        folder = step_dir(job.step)
         try:
             if not self.storage.exists(f"{folder}/{MANIFEST}"):
                 self.storage.delete_prefix(f"{folder}/")
