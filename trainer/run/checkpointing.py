@@ -99,7 +99,7 @@ class Checkpointing:
             return which
         found = None
         if self.dist.is_main:
-            scan = with_retries(self.checkpointer.catalog.scan, deadline_s=self.retry_s)
+            scan = self._scan()
             others = sorted({m.job_uid for m in scan.manifests.values()} - {None, self.own_only})
             found = ("own", []) if scan.own(self.own_only) else ("others", others)
         kind, others = self.dist.broadcast(found)
@@ -114,6 +114,10 @@ class Checkpointing:
                 "(`rlft checkpoints list` shows them), or set resume: auto to go on from them"
             )
         return which
+
+    def _scan(self):
+        """The location's checkpoints, retried while the store refuses for a while."""
+        return with_retries(self.checkpointer.catalog.scan, deadline_s=self.retry_s)
 
     def _on_event(self, name: str, info: dict[str, Any]) -> None:
         if name == "committed":
@@ -198,7 +202,7 @@ class Checkpointing:
         self.checkpointer.wait()
         candidates: list[int] = []
         if self.dist.is_main:
-            scan = with_retries(self.checkpointer.catalog.scan, deadline_s=self.retry_s)
+            scan = self._scan()
             if self.own_only is not None:
                 scan = scan.without_other_jobs(self.own_only)
             healthy = [step for step, ok in scan.committed.items() if ok and step < before_step]
