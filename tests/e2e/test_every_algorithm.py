@@ -17,8 +17,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RLFT = [sys.executable, "-m", "rlft.trainer.cli.main"]
 
 
-def write_job(folder: Path, algorithm: dict, init: dict = TINY_INIT, steps: int = 3) -> Path:
-    return write_parity_job(folder, arithmetic_rl_spec(algorithm, steps, init), "algorithms")
+def write_job(
+    folder: Path, algorithm: dict, init: dict = TINY_INIT, steps: int = 3, **trainer
+) -> Path:
+    spec = arithmetic_rl_spec(algorithm, steps, init)
+    spec["trainer"] |= trainer
+    return write_parity_job(folder, spec, "algorithms")
 
 
 def rlft(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -57,11 +61,18 @@ def metrics(out: Path) -> list[dict]:
     ids=["rloo", "reinforce++", "ppo", "dpo", "sft", "dapo-tis-k2"],
 )
 def test_each_algorithm_runs_and_reports_its_metrics(tmp_path, algorithm, expected) -> None:
-    job = write_job(tmp_path, algorithm)
+    ppo = algorithm["name"] == "ppo"
+    job = write_job(tmp_path, algorithm, **({"warmupSteps": 3} if ppo else {}))
     result = rlft("train", str(job), "--out", "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     records = metrics(tmp_path / "out")
     assert [r["step"] for r in records] == [1, 2, 3]
+    if ppo:  # the critic warms up with the policy (it ran at its peak from step 1)
+        peak = records[-1]["lr"]
+        assert [r["critic_lr"] for r in records] == [
+            pytest.approx(1e-3 * r["lr"] / peak) for r in records
+        ]
+        assert records[0]["critic_lr"] == pytest.approx(1e-3 / 3)
     applied = [r for r in records if r["update_applied"]]
     assert applied, records
     for record in applied:

@@ -325,6 +325,18 @@ def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> Non
         assert torch.equal(value, model.state_dict()[name]), name
     assert rlft(["export", f"{uri}/step-000004", str(out), *flags]) == 1
     assert "exists and is not empty" in capsys.readouterr().err
+    # --step checks that step alone: another's damaged manifest neither prints nor fails
+    # it (it did both), and the damaged manifest named is reported once, as damage.
+    storage.put_bytes("step-000004/manifest.json", b"{not json")
+    assert rlft(["checkpoints", "verify", uri, "--step", "3", *flags]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("step-000003: DAMAGED: extra.json: checksum mismatch")
+    assert rlft(["checkpoints", "verify", uri, "--step", "4", *flags]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("step-000004: DAMAGED: ")
+    _save(ckpt, model, optimizer, 5)
+    assert rlft(["checkpoints", "verify", uri, "--step", "5", *flags]) == 0
+    assert capsys.readouterr().out.splitlines() == ["step-000005: ok"]
 
 
 def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket) -> None:

@@ -1,8 +1,9 @@
-"""Where a collapse rollback goes when checkpoints are damaged: the newest intact healthy
-checkpoint before the collapse, never an unhealthy one (restoring it would restore the
-collapse), and an error naming the damage when no healthy one is intact. A real run's
-checkpoint handling (Checkpointing, Learner, Supervisor) saving real checkpoints on
-file://, one of them then damaged on disk."""
+"""Where a collapse rollback goes: the newest intact healthy checkpoint before the
+collapse on the run's own timeline, never an unhealthy one (restoring it would restore
+the collapse), never one a `--resume N` or an earlier rollback abandoned, and an error
+naming the damage when no healthy one is intact. A real run's checkpoint handling
+(Checkpointing, Learner, Supervisor) saving real checkpoints on file://, one of them then
+damaged on disk."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ SAVED = {10: True, 20: False, 30: True}
 @pytest.fixture
 def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
     """A run that checkpointed SAVED, with distinct weights at each step: (checkpoints,
-    learner, cursor, {step: the policy's parameters then})."""
+    learner, cursor, {step: the policy's parameters then}, a function starting the next
+    run's checkpoint handling on the same location and closing this one's)."""
     job = parse_job(
         manifest(
             {
@@ -47,7 +49,16 @@ def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
     supervisor = Supervisor(job, dist, lambda message: None)
     out = tmp_path / "out"
     out.mkdir()
-    checkpoints = Checkpointing(job, out, dist, learner.engine_model, parts.tokenizer, supervisor)
+    runs: list[Checkpointing] = []
+
+    def next_run() -> Checkpointing:
+        if runs:
+            runs[-1].close()
+        model = learner.engine_model
+        runs.append(Checkpointing(job, out, dist, model, parts.tokenizer, supervisor))
+        return runs[-1]
+
+    checkpoints = next_run()
     cursor = Cursor(job.spec.trainer.seed)
     weights: dict[int, dict[str, torch.Tensor]] = {}
     policy = learner.models.policy
@@ -62,9 +73,9 @@ def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
             checkpoints.end_of_step(cursor, learner)
             checkpoints.checkpointer.wait()
         assert checkpoints.checkpointer.catalog.scan().committed == SAVED
-        yield checkpoints, learner, cursor, weights
+        yield checkpoints, learner, cursor, weights, next_run
     finally:
-        checkpoints.close()
+        runs[-1].close()
         supervisor.close()
 
 
@@ -77,7 +88,7 @@ def _state(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 def test_a_damaged_healthy_target_is_skipped_for_an_older_healthy_one(saved_run) -> None:
-    checkpoints, learner, cursor, weights = saved_run
+    checkpoints, learner, cursor, weights, _ = saved_run
     _damage(checkpoints, 30)
     # Before: step 30 named, then the fallback below it took step 20, the unhealthy one.
     assert checkpoints.rollback(35, cursor, learner, replay_data=False) == 10
@@ -86,7 +97,7 @@ def test_a_damaged_healthy_target_is_skipped_for_an_older_healthy_one(saved_run)
 
 
 def test_a_rollback_with_every_healthy_one_damaged_names_them(saved_run) -> None:
-    checkpoints, learner, cursor, weights = saved_run
+    checkpoints, learner, cursor, weights, _ = saved_run
     _damage(checkpoints, 30)
     _damage(checkpoints, 10)
     with pytest.raises(NoCheckpointError) as raised:
@@ -98,3 +109,49 @@ def test_a_rollback_with_every_healthy_one_damaged_names_them(saved_run) -> None
     assert "step-000020" not in message  # the unhealthy one was never a candidate
     # Nothing was loaded: the live weights are still step 30's.
     assert all(torch.equal(v, weights[30][k]) for k, v in _state(learner).items())
+
+
+def _holds(learner: Learner, weights: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, weights[k]) for k, v in _state(learner).items())
+
+
+def test_a_rollback_after_resume_n_stays_on_the_resumed_timeline(saved_run) -> None:
+    _, learner, _, weights, next_run = saved_run
+    # The user went back to step 10 (`--resume 10`): 20 and 30 are still in the folder
+    # (retention deletes them at this run's first commit), but they are another past.
+    checkpoints = next_run()
+    cursor = checkpoints.resume(10, learner)
+    assert cursor is not None and cursor.step == 10
+    cursor.step = 15
+    # Before: step 30 of the abandoned timeline was restored.
+    assert checkpoints.rollback(35, cursor, learner, replay_data=False) == 10
+    assert _holds(learner, weights[10])
+
+
+def test_a_second_rollback_does_not_restore_what_the_first_abandoned(saved_run) -> None:
+    checkpoints, learner, cursor, weights, _ = saved_run
+    assert checkpoints.rollback(25, cursor, learner, replay_data=False) == 10
+    # The run goes on from 10; a collapse at 35, before its next checkpoint: step 30
+    # descends from the weights the first rollback escaped.
+    with torch.no_grad():
+        for parameter in learner.models.policy.parameters():
+            parameter.add_(1.0)
+    cursor.step = 35
+    assert checkpoints.rollback(35, cursor, learner, replay_data=False) == 10
+    assert _holds(learner, weights[10])
+
+
+def test_a_rollback_takes_what_the_run_committed_after_its_resume(saved_run) -> None:
+    _, learner, _, _, next_run = saved_run
+    checkpoints = next_run()
+    cursor = checkpoints.resume(10, learner)
+    with torch.no_grad():
+        for parameter in learner.models.policy.parameters():
+            parameter.add_(0.5)
+    later = {k: v.detach().clone() for k, v in _state(learner).items()}
+    cursor.step = cursor.policy_version = 20
+    checkpoints.end_of_step(cursor, learner)  # this run's own step 20, healthy
+    checkpoints.checkpointer.wait()
+    cursor.step = 25
+    assert checkpoints.rollback(25, cursor, learner, replay_data=False) == 20
+    assert _holds(learner, later)

@@ -65,6 +65,10 @@ def test_an_unguarded_first_epochs_non_finite_gradient_is_skipped():
     result, weights = trained(epochs=2, broken=1)
     assert not result.applied and result.action == "skip"
     assert torch.equal(weights, torch.ones(3))
+    # Its tokens were not trained on: the trained-tokens counter does not count them.
+    record = update_metrics(result)
+    assert record["skip_reason"] and "loss" in record and "tokens" not in record
+    assert update_metrics(trained(epochs=1)[0])["tokens"] == 2
 
 
 def test_every_epoch_applied_when_gradients_are_finite():

@@ -82,13 +82,23 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check every committed checkpoint's files against its manifest (sizes and
-    SHA-256); exit 1 if any is damaged."""
+    SHA-256), or only `--step`'s; exit 1 if any checked is damaged or missing."""
     try:
         catalog = Catalog(_readable(args.uri, args))
         scan = catalog.scan()
         damaged = 0
-        steps = sorted(scan.manifests) if args.step is None else [args.step]
+        wanted = set(scan.manifests) | set(scan.unreadable)
+        steps = sorted(wanted) if args.step is None else [args.step]
         for step in steps:
+            if step in scan.unreadable:
+                # A newer rlft's checkpoint cannot be checked here; it is not damage.
+                newer = step in scan.newer
+                print(
+                    f"{step_dir(step)}: {'NOT CHECKED' if newer else 'DAMAGED'}: "
+                    f"{scan.unreadable[step]}"
+                )
+                damaged += not newer
+                continue
             if step not in scan.manifests:
                 print(f"{step_dir(step)}: not committed")
                 damaged += 1
@@ -99,16 +109,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"{step_dir(step)}: "
                 + ("ok" if not problems else "DAMAGED: " + "; ".join(problems))
             )
-        for step, reason in sorted(scan.unreadable.items()):
-            # A newer rlft's checkpoint cannot be checked here; it is not damage.
-            print(
-                f"{step_dir(step)}: {'NOT CHECKED' if step in scan.newer else 'DAMAGED'}: {reason}"
-            )
-            damaged += step not in scan.newer
     except FAILURES as error:
         print(f"rlft: {error}", file=sys.stderr)
         return ExitCode.FAILURE
-    if not steps and not scan.unreadable:
+    if not steps:
         print(f"{args.uri}: no committed checkpoints")
     return ExitCode.FAILURE if damaged else ExitCode.OK
 

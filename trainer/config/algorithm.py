@@ -119,7 +119,8 @@ class PPOParams(Section):
     value_clip: float = Field(0.2, gt=0, le=1e6)
     """New values are clipped to within this of the rollout-time values."""
     value_learning_rate: float = Field(1e-3, gt=0, le=1)
-    """Learning rate of the critic (AdamW, its own optimizer)."""
+    """Peak learning rate of the critic (AdamW, its own optimizer); it warms up with the
+    policy's (trainer.warmupSteps) and follows the guard's rate reductions."""
 
 
 class DPOParams(Section):

@@ -67,6 +67,8 @@ class Learner:
         self.models = Models(shard_model(policy, trainer.parallelism, dist))
         self.optimizer = self._adamw(self.models.policy, trainer.learning_rate)
         self.critic_optimizer: torch.optim.Optimizer | None = None
+        self.critic_lr = 0.0
+        """The critic's peak learning rate (its schedule follows the policy's)."""
         self.reference: torch.nn.Module | None = None
         """A frozen copy of the policy (KL terms, DPO), on every rank so that
         checkpoints are alike; rank 0 scores batches with it."""
@@ -80,14 +82,21 @@ class Learner:
         """PPO's critic, built once the policy it starts from is final (after SFT)."""
         self.models.critic = shard_model(critic, self.trainer.parallelism, self.dist)
         self.critic_optimizer = self._adamw(self.models.critic, lr)
+        self.critic_lr = lr
 
     def reset_optimizer(self, lr: float) -> None:
         """A fresh optimizer (new phase, e.g. RL after the warm start)."""
         self.optimizer = self._adamw(self.models.policy, lr)
 
-    def set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: float, scale: float = 1.0) -> None:
+        """The policy's learning rate for the next update; the critic's is its peak times
+        `scale`, the same warm-up and guard multiplier (a critic at full rate from step 1
+        fits values to the untrained policy's returns while the policy barely moves)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.critic_optimizer is not None:
+            for group in self.critic_optimizer.param_groups:
+                group["lr"] = self.critic_lr * scale
 
     def step(
         self,

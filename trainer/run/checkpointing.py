@@ -71,6 +71,14 @@ class Checkpointing:
         self.metrics = out / "metrics.jsonl"
         self.resumed_step: int | None = None
         """The step this run resumed from (its checkpoint is committed)."""
+        self.timeline_base: int | None = None
+        """The step this run's weights descend from: the one it resumed from or rolled
+        back to last (None: a fresh start). With `own_commits`, what a rollback may
+        restore: folders above it that this run did not commit since are an abandoned
+        timeline (a `--resume N` below `latest`, an earlier rollback), still present
+        until a commit moves `latest` and retention deletes them."""
+        self.own_commits: set[int] = set()
+        """Steps this run committed since `timeline_base` (rank 0's saver reports them)."""
         self.stop = GracefulStop(spec.grace_period_seconds).install()
         self.retry_s = spec.upload_retry_minutes * 60
         """How long reads the store refuses are retried (resume, rollback, the scan)."""
@@ -121,6 +129,7 @@ class Checkpointing:
 
     def _on_event(self, name: str, info: dict[str, Any]) -> None:
         if name == "committed":
+            self.own_commits.add(info["step"])
             self.supervisor.checkpointed(info["step"], info["uri"], info["healthy"])
         elif name == "retry":
             message = f"checkpoint of step {info.get('step')}: {info.get('what')} retried"
@@ -166,6 +175,7 @@ class Checkpointing:
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}))
         cursor = Cursor.from_json(resumed.extra["cursor"])
         self.resumed_step = cursor.step
+        self._descend_from(cursor.step)
         if self.dist.is_main:
             self._restore_history(resumed.extra.get("metrics"), cursor.step)
         return cursor
@@ -205,7 +215,11 @@ class Checkpointing:
             scan = self._scan()
             if self.own_only is not None:
                 scan = scan.without_other_jobs(self.own_only)
-            healthy = [step for step, ok in scan.committed.items() if ok and step < before_step]
+            healthy = [
+                step
+                for step, ok in scan.committed.items()
+                if ok and step < before_step and self._on_timeline(step)
+            ]
             candidates = sorted(healthy, reverse=True)
         candidates = self.dist.broadcast(candidates)
         if not candidates:
@@ -224,6 +238,7 @@ class Checkpointing:
                 f"no intact healthy checkpoint to roll back to before step {before_step} "
                 f"({'; '.join(damaged)})"
             )
+        self._descend_from(target)
         # The restored weights are a new version, not the checkpoint's again: versions
         # only grow, so rollout servers, the weight store and the staleness gate never
         # see a number reused for other weights.
@@ -232,6 +247,16 @@ class Checkpointing:
             cursor.set_streams(resumed.extra["cursor"])
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}), rollback=True)
         return target
+
+    def _descend_from(self, step: int) -> None:
+        self.timeline_base = step
+        self.own_commits.clear()
+
+    def _on_timeline(self, step: int) -> bool:
+        """Whether the checkpoint of `step` holds this run's past: at or below the step
+        it descends from, or committed by it since."""
+        base = self.timeline_base
+        return (base is not None and step <= base) or step in self.own_commits
 
     def stop_unsaved(self) -> None:
         """After a step of a phase that is not checkpointed (the warm start): raise

@@ -146,9 +146,9 @@ class Phase:
     """Ends the phase early after a step (every rank gets the same answer)."""
 
 
-def warmup_lr(step: int, warmup_steps: int, peak: float) -> float:
-    """Linear warm-up over `warmup_steps`, then constant."""
-    return peak * min(1.0, step / max(1, warmup_steps))
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warm-up over `warmup_steps`, then constant: the share of the peak rate."""
+    return min(1.0, step / max(1, warmup_steps))
 
 
 def train(run: Run, phase: Phase) -> int:
@@ -197,9 +197,9 @@ def train_step(run: Run, phase: Phase, step: int) -> None:
     with tracer.step(step, run.cursor.policy_version, phase.title):
         liveness.beat(f"{phase.title} step {step}: started")
         timings = Timings(time.perf_counter())
-        lr = warmup_lr(step, phase.warmup_steps, phase.learning_rate)
-        lr *= run.supervisor.lr_multiplier
-        run.learner.set_lr(lr)
+        warmup, multiplier = warmup_factor(step, phase.warmup_steps), run.supervisor.lr_multiplier
+        lr = phase.learning_rate * warmup * multiplier
+        run.learner.set_lr(lr, warmup * multiplier)
         drawn = _draw(run, phase, step)
         if phase.guarded and run.learner.planted:  # a drill: a rank hung before a collective
             faults.hang_if_planted(run.learner.planted, run.dist.rank, step)
@@ -313,6 +313,8 @@ def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:
     step, drawn, timings = outcome.step, outcome.drawn, outcome.timings
     step_seconds = timings.published - timings.started
     record = {"step": step, "policy_version": run.cursor.policy_version, "lr": outcome.base["lr"]}
+    if run.learner.critic_optimizer is not None:
+        record["critic_lr"] = run.learner.critic_optimizer.param_groups[0]["lr"]
     record |= drawn.fields | update_metrics(outcome.result)
     if drawn.data_digest is not None:
         record["data_digest"] = drawn.data_digest

@@ -48,7 +48,8 @@ def update_metrics(result: StepResult) -> dict[str, float]:
     out["grad_norm"] = result.grad_norm
     if result.group_norms:
         out["grad_norm_groups"] = result.group_norms
-    out["tokens"] = stats.get("norm_tokens", 0.0)
+    if result.applied:  # rlft_trained_tokens_total: a skipped update trained on none
+        out["tokens"] = stats.get("norm_tokens", 0.0)
     if result.dropped_epochs:
         out["dropped_epochs"] = result.dropped_epochs
     for key in ("kl", "entropy", "is_weight"):

@@ -77,6 +77,12 @@ POLICY_VERSION = _m(
 LEARNING_RATE = _m(
     "rlft_learning_rate", "gauge", "Learning rate of the last step.", panel="Progress"
 )
+CRITIC_LEARNING_RATE = _m(
+    "rlft_critic_learning_rate",
+    "gauge",
+    "Learning rate of the critic (PPO) in the last step.",
+    panel="Progress",
+)
 STEP_DURATION = _m(
     "rlft_step_duration_seconds",
     "gauge",
@@ -430,6 +436,7 @@ BINDINGS: dict[str, Binding] = {
     "reissued_requests": Binding(REISSUED),
     "rollout_engines_healthy": Binding(ENGINES_HEALTHY),
     "rollout_engines_expected": Binding(ENGINES_EXPECTED),
+    "critic_lr": Binding(CRITIC_LEARNING_RATE),
     "tokens": Binding(TOKENS_TRAINED),
     "tokens_per_s": Binding(THROUGHPUT),
     "step_time_s": Binding(STEP_DURATION),
