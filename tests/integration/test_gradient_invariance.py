@@ -202,6 +202,66 @@ def test_moe_router_loss_is_independent_of_world_size(tmp_path) -> None:
     assert max(differs.values()) > 1e-4, "the router loss had no effect on the gradient"
 
 
+def _gradients_of_rank_slices(job, folder: Path, world: int, micro_batches: int) -> dict:
+    """In one process, the gradient `world` ranks compute with `micro_batches` each: every
+    rank's own micro-batches (the same slices, so the same router-loss forwards), the
+    whole batch's normalisers, and no filler micro-batches."""
+    import dataclasses
+    import math
+
+    import torch
+
+    from rlft.trainer.algorithms.aggregation import Normalisers
+    from rlft.trainer.algorithms.batch import rank_shard
+    from rlft.trainer.algorithms.registry import build_objective
+    from rlft.trainer.distributed import Dist
+    from rlft.trainer.learner.gradients import backward, full_gradients, plan_step
+    from rlft.trainer.verify.check import _load_models
+
+    sampling = job.spec.rollout.sampling
+    objective = build_objective(job.spec.algorithm, sampling.temperature, sampling.max_new_tokens)
+    models = _load_models(folder, Dist(), job)
+    batch = torch.load(folder / "batch.pt", weights_only=False)
+    whole = Normalisers.local(batch.mask, batch.attention_mask)
+    for rank in range(world):
+        shard = rank_shard(batch, rank, world)
+        size = math.ceil(len(shard) / micro_batches)
+        plan = plan_step(objective, models, shard, batch, size, Dist())
+        backward(objective, models, dataclasses.replace(plan, norms=whole), Dist())
+    return full_gradients(models.policy)
+
+
+def test_moe_router_loss_ignores_the_filler_of_a_rank_with_fewer_micro_batches(tmp_path) -> None:
+    """9 sequences on 2 ranks, 4 micro-batches each: rank 0's 5 make 3 micro-batches of
+    2, 2 and 1, rank 1's 4 make 4, so rank 0 runs a filler to stay in step. Its router
+    loss had the weight of one token: the gradient depended on the ranks' split."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    job = job_for({"name": "grpo", "groupSize": 3, "moe": {"routerAuxCoef": 0.05}}, MOE)
+    prepare(job, tmp_path, 9)
+    # A filler row holds token 0, whose embedding a model built here has at zero (its pad
+    # token's); a pretrained model's has not, and that gives its router loss a gradient.
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    with torch.no_grad():
+        policy.get_input_embeddings().weight[0] = policy.get_input_embeddings().weight[7]
+    policy.save_pretrained(tmp_path / "policy")
+    (two,) = run_cases(2, [write_case(job, tmp_path, 4, name="uneven")])
+    errors = compare(_gradients_of_rank_slices(job, tmp_path, 2, 4), two)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{worst} off by {errors[worst]:.2e}"
+    # Nor does a filler count in the expert-load metrics (it added a token per filler).
+    from rlft.trainer.algorithms.batch import empty_like
+    from rlft.trainer.algorithms.objectives import forward
+    from rlft.trainer.distributed import Dist
+    from rlft.trainer.verify.check import _load_models
+
+    batch = torch.load(tmp_path / "batch.pt", weights_only=False)
+    policy = _load_models(tmp_path, Dist(), job).policy
+    assert forward(policy, empty_like(batch)).expert_tokens.sum() == 0
+    assert forward(policy, batch.slice(0, 1)).expert_tokens.sum() == 2 * 2 * 10  # k·layers·T
+
+
 def test_planted_bugs_are_caught(prepared) -> None:
     """The two classic bugs, planted on purpose, move the gradient far beyond tolerance."""
     job, folder = prepared["grpo-token-mean"]

@@ -25,7 +25,8 @@ class Normalisers:
     sequences: float
     """Sequences with at least one trainable token."""
     attended_tokens: float = 0.0
-    """Non-padding input tokens (prompt and completion): the MoE router loss's weight."""
+    """Non-padding input tokens (prompt and completion) of the sequences that train: the
+    MoE router loss's weight (`routed_tokens`)."""
     pairs: float = 0.0
     """Preference pairs (DPO)."""
 
@@ -35,7 +36,7 @@ class Normalisers:
         return cls(
             tokens=float(mask.sum().item()),
             sequences=float((mask.sum(-1) > 0).sum().item()),
-            attended_tokens=float(attention_mask.sum().item()),
+            attended_tokens=float(routed_tokens(mask, attention_mask).item()),
             pairs=float(pairs),
         )
 
@@ -45,6 +46,15 @@ class Normalisers:
     @classmethod
     def from_tensor(cls, values: torch.Tensor) -> Normalisers:
         return cls(*(float(v) for v in values.tolist()))
+
+
+def routed_tokens(mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Attended tokens of the rows with a trainable token. A rank short of micro-batches
+    runs filler rows (`empty_like`: one attended token, nothing to train) to stay in step
+    with the others' collectives; counting them would give the router loss of a filler a
+    weight, and so the gradient a dependence on how many ranks ran short."""
+    trains = (mask.sum(-1, keepdim=True) > 0).to(attention_mask.dtype)
+    return (attention_mask * trains).sum()
 
 
 def aggregate(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlft.trainer.algorithms.aggregation import Normalisers, aggregate
+from rlft.trainer.algorithms.aggregation import Normalisers, aggregate, routed_tokens
 from rlft.trainer.algorithms.batch import SequenceBatch
 from rlft.trainer.algorithms.losses import (
     clipped_surrogate,
@@ -78,7 +78,9 @@ def forward(model: torch.nn.Module, micro: SequenceBatch) -> Forward:
     config = model.config
     experts = expert_count(config)
     top_k = config.num_experts_per_tok
-    attended = micro.attention_mask.reshape(-1) > 0
+    # The tokens the router loss weighs (`routed_tokens`): a filler row routes none.
+    trains = micro.mask.sum(-1, keepdim=True) > 0
+    attended = ((micro.attention_mask > 0) & trains).reshape(-1)
     counts = []
     for layer_logits in out.router_logits:
         chosen = layer_logits.detach().reshape(-1, experts)[attended].topk(top_k, dim=-1).indices
@@ -111,11 +113,11 @@ def _checkpoints_activations(model: torch.nn.Module) -> bool:
 
 
 def router_term(fwd: Forward, micro: SequenceBatch, norms: Normalisers, coef: float):
-    """The router loss weighted by this micro-batch's share of the batch's tokens, so its
-    total weight is `coef` however the batch is split."""
+    """The router loss weighted by this micro-batch's share of the batch's routed tokens,
+    so its total weight is `coef` however the batch is split (a filler's share is 0)."""
     if fwd.aux_loss is None or coef == 0:
         return 0.0
-    share = micro.attention_mask.sum() / norms.attended_tokens
+    share = routed_tokens(micro.mask, micro.attention_mask) / norms.attended_tokens
     return coef * fwd.aux_loss * share
 
 
