@@ -37,6 +37,7 @@ from rlft.operator.decision import Decision, Observed, invalid_spec
 from rlft.operator.kube import ApiError, Connection, Kube, fetch_json
 from rlft.operator.metrics import OperatorMetrics
 from rlft.operator.observe import PodView, pod_view, trainer_report
+from rlft.operator.pod_spec import spec_problems
 from rlft.operator.reconcile import reconcile
 from rlft.operator.status import RLFineTuneStatus
 from rlft.trainer.config import JobFileError, parse_job
@@ -387,6 +388,8 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
     }
     try:
         job = parse_job(document, f"{namespace}/{name}")
+        if problems := spec_problems(job):
+            raise JobFileError(f"{namespace}/{name}", problems)
     except JobFileError as error:
         decision = invalid_spec(status, error.problems, now, _index_items("pods_by_job", key))
     else:

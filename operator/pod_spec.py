@@ -14,6 +14,7 @@ from rlft.operator import names as N
 from rlft.operator import options, pod_options
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.config.algorithm import SOURCES
+from rlft.trainer.config.job import vllm_cpu_head_problem
 
 CONFIG_DIR = "/etc/rlft"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
@@ -84,6 +85,23 @@ def namespace_of(body: dict[str, Any]) -> str:
 def samples(job: RLFineTune) -> bool:
     """Whether the job's algorithm trains on rollouts (DPO and SFT need no rollout pods)."""
     return SOURCES[job.spec.algorithm.name] == "rollouts"
+
+
+def spec_problems(job: RLFineTune) -> list[str]:
+    """What the job asks of pods that they could not do, though the spec is valid (the
+    trainer finds these only after its warm start)."""
+    rollout, init = job.spec.rollout, job.spec.model.init
+    if not samples(job) or rollout.engine != "vllm" or rollout.gpus_per_instance or init is None:
+        return []
+    shape = {"hidden_size": init.hidden_size, "num_attention_heads": init.num_heads}
+    problem = vllm_cpu_head_problem(shape)
+    if problem is None:
+        return []
+    return [
+        f"spec.rollout.engine: {problem}, and rollout pods without "
+        "spec.rollout.gpusPerInstance run it on the CPU (raise spec.model.init.hiddenSize "
+        "or lower numHeads, request GPUs, or set spec.rollout.engine: transformers)"
+    ]
 
 
 def rollout_urls(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[str]:

@@ -237,6 +237,21 @@ def test_invalid_manifest_is_rejected_naming_the_field(api, spec, words):
     assert api.get("rlft", "bad", "-n", "default") is None  # nothing half-created
 
 
+def test_a_job_its_rollout_pods_could_not_serve_fails_before_any_pod(api, operator):
+    """vLLM on rollout pods without GPUs and a model with 16-dimension heads: the trainer
+    found out only after its warm start, when the first weights reached the servers."""
+    ns = _namespace(api, "heads")
+    init = {"family": "qwen3", "hiddenSize": 64, "numHeads": 4, "numKvHeads": 4}
+    api.apply(job_doc(name="heads", namespace=ns, rollout={"engine": "vllm"}, model={"init": init}))
+    job = _wait_phase(api, ns, "heads", "Failed")
+    message = job["status"]["message"]
+    assert "heads of at least 32 dimensions; this model's are 16" in message, message
+    assert "spec.rollout.gpusPerInstance" in message
+    assert job["status"]["lastFailure"]["reason"] == "InvalidConfig"
+    assert _pods(api, ns, "heads") == {}
+    assert "InvalidSpec" in [r for r, _ in _events(api, ns)]
+
+
 def test_oom_is_restarted_with_backoff_until_max_restarts(api, operator):
     ns = _namespace(api, "oom")
     restart = {"maxRestarts": 2, "backoffSeconds": 2, "windowMinutes": 60}

