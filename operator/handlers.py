@@ -386,14 +386,14 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
         "metadata": {"name": name, "namespace": namespace},
         "spec": body.get("spec"),
     }
+    pods: list[PodView] = _index_items("pods_by_job", key)
     try:
         job = parse_job(document, f"{namespace}/{name}")
         if problems := spec_problems(job):
             raise JobFileError(f"{namespace}/{name}", problems)
     except JobFileError as error:
-        decision = invalid_spec(status, error.problems, now, _index_items("pods_by_job", key))
+        decision = invalid_spec(status, error.problems, now, pods)
     else:
-        pods = _index_items("pods_by_job", key)
         config_maps = dict(_index_items("config_maps_by_job", key))
         observed = Observed(
             pods=pods,
@@ -409,7 +409,10 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
             state.oom_killed = {
                 uid: seen for uid, seen in state.oom_killed.items() if seen[0].name != named.pod
             }
-    retry = await _apply(key, body, status, decision, now)
+    # The pods the decision saw, by uid: one created since under a name (another
+    # replica's replacement, or this one's before the index caught up) is not deleted.
+    uids = {pod.name: pod.uid for pod in pods}
+    retry = await _apply(key, body, status, decision, now, uids)
     poll = RUNTIME.options.poll_seconds
     delay = min(decision.requeue_after or poll, poll, retry or poll)
     _schedule(key, state, delay)
@@ -421,9 +424,15 @@ def _version(written: dict[str, Any] | None, before: str | None) -> str | None:
 
 
 async def _apply(
-    key: Key, body: dict[str, Any], old: RLFineTuneStatus, d: Decision, now: datetime
+    key: Key,
+    body: dict[str, Any],
+    old: RLFineTuneStatus,
+    d: Decision,
+    now: datetime,
+    uids: dict[str, str],
 ) -> float | None:
-    """Carry out a decision; returns the seconds until a refused write may be retried."""
+    """Carry out a decision (pods deleted by the uid it saw them with); returns the seconds
+    until a refused write may be retried."""
     kube = _kube()
     namespace, name = key
     version = body["metadata"].get("resourceVersion")
@@ -444,10 +453,10 @@ async def _apply(
         written = await kube.patch_job(namespace, name, {"spec": {"suspend": True}})
         version = _version(written, version)
     for pod in d.delete_pods:
-        if await kube.delete("Pod", namespace, pod):
+        if await kube.delete("Pod", namespace, pod, uid=uids.get(pod)):
             metrics.children.labels(kind="Pod", action="delete").inc()
     for pod in d.force_delete_pods:
-        if await kube.delete("Pod", namespace, pod, grace_seconds=0):
+        if await kube.delete("Pod", namespace, pod, grace_seconds=0, uid=uids.get(pod)):
             metrics.children.labels(kind="Pod", action="force-delete").inc()
     refusal = await _write_children(namespace, d)
     events = [(e.type, e.reason, e.message) for e in d.events]

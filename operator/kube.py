@@ -196,15 +196,26 @@ class Kube:
         )
 
     async def delete(
-        self, kind: str, namespace: str, name: str, grace_seconds: int | None = None
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        grace_seconds: int | None = None,
+        uid: str | None = None,
     ) -> bool:
         """Delete (with `grace_seconds` 0: force, as `kubectl delete --force` does, for a
-        pod whose kubelet is gone); False if it was already gone."""
-        body = None if grace_seconds is None else {"gracePeriodSeconds": grace_seconds}
+        pod whose kubelet is gone); with `uid`, only that object, not one created since
+        under its name (a decision about a pod is about the pod observed). False if it was
+        already gone or replaced."""
+        body: dict[str, Any] = {}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
         try:
-            await self._request("DELETE", _core_path(namespace, _PLURALS[kind], name), body)
+            await self._request("DELETE", _core_path(namespace, _PLURALS[kind], name), body or None)
         except ApiError as error:
-            if error.status == 404:
+            if error.status == 404 or (error.status == 409 and uid is not None):
                 return False
             raise
         return True

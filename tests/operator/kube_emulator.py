@@ -8,7 +8,8 @@ serves the resource endpoints itself, with the semantics kopf and kubectl rely o
 - metadata stamped on create (uid, resourceVersion, creationTimestamp, generation,
   namespace; generateName), 201 Created, 409 AlreadyExists, 404 NotFound, as Status objects;
 - one global resourceVersion, bumped on every write; `metadata.resourceVersion` in a patch
-  or PUT is a precondition (409 Conflict); no-op writes change nothing;
+  or PUT is a precondition (409 Conflict), as are a DELETE's `preconditions` (uid,
+  resourceVersion); no-op writes change nothing;
 - merge patch, JSON patch (a failed `test` is 422), strategic merge treated as merge
   patch, PUT; the status subresource (the main endpoint ignores status, /status ignores the
   rest); generation bumps on spec changes;
@@ -885,6 +886,17 @@ class Emulator(kmock.KubernetesEmulator):
         obj = self._get(rt, namespace, name)
         meta = obj["metadata"]
         key = (*rt.key, namespace if rt.namespaced else None, name)
+        # DeleteOptions.preconditions: delete this object, not one created since under
+        # its name (the real server's wording).
+        wanted = ((body or {}).get("preconditions") if isinstance(body, dict) else None) or {}
+        for field_, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            if wanted.get(field_) and wanted[field_] != meta.get(field_):
+                raise ApiStatus(
+                    409,
+                    "Conflict",
+                    f"Precondition failed: {label} in precondition: {wanted[field_]}, "
+                    f"{label} in object meta: {meta.get(field_)}",
+                )
         policy = (body or {}).get("propagationPolicy") if isinstance(body, dict) else None
         policy = policy or q.get("propagationPolicy") or "Background"
         grace = _grace(rt, obj, body, q) if self.graceful_pods else 0

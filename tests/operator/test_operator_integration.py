@@ -252,6 +252,42 @@ def test_a_job_its_rollout_pods_could_not_serve_fails_before_any_pod(api, operat
     assert "InvalidSpec" in [r for r, _ in _events(api, ns)]
 
 
+def test_a_pod_deletion_spares_a_pod_created_since_under_its_name(api):
+    """The operator deletes the pod its decision saw (a uid precondition), not another
+    replica's replacement created since under the name: the API server refuses 409 and
+    the replacement runs on."""
+    import asyncio
+
+    from rlft.operator.kube import Connection, Kube
+
+    ns = _namespace(api, "uids")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": ns},
+        "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+    }
+    api.apply(pod)
+    seen = api.get("pod", "p", "-n", ns)["metadata"]["uid"]
+    api.kubectl("delete", "pod", "p", "-n", ns)
+    api.apply(pod)
+    replacement = api.get("pod", "p", "-n", ns)["metadata"]["uid"]
+    assert replacement != seen
+
+    async def delete(uid: str) -> bool:
+        headers = {"Authorization": "Bearer not-a-secret"}
+        kube = Kube(Connection(server=api.url, headers=headers))
+        try:
+            return await kube.delete("Pod", ns, "p", uid=uid)
+        finally:
+            await kube.close()
+
+    assert asyncio.run(delete(seen)) is False
+    assert api.get("pod", "p", "-n", ns)["metadata"]["uid"] == replacement
+    assert asyncio.run(delete(replacement)) is True
+    assert api.get("pod", "p", "-n", ns) is None
+
+
 def test_oom_is_restarted_with_backoff_until_max_restarts(api, operator):
     ns = _namespace(api, "oom")
     restart = {"maxRestarts": 2, "backoffSeconds": 2, "windowMinutes": 60}
