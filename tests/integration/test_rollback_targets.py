@@ -22,6 +22,7 @@ from rlft.trainer.run.checkpointing import Checkpointing
 from rlft.trainer.run.parts import build_parts
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.run.supervisor import Supervisor
+from rlft.trainer.stability.actions import Counters
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -46,16 +47,20 @@ def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
     parts = build_parts(job)
     dist = Dist()
     learner = Learner(parts.policy, job.spec.trainer, dist)
-    supervisor = Supervisor(job, dist, lambda message: None)
+    supervisors = [Supervisor(job, dist, lambda message: None)]
+    supervisor = supervisors[0]
+    supervisor.guard.counters = Counters(skipped=2, rollbacks=1)  # kept in checkpoints
     out = tmp_path / "out"
     out.mkdir()
     runs: list[Checkpointing] = []
 
     def next_run() -> Checkpointing:
+        """The next run: its own supervisor (telemetry, /status), the same models."""
         if runs:
             runs[-1].close()
+            supervisors.append(Supervisor(job, dist, lambda message: None))
         model = learner.engine_model
-        runs.append(Checkpointing(job, out, dist, model, parts.tokenizer, supervisor))
+        runs.append(Checkpointing(job, out, dist, model, parts.tokenizer, supervisors[-1]))
         return runs[-1]
 
     checkpoints = next_run()
@@ -76,7 +81,8 @@ def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
         yield checkpoints, learner, cursor, weights, next_run
     finally:
         runs[-1].close()
-        supervisor.close()
+        for each in supervisors:
+            each.close()
 
 
 def _damage(checkpoints: Checkpointing, step: int) -> None:
@@ -155,3 +161,16 @@ def test_a_rollback_takes_what_the_run_committed_after_its_resume(saved_run) -> 
     cursor.step = 25
     assert checkpoints.rollback(25, cursor, learner, replay_data=False) == 20
     assert _holds(learner, later)
+
+
+def test_a_resume_names_its_checkpoint_and_counters_in_status(saved_run) -> None:
+    """/status after a resume: the restored checkpoint and the guard's counters (it said
+    none and 0 until the run's first commit and decision)."""
+    _, learner, _, _, next_run = saved_run
+    checkpoints = next_run()
+    checkpoints.resume("auto", learner)
+    status = checkpoints.supervisor.telemetry.board.snapshot()
+    assert status["lastCheckpoint"]["step"] == 30
+    assert status["lastCheckpoint"]["uri"].endswith("/ckpts/step-000030")
+    assert status["lastHealthyCheckpoint"]["step"] == 30
+    assert (status["rollbacks"], status["skippedUpdates"]) == (1, 2)

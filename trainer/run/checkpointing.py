@@ -173,6 +173,10 @@ class Checkpointing:
                 warn("rlft: warning: no checkpoint at all; starting from the beginning")
                 return None
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}))
+        manifest = resumed.manifest
+        self.supervisor.resumed_from(
+            manifest.step, resumed.uri, manifest.healthy, manifest.created_at
+        )
         cursor = Cursor.from_json(resumed.extra["cursor"])
         self.resumed_step = cursor.step
         self._descend_from(cursor.step)

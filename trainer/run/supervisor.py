@@ -9,6 +9,7 @@ window, scale the learning rate), pause (checkpoint, exit 0) or fail (exit 3).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from rlft.trainer.distributed import Dist
@@ -60,6 +61,11 @@ class Supervisor:
                 self.guard.restore_detector(state["detector"])
             else:
                 self.guard.load_state_dict(state)
+                if self.telemetry is not None:  # /status said 0 until the next decision
+                    counters = self.guard.counters
+                    self.telemetry.board.set_counters(
+                        rollbacks=counters.rollbacks, skipped_updates=counters.skipped
+                    )
         self.lr_multiplier = self.dist.broadcast(
             self.guard.lr_multiplier if self.guard is not None else None
         )
@@ -71,6 +77,13 @@ class Supervisor:
     def checkpointed(self, step: int, uri: str, healthy: bool) -> None:
         if self.telemetry is not None:
             self.telemetry.checkpoint(step, uri, healthy)
+
+    def resumed_from(self, step: int, uri: str, healthy: bool, created_at: str) -> None:
+        """The checkpoint a resume restored: /status names it as the last one (it named
+        none until this process's first commit)."""
+        if self.telemetry is not None:
+            when = datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp()
+            self.telemetry.board.checkpoint(step, uri, when, healthy)
 
     def checkpoint_failed(self, step: int, uri: str, error: str) -> None:
         if self.telemetry is not None:
