@@ -241,8 +241,9 @@ class StabilitySpec(Section):
     """Action when the detector declares collapse: `rollback` in-process to the last
     healthy checkpoint, `suspend` (pause the job), `fail`, or only `alert`."""
     on_spike: Literal["skip", "alert"] = "skip"
-    """Action on a critical per-step alarm (gradient spike, NaN/Inf, importance-ratio
-    blow-up): `skip` zeroes that update before optimizer.step(); `alert` applies it."""
+    """Action on a critical per-step alarm (gradient spike, importance-ratio blow-up):
+    `skip` zeroes that update before optimizer.step(); `alert` applies it. A NaN/Inf
+    update is skipped either way (applied, it would make every weight NaN)."""
     max_rollbacks: int = Field(3, ge=0, le=1000)
     """Rollbacks allowed; the next collapse takes `afterMaxRollbacks`."""
     after_max_rollbacks: Literal["suspend", "fail"] = "fail"

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from rlft.trainer.config.stability import StabilitySpec
-from rlft.trainer.stability.detector import OK, WARNING, Detector, Verdict
+from rlft.trainer.stability.detector import CRITICAL, OK, WARNING, Detector, Verdict
 
 Action = Literal["apply", "skip", "rollback", "pause", "fail"]
 ACTIONS: tuple[str, ...] = Action.__args__  # type: ignore[attr-defined]
@@ -87,6 +87,10 @@ def decide(verdict: Verdict, spec: StabilitySpec, counters: Counters) -> tuple[A
         if spec.on_collapse == "fail":
             return "fail", None
         # onCollapse: alert still refuses to apply a non-finite or spiking update.
+    if verdict.levels.get("non_finite", OK) >= CRITICAL:
+        # Never applied, whatever onSpike says: one NaN makes every weight and both
+        # AdamW moments NaN, and nothing after it can train.
+        return "skip", None
     if verdict.skip_update and spec.on_spike == "skip":
         return "skip", None
     return "apply", None
