@@ -92,6 +92,30 @@ def test_train_writes_metrics_summary_and_a_loadable_model(tmp_path: Path) -> No
     assert yaml.safe_load((out / "job.yaml").read_text())["metadata"]["name"] == "tiny"
 
 
+def test_a_worker_restarted_by_its_rendezvous_starts_over_its_own_files(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """torchrun restarts a gang's workers when a node joins, without counting a restart:
+    before the first checkpoint, rank 0 found the files its first start wrote and failed
+    the job for good (exit 2, "already holds a run"). A worker of another rendezvous
+    still refuses them."""
+    job = write_job(tmp_path / "job.yaml", arithmetic_spec(rl_steps=2))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "job.yaml").write_text(job.read_text())  # what the first start wrote
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / ".rlft-run-id").write_text("job-uid-0\n")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-launch")
+    assert main(["train", str(job), "--out", str(out)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-uid-0")
+    assert main(["train", str(job), "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "loss" in rows[0]
+    assert (out / ".rlft-run-id").read_text() == "job-uid-0\n"
+
+
 def test_max_steps_caps_the_run_and_existing_output_is_kept(tmp_path: Path, capsys) -> None:
     job = write_job(tmp_path / "job.yaml", arithmetic_spec(rl_steps=50))
     out = tmp_path / "out"

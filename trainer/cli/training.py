@@ -32,7 +32,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     from rlft.trainer.data.jsonl import DataFileError
     from rlft.trainer.data.rewards import RewardError
     from rlft.trainer.model.build import ModelLoadError
-    from rlft.trainer.run.job import OutputExistsError, run_job
+    from rlft.trainer.run.job import OutputExistsError, restarted_worker, run_job
     from rlft.trainer.storage.errors import StorageError
     from rlft.trainer.telemetry.server import TelemetryServeError
 
@@ -45,7 +45,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
             args.overwrite,
             dist=dist,
             resume=args.resume,
-            restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
+            restarted=restarted_worker(_out(job, args)),
         )
     except (
         OutputExistsError,

@@ -8,6 +8,7 @@ Rank 0 owns the rollout engine, the rewards and every file written; all ranks tr
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -40,7 +41,20 @@ from rlft.trainer.run.supervisor import RunEnded, Supervisor
 from rlft.trainer.storage.retry import with_retries
 from rlft.trainer.telemetry import liveness
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml")
+RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml", ".rlft-run-id")
+RUN_ID_FILE = ".rlft-run-id"
+"""The torchrun rendezvous whose workers wrote the folder (on Kubernetes, the job's
+gang). torchrun restarts a gang's workers when a node joins or leaves without counting
+it (TORCHELASTIC_RESTART_COUNT stays 0): a worker of the same rendezvous finding files
+there is that restart, not a second run to protect them from."""
+
+
+def restarted_worker(out: Path) -> bool:
+    """Whether this process is a torchrun restart of the run that wrote `out`."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return True
+    run_id, marker = os.environ.get("TORCHELASTIC_RUN_ID"), out / RUN_ID_FILE
+    return bool(run_id) and marker.is_file() and marker.read_text().strip() == run_id
 
 
 class OutputExistsError(Exception):
@@ -265,6 +279,8 @@ def _announce(run: Run, parts: JobParts, resumed: bool) -> None:
     tokenizer = parts.tokenizer
     spec, model = run.spec, run.learner.engine_model
     (run.out / "job.yaml").write_text(yaml.safe_dump(dump_job(run.job), sort_keys=False))
+    if run_id := os.environ.get("TORCHELASTIC_RUN_ID"):
+        (run.out / RUN_ID_FILE).write_text(run_id + "\n")
     ranks = f", {run.dist.world} ranks (FSDP2)" if run.dist.active else ""
     run.reporter.log(
         f"rlft: job {run.job.metadata.name}: {count_parameters(model) / 1e6:.2f}M-parameter "
