@@ -96,6 +96,45 @@ def test_an_instance_that_failed_once_takes_requests_again(tmp_path: Path) -> No
         steady.stop()
 
 
+def test_a_request_every_instance_times_out_on_ends_at_the_deadline_naming_why(
+    tmp_path: Path,
+) -> None:
+    """Two instances whose generation outlasts the request timeout: each time-out sent the
+    request to the other one, probed back meanwhile, forever (the deadline was checked
+    only when no instance was usable). It ends at the deadline, naming the time-outs."""
+    from rlft.trainer.rollout.client import NoInstanceError
+
+    model, tokenizer = tiny_model()
+    uri = publish(store_at(tmp_path), model, 0)
+    servers = [ThreadServer(), ThreadServer()]
+    client = RolloutClient(
+        [s.url for s in servers], timeout_s=0.3, deadline_s=1.5, probe_every_s=0.05
+    )
+    slow = threading.Event()
+    try:
+        for server in servers:
+            http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+            engine = server.server.host.engine
+            real = engine.generate
+
+            def slow_generate(*args: Any, real=real, **kwargs: Any) -> Any:
+                slow.wait(1.0)  # longer than the request timeout
+                return real(*args, **kwargs)
+
+            engine.generate = slow_generate
+        request = GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id])
+        future = client.submit(request)
+        with pytest.raises(NoInstanceError) as raised:
+            future.result(timeout=20)  # before: still re-issuing when the test gave up
+        assert "for 2 s" in str(raised.value) and "timed out" in str(raised.value)
+        assert client.reissued >= 1
+    finally:
+        slow.set()
+        client.close()
+        for server in servers:
+            server.stop()
+
+
 def test_a_stalled_instance_takes_requests_again_once_it_serves_the_current_weights(
     tmp_path: Path,
 ) -> None:
@@ -340,6 +379,26 @@ def test_the_broadcast_group_is_at_the_pods_ip(monkeypatch, tmp_path):
         in_a_pod.close()
         local.close()
     finally:
+        client.close()
+
+
+def test_a_broadcast_to_no_live_instance_is_not_a_publication(tmp_path):
+    """Every instance down when a version is broadcast: the trainer's group of one sent
+    to nobody and the version counted as published (the next batch started on weights no
+    instance served). It is retried and fails when none comes back."""
+    model, _ = tiny_model()
+    store = store_at(tmp_path)
+    client = RolloutClient(["http://127.0.0.1:9"], timeout_s=1.0, probe_every_s=0.1)
+    publisher = WeightPublisher(client, store, "broadcast", timeout_s=3)
+    try:
+        publisher.published = 1  # past the first version (by the store): broadcasts
+        client.mark_down(client.instances[0], "connection refused")
+        publisher.publish(model, 5)
+        with pytest.raises(RuntimeError, match="no live rollout instance"):
+            publisher.wait(5, timeout=30)
+        assert publisher.acked < 5
+    finally:
+        publisher.close()
         client.close()
 
 

@@ -262,3 +262,32 @@ def test_a_generation_failure_without_a_stop_is_an_error() -> None:
             pipeline.next(0, lambda: False)
     finally:
         pipeline.close()
+
+
+def test_a_pipeline_closed_while_it_waits_for_weights_generates_nothing() -> None:
+    """After a rollback the old pipeline is closed while its thread waits for a version
+    of the abandoned weights; once a version that high is published (the new timeline's
+    versions grow past it) it generated a whole batch nobody wanted, on servers that do
+    one request at a time, ahead of the new pipeline's first batch."""
+    published, waiting = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def wait_published(version: int) -> None:
+        waiting.set()
+        published.wait(10)
+
+    def produce(rng, generator):
+        calls.append(1)
+        return _produce(CountingEngine())(rng, generator)
+
+    pipeline = RolloutPipeline(
+        produce, random.Random(3), torch.Generator().manual_seed(3), 0, 3, True, wait_published
+    )
+    pipeline._floor_version = 4  # as `restarted` sets it
+    pipeline.start()
+    assert waiting.wait(10)
+    threading.Timer(0.2, published.set).start()  # published while close() joins
+    pipeline.close()
+    thread = pipeline._thread
+    thread.join(10)
+    assert not thread.is_alive() and calls == []

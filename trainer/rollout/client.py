@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -41,6 +42,8 @@ from rlft.trainer.rollout.protocol import (
     completion_from_json,
 )
 from rlft.trainer.telemetry import liveness
+
+log = logging.getLogger("rlft.rollout")
 
 
 def _answers(url: str) -> bool:
@@ -80,6 +83,8 @@ class Instance:
     """Weight loads it acknowledged: a version read across one is older than its own."""
     server_id: str | None = None
     """The server process that answered the last probe (a restart draws a new one)."""
+    last_error: str | None = None
+    """Why its last request or load failed (named when the client gives up)."""
 
 
 def http_json(url: str, body: Any | None, timeout: float) -> Any:
@@ -174,11 +179,18 @@ class RolloutClient:
 
     def mark_down(self, instance: Instance, reason: str) -> None:
         with self._lock:
+            instance.last_error = reason[:500]
             if instance.healthy:
                 instance.healthy = False
                 instance.failures += 1
                 instance.last_probe = time.monotonic()
+                log.warning("rollout instance %s failed: %s", instance.url, reason[:500])
             self._lock.notify_all()
+
+    def _failures(self) -> str:
+        """The instances' last errors, for a give-up message (call with the lock held)."""
+        named = [f"{i.url}: {i.last_error}" for i in self.instances if i.last_error]
+        return f"; last errors: {'; '.join(named)}" if named else ""
 
     def probe(self, instance: Instance) -> bool:
         """Ask /healthz; True (and the instance live again) when it serves weights, of
@@ -243,7 +255,7 @@ class RolloutClient:
                     )
                     raise NoInstanceError(
                         f"no rollout instance answered{serving} for {self.deadline_s:.0f} s "
-                        f"({', '.join(i.url for i in self.instances)})"
+                        f"({', '.join(i.url for i in self.instances)}){self._failures()}"
                     )
                 # A probe that brings one back, a load, a failure and close all notify.
                 self._lock.wait(timeout=min(remaining, self.probe_every_s))
@@ -267,6 +279,14 @@ class RolloutClient:
             except RequestFailed as error:
                 self.mark_down(instance, str(error))
                 with self._lock:
+                    if time.monotonic() >= deadline:
+                        # Checked at every failure, not only when none is usable: with
+                        # several instances, each probed back while another times out,
+                        # a request no instance can answer went round them forever.
+                        raise NoInstanceError(
+                            f"no rollout instance answered the request for "
+                            f"{self.deadline_s:.0f} s{self._failures()}"
+                        ) from None
                     self.reissued += 1
                 continue
             finally:

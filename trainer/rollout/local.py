@@ -106,6 +106,7 @@ class LocalServers:
                 )
             if time.monotonic() > deadline:
                 process.kill()
+                process.wait(timeout=30)  # reaped, not left a zombie
                 raise RuntimeError(
                     f"rollout server {index} did not start in {self.startup_timeout_s:.0f} s"
                 )

@@ -217,6 +217,9 @@ class RolloutPipeline:
                     version = self._released[need] if need is not None else self._floor_version
                 if version is not None:
                     self.wait_published(version)
+                    with self._cond:
+                        if self._stopped:  # replaced (a rollback) while it waited
+                            return
                 produced = self._produce(index)
                 with self._cond:
                     self._produced.append(produced)

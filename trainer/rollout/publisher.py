@@ -212,6 +212,8 @@ class WeightPublisher:
         from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
 
         live = self._members_now()
+        if not live:  # a group of the trainer alone "sends" to nobody, and succeeds
+            raise RuntimeError(f"no live rollout instance to send weights version {version}")
         members = tuple((i.url, i.server_id) for i in live)
         if members != self._members:
             self._group = None
@@ -246,3 +248,5 @@ class WeightPublisher:
             results = [f.result() for f in futures]
         if not all(results):  # someone fell out: re-form the group next time
             self._group, self._members = None, ()
+        if not any(results):  # published to nobody: by the store, and retried from there
+            raise RuntimeError(f"no rollout instance accepted weights version {version}")

@@ -288,12 +288,14 @@ class RolloutSession:
         return out
 
     def close(self) -> None:
+        # The client first: the pipeline's thread, generating ahead, waits on requests
+        # that end only when the client closes (the pipeline's join waited out its 5 s).
+        if self.client is not None:
+            self.client.close()
         if self.pipeline is not None:
             self.pipeline.close()
         if self.publisher is not None:
             self.publisher.close()
-        if self.client is not None:
-            self.client.close()
         if self.servers is not None:
             self.servers.stop()
 
