@@ -41,3 +41,15 @@ def test_a_spike_is_judged_skip_and_ends_nothing() -> None:
     assert sup.ended(decision, 30) is None
     assert sup.judge({"step": 31, "grad_norm": math.nan, "loss": 0.1}).action == "skip"
     assert sup.state_dict()["skipped"] == 2
+
+
+def test_the_main_phase_exports_the_step_it_resumed_from_at_once() -> None:
+    """A resumed run stuck in its first step: the step gauge said 0 (what RLFTNoProgress
+    reads as a warm start, so it never fired) until a step finished."""
+    sup = supervisor([])
+    sup.begin(False, 0, 0)  # the warm start
+    assert "rlft_train_step 0.0" in sup.telemetry.exporter.exposition().decode()
+    sup.begin(True, 500, 510)
+    text = sup.telemetry.exporter.exposition().decode()
+    assert "rlft_train_step 500.0" in text and "rlft_policy_version 510.0" in text
+    assert sup.telemetry.board.snapshot()["phase"] == "training"

@@ -339,6 +339,7 @@ def _roll_back(run: Run, phase: Phase, step: int, before: int, replay: bool) -> 
     try:
         restored = run.checkpoints.rollback(before, run.cursor, run.learner, replay)
     except NoCheckpointError as error:
+        run.supervisor.set_phase("failed")  # as every other end by the guard says
         raise RunEnded(f"collapse at step {step} and {error}", ExitCode.COLLAPSED) from None
     run.set_policy_version(run.cursor.policy_version)
     message = (

@@ -119,6 +119,9 @@ class Supervisor:
             return
         if main:
             self.telemetry.board.progress(step, policy_version)
+            # The gauges too: a resumed run stuck in its first step showed step 0, which
+            # RLFTNoProgress reads as a warm start, and dashboards a drop to 0.
+            self.telemetry.exporter.record({"step": step, "policy_version": policy_version})
         self.telemetry.set_phase("training" if main else "warm_start")
 
     def close(self) -> None:
