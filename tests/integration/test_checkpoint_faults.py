@@ -275,3 +275,55 @@ def test_a_staging_disk_that_takes_no_more_bytes_fails_the_save_and_the_run_goes
     assert [info["step"] for info in failed] == [2, 4]
     assert all("DCP write on rank 0: RuntimeError" in info["error"] for info in failed)
     assert "Traceback" not in done.stderr
+
+
+class _Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_slow_synchronous_save_and_a_slow_resume_are_progress(tmp_path: Path) -> None:
+    """A pause's or the run's last save (synchronous) and a rollback's restore run inside
+    the judged loop: their files took longer than stallTimeoutSeconds together, and the
+    rank was declared stalled (killed mid-save) because nothing beat meanwhile."""
+    from rlft.trainer.checkpoint import loader
+    from rlft.trainer.telemetry import liveness
+    from rlft.trainer.telemetry.liveness import Liveness
+
+    clock = _Clock()
+    before = liveness.current()
+    liveness.install(Liveness(60, clock=clock))
+    sha256 = loader.sha256_file
+    try:
+        liveness.begin()
+        storage = open_storage(f"file://{tmp_path}/ckpts")
+        put_file = storage.put_file
+
+        def slow_put_file(key, path, *, move=False):  # each file takes 40 "seconds"
+            put_file(key, path, move=move)
+            clock.now += 40
+            time.sleep(1.2)  # real time, for the waiting thread to see it
+
+        storage.put_file = slow_put_file
+        model = tiny_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ckpt = Checkpointer(storage, keep_last=10)
+        assert ckpt.save(2, model, optimizer, extra={"step": 2}, wait=True)
+        ckpt.close()
+        assert clock.now - 1000 > 2 * 60  # longer than the stall timeout
+        assert liveness.current().state().alive, liveness.current().state()
+
+        def slow_sha256(path):  # each file checked on resume takes 40 "seconds"
+            clock.now += 40
+            return sha256(path)
+
+        loader.sha256_file = slow_sha256
+        checked_from = clock.now
+        assert load(storage, "auto", tiny_model(), None).step == 2
+        assert clock.now - checked_from > 60
+        assert liveness.current().state().alive, liveness.current().state()
+    finally:
+        loader.sha256_file = sha256
+        liveness.install(before)

@@ -30,6 +30,7 @@ from rlft.trainer.checkpoint.saver import RANKS
 from rlft.trainer.checkpoint.state import Modules, apply_tensor_state, tensor_state
 from rlft.trainer.storage.backends import FileStorage, Storage, sha256_file
 from rlft.trainer.storage.retry import with_retries
+from rlft.trainer.telemetry import liveness
 
 log = logging.getLogger("rlft.checkpoint")
 
@@ -86,6 +87,7 @@ class LocalCopy:
             mine = manifest.files[self.rank :: self.world_size]
             found = {}
             for entry in mine:
+                liveness.beat(f"checking {manifest.folder}/{entry.path}")
                 file = self.path / entry.path
                 if file.is_file():
                     found[entry.path] = sha256_file(file)
@@ -98,6 +100,8 @@ class LocalCopy:
         for entry in manifest.files:
             target = self.path / entry.path
             key = f"{manifest.folder}/{entry.path}"
+            # Progress, file by file (a rollback's restore runs inside the judged loop).
+            liveness.beat(f"downloading {key}")
             try:
                 with_retries(
                     lambda key=key, target=target: self.storage.get_file(key, target),

@@ -250,14 +250,21 @@ class Checkpointer:
         self.policy.saved()
         self.stats.started += 1
         self.stats.last_blocking_s = time.monotonic() - started
-        if wait:
-            return self._run(job)
         self._inflight = (step, job.started + job.retry_s)
+        committed: list[bool] = []
         self._thread = threading.Thread(
-            target=self._run, args=(job,), name=f"rlft-checkpoint-{step}", daemon=True
+            target=lambda: committed.append(self._run(job)),
+            name=f"rlft-checkpoint-{step}",
+            daemon=True,
         )
         self._thread.start()
-        return False
+        if not wait:
+            return False
+        # On a thread too, and waited for as a background one is: the upload is progress
+        # (liveness) within its deadline. In the caller's thread it beat nothing, and a
+        # pause's or the run's last save longer than stallTimeoutSeconds was a stall.
+        self.wait()
+        return bool(committed and committed[0])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the checkpoint in flight, if any; False if it is still running.
