@@ -114,10 +114,15 @@ def trainer_grace_seconds(job: RLFineTune) -> int:
 
 
 def torchrun_command(
-    job: RLFineTune, body: dict[str, Any], s: Settings, resume: str, gang: int = 0
+    job: RLFineTune,
+    body: dict[str, Any],
+    s: Settings,
+    resume: str,
+    gang: int = 0,
+    index: int = 0,
 ) -> list[str]:
-    """The trainer pod's command: an elastic torchrun agent joining the rendezvous of the
-    job's gang attempt `gang` (status.gangAttempt)."""
+    """Trainer pod `index`'s command: an elastic torchrun agent joining the rendezvous of
+    the job's gang attempt `gang` (status.gangAttempt), hosted by trainer-0's agent."""
     spec = job.spec
     replicas = spec.trainer.replicas
     svc = N.trainer_service(job.metadata.name)
@@ -126,11 +131,15 @@ def torchrun_command(
     return [
         "torchrun",
         f"--nnodes={replicas.min}:{replicas.max}",
-        f"--nproc-per-node={max(1, spec.trainer.gpus_per_pod)}",
+        f"--nproc-per-node={pod_spec.ranks_per_pod(job, N.ROLE_TRAINER)}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={host}:{s.rdzv_port}",
         f"--rdzv-id={body['metadata']['uid']}-{gang}",
-        f"--rdzv-conf=join_timeout={timeout},last_call_timeout={s.last_call_timeout}",
+        # Who hosts the store, said rather than guessed: torch guesses it by resolving
+        # the endpoint's DNS name to the pod itself, and a record not published yet (or
+        # a cached NXDOMAIN) left trainer-0 a client of a store nobody hosted.
+        f"--rdzv-conf=join_timeout={timeout},last_call_timeout={s.last_call_timeout},"
+        f"is_host={'true' if index == 0 else 'false'}",
         # Every restart is the operator's: torchrun would restart a worker that exited 2
         # (a permanent error) and its restarts would escape the restart budget. Elastic
         # membership changes (a node back) still restart the workers in place.
@@ -152,7 +161,6 @@ def trainer_pods(
     job: RLFineTune, body: dict[str, Any], s: Settings, resume: str, gang: int = 0
 ) -> dict[str, dict[str, Any]]:
     spec = job.spec
-    command = torchrun_command(job, body, s, resume, gang)
     resources = pod_spec.container_resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
     pods = {}
     checked = probes.trainer_probes(job, s.liveness_port)
@@ -170,7 +178,7 @@ def trainer_pods(
             hostname=f"trainer-{i}",
             subdomain=N.trainer_service(job.metadata.name),
             image=spec.trainer.image,
-            command=command,
+            command=torchrun_command(job, body, s, resume, gang, i),
             ports=ports,
             resources=resources,
             grace_seconds=trainer_grace_seconds(job) + SHUTDOWN_MARGIN_SECONDS,

@@ -177,16 +177,25 @@ def job_env(job: RLFineTune, role: str) -> list[dict[str, Any]]:
     return [e.model_dump(by_alias=True, exclude_none=True) for e in env]
 
 
-def thread_env(resources: dict[str, Any], own: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def thread_env(
+    resources: dict[str, Any], own: list[dict[str, Any]], processes: int = 1
+) -> list[dict[str, Any]]:
     """`own` (the job's variables) after OMP_NUM_THREADS from the container's CPUs, its
-    limit or else its request, rounded down (at least 1): torch otherwise starts a thread
-    per core of the node however few the pod may use, and the pods of a job sharing a
-    node fight for them. A job that sets the variable itself keeps its value."""
+    limit or else its request, shared by its `processes` (a trainer pod's ranks: torchrun
+    keeps a value it finds, so each rank took the whole pod's), rounded down (at least
+    1): torch otherwise starts a thread per core of the node however few the pod may use,
+    and the pods of a job sharing a node fight for them. A job that sets the variable
+    itself keeps its value."""
     cpu = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu")
     if cpu is None or any(e["name"] == "OMP_NUM_THREADS" for e in own):
         return own
-    threads = max(1, math.floor(G.quantity(cpu)))
+    threads = max(1, math.floor(G.quantity(cpu) / max(1, processes)))
     return [{"name": "OMP_NUM_THREADS", "value": str(threads)}, *own]
+
+
+def ranks_per_pod(job: RLFineTune, role: str) -> int:
+    """Training processes a pod of the role runs (torchrun's --nproc-per-node)."""
+    return max(1, job.spec.trainer.gpus_per_pod) if role == N.ROLE_TRAINER else 1
 
 
 def pod_volumes(job: RLFineTune) -> list[dict[str, Any]]:
@@ -242,7 +251,8 @@ def job_pod(
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": command,
-        "env": operator_env(job, body, s) + thread_env(resources, job_env(job, role)),
+        "env": operator_env(job, body, s)
+        + thread_env(resources, job_env(job, role), ranks_per_pod(job, role)),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
         "volumeMounts": [dict(m) for m in MOUNTS],
         "securityContext": container_security(),

@@ -121,6 +121,26 @@ def test_weights_request_needs_a_published_version(server, tmp_path: Path) -> No
     assert status == 500 and "not a published weight version" in body["error"]
 
 
+def test_a_load_older_than_the_weights_served_does_not_go_back(server, tmp_path) -> None:
+    """A load that queued behind a long request (its first attempt timed out at the
+    trainer, which retried while it waited) arrives after a newer one: it was applied,
+    and the instance served older weights than it had acknowledged."""
+    model, _ = tiny_model()
+    store = store_at(tmp_path)
+    old_uri = publish(store, model, 3)
+    redraw(model, 5)
+    new_uri = publish(store, model, 5)
+    assert (
+        http_json(f"{server.url}/weights", {"version": 5, "uri": new_uri}, 60)["policy_version"]
+        == 5
+    )
+    answer = http_json(f"{server.url}/weights", {"version": 3, "uri": old_uri}, 60)
+    assert answer["policy_version"] == 5
+    assert http_json(f"{server.url}/healthz", None, 5)["policy_version"] == 5
+    served = server.server.host.engine.model.state_dict()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in served.items())
+
+
 def test_a_server_starts_from_the_jobs_own_model_folder(server, tmp_path: Path) -> None:
     """spec.model.path (on Kubernetes, a folder on a mounted claim) is a plain Hugging Face
     folder with no READY marker: before the trainer publishes anything the server serves

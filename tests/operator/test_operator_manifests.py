@@ -121,7 +121,10 @@ def test_trainer_pods_run_elastic_torchrun():
         assert "--nnodes=2:4" in command and "--nproc-per-node=8" in command
         assert "--rdzv-endpoint=trainer-0.tiny-grpo-trainer.ml.svc:29400" in command
         assert "--rdzv-id=0f0e-uid-0" in command  # the first gang's rendezvous
-        assert any(a.startswith("--rdzv-conf=") and "last_call_timeout=5" in a for a in command)
+        (conf,) = [a for a in command if a.startswith("--rdzv-conf=")]
+        assert "last_call_timeout=5" in conf
+        # trainer-0 hosts the rendezvous store, said rather than guessed from DNS
+        assert conf.endswith(f",is_host={'true' if i == 0 else 'false'}"), conf
         assert "--max-restarts=0" in command  # the operator restarts, counts, backs off
         # The job's grace reaches the pod and torchrun (which SIGKILLs after its timeout).
         grace = parsed(job_doc(**SHAPES["gpu-elastic"]))[0].spec.checkpoint.grace_period_seconds
@@ -211,6 +214,9 @@ def test_torch_threads_follow_the_containers_cpus_unless_the_job_sets_them():
     assert set(_threads({"resources": both})[N.ROLE_TRAINER]) == {"4"}
     assert set(_threads({"resources": {"requests": {"cpu": "500m"}}})[N.ROLE_TRAINER]) == {"1"}
     assert _threads({}) == {N.ROLE_TRAINER: [], N.ROLE_ROLLOUT: []}
+    # A trainer pod's ranks share its CPUs (torchrun keeps the value: each took all 64)
+    eight = _threads({"resources": {"limits": {"cpu": "64"}}, "gpusPerPod": 8})
+    assert set(eight[N.ROLE_TRAINER]) == {"8"}
     own = {"resources": cpus, "env": [{"name": "OMP_NUM_THREADS", "value": "3"}]}
     trainer_threads = _threads(own)[N.ROLE_TRAINER]
     assert trainer_threads and set(trainer_threads) == {"3"}

@@ -75,3 +75,21 @@ def test_a_server_resolves_auto_by_what_it_can_import(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     assert resolve_engine("auto") == "vllm"
     assert resolve_engine("transformers") == "transformers"
+
+
+def test_the_trainer_waits_for_operator_rollout_pods_as_long_as_they_may_take() -> None:
+    """Placed within the scheduling timeout, serving within the startup probe's: the
+    trainer gave up after requestTimeoutSeconds (600 s), and each attempt was a counted
+    restart that loaded the model again."""
+    from tiny_jobs import TINY_MODEL, manifest
+
+    from rlft.trainer.config import parse_job
+
+    def job(rollout: dict, scheduling: dict):
+        spec = {"model": TINY_MODEL, "rollout": rollout, "scheduling": scheduling}
+        return parse_job(manifest(spec))
+
+    slow = job({"startupTimeoutSeconds": 2700}, {"schedulingTimeoutSeconds": 600})
+    assert session.pods_start_within(slow) == 3300
+    quick = job({"startupTimeoutSeconds": 10, "requestTimeoutSeconds": 900}, {})
+    assert session.pods_start_within(quick) == 900

@@ -115,21 +115,30 @@ class EngineHost:
                     raise RuntimeError(
                         "a broadcast cannot start an engine (no config): load a uri first"
                     )
-                with self._damaging(version):
-                    self.engine.load_tensors(tensors, version)
+                if not self._older(version):
+                    with self._damaging(version):
+                        self.engine.load_tensors(tensors, version)
         else:
             from rlft.trainer.weights.store import fetched
 
             with fetched(request.uri) as folder, self._use(writer=True):
                 if self.engine is None:
                     self.engine = self._build(folder, request.version)
-                else:
+                elif not self._older(request.version):
                     with self._damaging(request.version):
                         self.engine.load_folder(folder, request.version)
         seconds = time.perf_counter() - started
+        version = self.engine.policy_version
         if self._metrics is not None:
-            self._metrics.version(request.version)
-        return {"policy_version": request.version, "seconds": seconds}
+            self._metrics.version(version)
+        return {"policy_version": version, "seconds": seconds}
+
+    def _older(self, version: int) -> bool:
+        """Whether `version` is older than the weights served (call under the writer lock):
+        versions only grow, also across rollbacks and trainer restarts, so an older one is
+        a load that waited (a retried load, its first attempt timed out at the trainer
+        while it queued) and arrived after a newer one; loading it would go back."""
+        return self.damaged is None and version < self.engine.policy_version
 
     @contextlib.contextmanager
     def _damaging(self, version: int) -> Iterator[None]:

@@ -88,6 +88,16 @@ def local_engine_problem(rollout, model_config: dict) -> str | None:
     )
 
 
+def pods_start_within(job: RLFineTune) -> float:
+    """How long the operator's rollout pods may take to answer at all: placed within the
+    scheduling timeout, serving within their startup probe's (a large model's vLLM loads
+    for many minutes; the trainer gave up after requestTimeoutSeconds, each attempt a
+    counted restart that loaded the model again)."""
+    rollout, scheduling = job.spec.rollout, job.spec.scheduling
+    placed_and_started = scheduling.scheduling_timeout_seconds + rollout.startup_timeout_seconds
+    return float(max(rollout.request_timeout_seconds, placed_and_started))
+
+
 def operator_instances() -> list[str]:
     """The rollout instances the operator created for this job (none when run locally)."""
     return [u.strip() for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
@@ -175,7 +185,7 @@ class RolloutSession:
         session = cls(None)  # type: ignore[arg-type]
         try:
             session.client = RolloutClient(urls, rollout.request_timeout_seconds)
-            session.client.wait_reachable(rollout.request_timeout_seconds, log)
+            session.client.wait_reachable(pods_start_within(job), log)
             store = WeightStore.at(rollout.weights_uri)
             newest = _newest_published(store, session.client)
             if newest is not None and newest > cursor.policy_version:
