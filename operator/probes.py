@@ -25,7 +25,10 @@ Rollout pods and Ray heads (which serve the rollout protocol; Ray workers serve 
   `spec.rollout.startupTimeoutSeconds`: loading a large model happens before it serves;
 - a readiness probe on `/healthz` (503 until weights are loaded): Ready while it has
   weights. Not `/healthz` for startup: a job whose model the trainer builds has no
-  weights before the trainer's first publication, after its warm start.
+  weights before the trainer's first publication, after its warm start;
+- a liveness probe on `/livez` (503 once requests fail in the engine again and again: a
+  dead vLLM engine, a GPU in an error state, behind an HTTP server that still answers):
+  the container is killed, the pod fails, and the operator replaces it.
 
 With `restartPolicy: Never` the kubelet does not restart a killed container: the pod
 ends Failed and the operator's failure policy decides (a trainer's verdict says
@@ -50,6 +53,7 @@ STALLED_GRACE_SECONDS = 15
 then the kubelet's SIGKILL."""
 ROLLOUT_STARTUP_PERIOD = 10
 ROLLOUT_READINESS_PERIOD = 5
+ROLLOUT_LIVENESS_PERIOD = 10
 ROLLOUT_LIVEZ = "/livez"
 ROLLOUT_HEALTHZ = "/healthz"
 
@@ -91,7 +95,8 @@ def trainer_probes(job: RLFineTune, port: int) -> dict[str, dict[str, Any]]:
 
 
 def rollout_probes(job: RLFineTune, port: int) -> dict[str, dict[str, Any]]:
-    """`startupProbe` and `readinessProbe` of a pod serving the rollout protocol on `port`."""
+    """`startupProbe`, `readinessProbe` and `livenessProbe` of a pod serving the rollout
+    protocol on `port`."""
     startup = job.spec.rollout.startup_timeout_seconds
     return {
         "startupProbe": {
@@ -107,5 +112,12 @@ def rollout_probes(job: RLFineTune, port: int) -> dict[str, dict[str, Any]]:
             "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
             "successThreshold": 1,
             "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": _http(ROLLOUT_LIVEZ, port),
+            "periodSeconds": ROLLOUT_LIVENESS_PERIOD,
+            "timeoutSeconds": PROBE_TIMEOUT_SECONDS,
+            "successThreshold": 1,
+            "failureThreshold": LIVENESS_FAILURES,
         },
     }

@@ -141,6 +141,34 @@ def test_a_load_older_than_the_weights_served_does_not_go_back(server, tmp_path)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in served.items())
 
 
+def test_an_engine_that_fails_every_request_is_reported_dead(server, tmp_path) -> None:
+    """Every request failing in the engine (a dead vLLM engine, a GPU in an error state)
+    behind an HTTP server that answers: /livez said ok, so the pod's liveness never had
+    it replaced and each request was re-issued until the trainer's deadline."""
+    from rlft.trainer.rollout.server import ENGINE_FAILURES
+
+    model, tokenizer = tiny_model()
+    uri = publish(store_at(tmp_path), model, 0)
+    http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+    engine = server.server.host.engine
+    generate = engine.generate
+
+    def dead(*args, **kwargs):
+        raise OSError("CUDA error: an illegal memory access was encountered")
+
+    engine.generate = dead
+    body = GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id]).to_json()
+    for attempt in range(ENGINE_FAILURES):
+        assert http_json_status(f"{server.url}/livez", None)[0] == 200, attempt
+        with pytest.raises(RequestFailed, match="illegal memory access"):
+            http_json(f"{server.url}/generate", body, 30)
+    status, answer = http_json_status(f"{server.url}/livez", None)
+    assert status == 503 and "5 requests in a row failed" in answer["reason"]
+    engine.generate = generate  # it recovered (a transient fault): alive again
+    http_json(f"{server.url}/generate", body, 30)
+    assert http_json_status(f"{server.url}/livez", None)[0] == 200
+
+
 def test_a_server_starts_from_the_jobs_own_model_folder(server, tmp_path: Path) -> None:
     """spec.model.path (on Kubernetes, a folder on a mounted claim) is a plain Hugging Face
     folder with no READY marker: before the trainer publishes anything the server serves

@@ -86,7 +86,11 @@ def test_rollout_pods_start_within_their_startup_timeout_and_are_ready_with_weig
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
     assert startup["periodSeconds"] * (startup["failureThreshold"] - 1) < 3600
     assert ready["periodSeconds"] == 5 and ready["failureThreshold"] == 3
-    assert "livenessProbe" not in main  # a hung engine's requests are re-issued elsewhere
+    # Liveness: /livez, which a broken engine fails (a busy one still answers: a hung
+    # engine's requests are re-issued elsewhere, not the pod killed for them).
+    alive = main["livenessProbe"]
+    assert alive["httpGet"] == {"path": "/livez", "port": port, "scheme": "HTTP"}
+    assert alive["failureThreshold"] == 3 and alive["periodSeconds"] == 10
 
 
 def test_the_default_startup_timeout_is_sized_for_a_large_model():

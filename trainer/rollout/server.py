@@ -10,7 +10,8 @@ Start-up: the engine is built from the newest version under the publication loca
 until then `/healthz` answers 503 (a rollout pod's readiness). `/livez` answers 200 as
 soon as the server serves, weights or not (its startup probe: a job whose model is built
 by the trainer has no weights until the trainer's first publication, after its warm
-start).
+start), and 503 once ENGINE_FAILURES requests in a row failed in the engine (its liveness
+probe: a dead engine behind a live HTTP server was never replaced).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ from rlft.trainer.rollout.ray_cluster import RayClusterError
 MAX_BODY = 64 << 20
 
 
+ENGINE_FAILURES = 5
+"""Generate requests in a row failing in the engine before /livez reports it broken."""
+
+
 class EngineHost:
     """The served engine plus the lock that makes weight updates atomic."""
 
@@ -57,6 +62,12 @@ class EngineHost:
         self.damaged: str | None = None
         """Why the engine's weights are no version (a load failed after it had begun
         copying: a mix of two), until a load succeeds. It serves nothing meanwhile."""
+        self.failed_in_a_row = 0
+        """Generate requests the engine itself failed since its last success."""
+        self.broken: str | None = None
+        """Why the engine is past recovery in this process (ENGINE_FAILURES requests in a
+        row failed in it: a dead vLLM engine, a GPU in an error state): /livez says so,
+        and the pod's liveness probe has it replaced."""
 
     @contextlib.contextmanager
     def _use(self, writer: bool) -> Iterator[None]:
@@ -90,9 +101,19 @@ class EngineHost:
                 raise RuntimeError("no weights loaded yet")
             if self.damaged:
                 raise RuntimeError(self.damaged)
-            completions = self.engine.generate(
-                request.prompts, request.n, request.sampling, request.seed, request.stop_ids
-            )
+            try:
+                completions = self.engine.generate(
+                    request.prompts, request.n, request.sampling, request.seed, request.stop_ids
+                )
+            except Exception as error:
+                self.failed_in_a_row += 1
+                if self.failed_in_a_row >= ENGINE_FAILURES:
+                    self.broken = (
+                        f"{self.failed_in_a_row} requests in a row failed in the engine, the "
+                        f"last with {type(error).__name__}: {error}"
+                    )[:1000]
+                raise
+            self.failed_in_a_row, self.broken = 0, None
             version = self.engine.policy_version
         seconds = time.perf_counter() - started
         tokens = sum(len(c.token_ids) for c in completions)
@@ -260,7 +281,10 @@ class _Handler(BaseHTTPRequestHandler):
                 body["reason"] = "no weights loaded yet"
             self._reply(200 if version is not None else 503, body)
         elif self.path == "/livez":
-            self._reply(200, {"ok": True, "engine": self.server.kind})
+            if host.broken:
+                self._reply(503, {"ok": False, "engine": self.server.kind, "reason": host.broken})
+            else:
+                self._reply(200, {"ok": True, "engine": self.server.kind})
         elif self.path == "/metrics":
             self._reply(200, self.server.metrics.text(), "text/plain; version=0.0.4")
         else:
