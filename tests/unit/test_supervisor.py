@@ -53,3 +53,24 @@ def test_the_main_phase_exports_the_step_it_resumed_from_at_once() -> None:
     text = sup.telemetry.exporter.exposition().decode()
     assert "rlft_train_step 500.0" in text and "rlft_policy_version 510.0" in text
     assert sup.telemetry.board.snapshot()["phase"] == "training"
+
+
+def test_rollout_engines_are_counted_at_each_scrape_not_only_when_a_step_ends() -> None:
+    """Every engine dead: no step ends (the trainer waits for rollouts), and the gauges
+    kept the last step's count, so RLFTRolloutEnginesDown could not fire."""
+    from rlft.trainer.rollout.client import RolloutClient
+
+    sup = supervisor([])
+    client = RolloutClient(["http://127.0.0.1:9", "http://127.0.0.1:10"], 1.0)
+    try:
+        sup.watch_engines(client)
+        sup.record({"step": 3, "rollout_engines_healthy": 2.0, "rollout_engines_expected": 2.0})
+        text = sup.telemetry.exporter.exposition().decode()
+        assert "rlft_rollout_engines_healthy 2.0" in text
+        for instance in client.instances:
+            client.mark_down(instance, "connection refused")
+        text = sup.telemetry.exporter.exposition().decode()
+        assert "rlft_rollout_engines_healthy 0.0" in text
+        assert "rlft_rollout_engines_expected 2.0" in text
+    finally:
+        client.close()

@@ -203,6 +203,8 @@ class RolloutSource(_Source):
         )
         # The session may have moved the version past ones an earlier run published.
         run.set_policy_version(run.cursor.policy_version)
+        if self.session.client is not None:
+            run.supervisor.watch_engines(self.session.client)
 
     def next(self, run: Run, step: int) -> Drawn:
         started = time.perf_counter()

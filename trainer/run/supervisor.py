@@ -74,6 +74,13 @@ class Supervisor:
         if self.telemetry is not None:
             self.telemetry.record(record)
 
+    def watch_engines(self, client) -> None:
+        """Export the rollout client's live instances at each scrape (rank 0)."""
+        if self.telemetry is not None:
+            self.telemetry.exporter.watch_engines(
+                lambda: (len(client.live()), len(client.instances))
+            )
+
     def checkpointed(self, step: int, uri: str, healthy: bool) -> None:
         if self.telemetry is not None:
             self.telemetry.checkpoint(step, uri, healthy)

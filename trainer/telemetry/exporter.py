@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -102,6 +102,15 @@ class MetricsExporter:
                 number = _number(value)
                 if number is not None:
                     self._export(binding, number, {})
+
+    def watch_engines(self, count: Callable[[], tuple[int, int]]) -> None:
+        """The rollout engine gauges from `count()` (healthy, expected) at each scrape:
+        the step records set them only when a step ends, and when every engine dies no
+        step ends (the trainer waits for rollouts): RLFTRolloutEnginesDown saw the last
+        step's count until the trainer gave up and its series vanished."""
+        with self._lock:
+            self._gauge(M.ENGINES_HEALTHY).set_function(lambda: count()[0])
+            self._gauge(M.ENGINES_EXPECTED).set_function(lambda: count()[1])
 
     def configure(self, *, staleness_limit: int, checkpoint_interval_s: float) -> None:
         """Export the job's limits that alert rules compare against."""
