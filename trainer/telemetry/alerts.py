@@ -44,7 +44,7 @@ def _alarms(check: str) -> str:
 ALERTS: tuple[Alert, ...] = (
     Alert(
         "RLFTGradientSpike",
-        f"sum by (job, instance) (increase({_alarms('grad_norm_spike')}[10m])) > 0",
+        f"sum without (check, level) (increase({_alarms('grad_norm_spike')}[10m])) > 0",
         "0m",
         "warning",
         "Gradient-norm spike in {{ $labels.instance }}",
@@ -53,7 +53,7 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "RLFTNonFiniteValues",
-        f"sum by (job, instance) (increase({_alarms('non_finite')}[10m])) > 0",
+        f"sum without (check, level) (increase({_alarms('non_finite')}[10m])) > 0",
         "0m",
         "critical",
         "NaN/Inf in training metrics of {{ $labels.instance }}",
