@@ -94,3 +94,51 @@ def test_a_file_damaged_in_another_ranks_share_is_named_on_every_rank(tmp_path: 
     for rank in (0, 1):
         error = (tmp_path / f"error-{rank}").read_text()
         assert f"step-000002: {victim}: checksum mismatch" in error, error
+
+
+def flaky_on_rank_1(rank: int, port: int, root: str) -> None:
+    """Spawned per rank: a save on 2 ranks where rank 1's store refuses one upload (a
+    transient error, retried); rank 0 records the events it gets."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from rlft.trainer.checkpoint.saver import Checkpointer
+    from rlft.trainer.storage.errors import StorageError
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    storage = open_storage(f"file://{root}/ckpts")
+    if rank == 1:
+        put_file, refused = storage.put_file, []
+
+        def refuses_once(key, path, *, move=False):
+            if not refused:
+                refused.append(key)
+                raise StorageError("503 SlowDown", transient=True)
+            put_file(key, path, move=move)
+
+        storage.put_file = refuses_once
+    events: list[list] = []
+    ckpt = Checkpointer(storage, on_event=lambda name, info: events.append([name, info]))
+    model = tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert ckpt.save(2, model, optimizer, extra={"step": 2}, wait=True)
+    ckpt.close()
+    Path(root, f"events-{rank}.json").write_text(json.dumps(events))
+    dist.destroy_process_group()
+
+
+def test_another_ranks_upload_retries_reach_rank_0(tmp_path: Path) -> None:
+    """Each rank uploads its own shards; only rank 0 has telemetry, and it counted only
+    its own retries: a store throttling the other ranks was invisible."""
+    import json
+
+    (port,) = free_ports(1)
+    mp.spawn(flaky_on_rank_1, args=(port, str(tmp_path)), nprocs=2, join=True)
+    events = json.loads((tmp_path / "events-0.json").read_text())
+    peers = [info for name, info in events if name == "peer_retries"]
+    assert peers == [{"step": 2, "count": 1}], events
+    assert [name for name, _ in events].count("committed") == 1

@@ -29,6 +29,10 @@ def test_checkpoint_retries_are_a_metric_an_event_and_a_log_line() -> None:
     ]
     assert len(events) == 2 and events[0]["step"] == 20
     assert any("upload retried" in line for line in logged)
+    # other ranks' retries, gathered by rank 0's saver, count as many
+    sup.checkpoint_retry("checkpoint of step 20: other ranks retried storage calls", 20, 3)
+    text = sup.telemetry.exporter.exposition().decode()
+    assert "rlft_checkpoint_upload_retries_total 5.0" in text
 
 
 def test_a_spike_is_judged_skip_and_ends_nothing() -> None:

@@ -363,6 +363,7 @@ class Checkpointer:
         deadline = job.started + job.retry_s
         entries: list[FileEntry] = []
         error: str | None = None
+        retries_before = self.stats.upload_retries
         try:
             job.future.result()
             entries = self._upload(job, deadline)
@@ -372,12 +373,18 @@ class Checkpointer:
             error = _dcp_error(failure)
         except Exception as failure:
             error = f"{type(failure).__name__}: {failure}"
-        results = [(error, entries)]
+        retried = self.stats.upload_retries - retries_before
+        results = [(error, entries, retried)]
         if self.distributed:
             results = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object((error, entries), results, dst=0, group=self._io)
+            dist.gather_object((error, entries, retried), results, dst=0, group=self._io)
         committed = False
         if self.rank == 0:
+            # Each rank uploads its own shards: the others' retries (a store throttling
+            # them) reach rank 0's telemetry too, which counted only its own.
+            peers = sum(r for _, _, r in results[1:])
+            if peers:
+                self._emit("peer_retries", step=job.step, count=peers)
             committed = self._commit(job, results, deadline)
         if self.distributed:
             verdict = [committed]
@@ -396,13 +403,15 @@ class Checkpointer:
 
     def _commit(self, job: _Job, results: list, deadline: float) -> bool:
         folder = f"{self.storage.uri}/{step_dir(job.step)}"
-        errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(results) if e]
+        errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(results) if e]
         if errors:
             log.error("checkpoint %s failed and was not committed: %s", folder, "; ".join(errors))
             self._emit("failed", step=job.step, uri=folder, error="; ".join(errors))
             self._remove_uncommitted(job, deadline)
             return False
-        files = tuple(sorted((e for _, entries in results for e in entries), key=lambda e: e.path))
+        files = tuple(
+            sorted((e for _, entries, _ in results for e in entries), key=lambda e: e.path)
+        )
         manifest = Manifest(
             step=job.step,
             policy_version=job.policy_version,

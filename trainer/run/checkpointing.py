@@ -134,6 +134,9 @@ class Checkpointing:
         elif name == "retry":
             message = f"checkpoint of step {info.get('step')}: {info.get('what')} retried"
             self.supervisor.checkpoint_retry(f"{message} ({info.get('error')})", info.get("step"))
+        elif name == "peer_retries":
+            message = f"checkpoint of step {info['step']}: other ranks retried storage calls"
+            self.supervisor.checkpoint_retry(message, info["step"], info["count"])
         elif name == "failed":
             self.supervisor.checkpoint_failed(info["step"], info["uri"], info["error"])
 

@@ -96,10 +96,11 @@ class Supervisor:
         if self.telemetry is not None:
             self.telemetry.checkpoint_failed(step, uri, error)
 
-    def checkpoint_retry(self, message: str, step: int | None) -> None:
+    def checkpoint_retry(self, message: str, step: int | None, count: int = 1) -> None:
         if self.telemetry is not None:
-            self.telemetry.exporter.checkpoint_retry()
-            self.telemetry.event("checkpoint_retry", message, "warning", step)
+            self.telemetry.exporter.checkpoint_retry(count)
+            text = message if count == 1 else f"{message} ({count} retries)"
+            self.telemetry.event("checkpoint_retry", text, "warning", step)
 
     def event(self, kind: str, message: str, level: str = "info", step: int | None = None):
         if self.telemetry is not None:

@@ -150,10 +150,10 @@ class MetricsExporter:
                 self._gauge(M.CHECKPOINT_TIME).set(when if when is not None else time.time())
                 self._gauge(M.CHECKPOINT_STEP).set(step)
 
-    def checkpoint_retry(self) -> None:
-        """One retried storage operation of a checkpoint upload."""
+    def checkpoint_retry(self, count: int = 1) -> None:
+        """Retried storage operations of a checkpoint upload (any rank's)."""
         with self._lock:
-            self._counter(M.CHECKPOINT_RETRIES).inc()
+            self._counter(M.CHECKPOINT_RETRIES).inc(count)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
