@@ -97,6 +97,8 @@ def test_decisions_and_checkpoints():
     exporter = MetricsExporter()
     exporter.decision("warning", {"grad_norm_spike": 2, "entropy_collapse": 1}, 9.5, "skip")
     exporter.decision("collapsed", {"reward_collapse": 2}, None, "rollback")
+    assert samples(exporter)[("rlft_rollbacks_total", ())] == 0  # decided, not made yet
+    exporter.rolled_back()
     exporter.checkpoint(50, ok=True, when=123.0)
     exporter.checkpoint(60, ok=False)
     exporter.configure(staleness_limit=2, checkpoint_interval_s=1800)

@@ -341,6 +341,7 @@ def _roll_back(run: Run, phase: Phase, step: int, before: int, replay: bool) -> 
     except NoCheckpointError as error:
         run.supervisor.set_phase("failed")  # as every other end by the guard says
         raise RunEnded(f"collapse at step {step} and {error}", ExitCode.COLLAPSED) from None
+    run.supervisor.rolled_back()
     run.set_policy_version(run.cursor.policy_version)
     message = (
         f"step {step}: rolled back to the healthy checkpoint of step {restored}; "

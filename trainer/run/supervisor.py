@@ -47,6 +47,15 @@ class Supervisor:
         self.lr_multiplier = decision.lr_multiplier
         return decision
 
+    def rolled_back(self) -> None:
+        """The decided rollback restored a checkpoint (every rank): counted now, and the
+        learning-rate multiplier is the guard's with it."""
+        if self.guard is not None:
+            self.guard.rolled_back()
+        self.lr_multiplier = self.dist.broadcast(
+            self.guard.lr_multiplier if self.guard is not None else None
+        )
+
     def healthy(self) -> bool:
         """Whether a checkpoint now may be tagged healthy (rank 0 decides the manifest)."""
         return self.guard.healthy_for_checkpoint() if self.guard is not None else True

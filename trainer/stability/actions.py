@@ -99,6 +99,8 @@ def decide(verdict: Verdict, spec: StabilitySpec, counters: Counters) -> tuple[A
 class DecisionListener(Protocol):
     def on_decision(self, decision: GuardDecision, counters: Counters) -> None: ...
 
+    def on_rollback(self, counters: Counters) -> None: ...
+
 
 class StepGuard:
     """The detector, the action policy and the counters of one run."""
@@ -138,17 +140,26 @@ class StepGuard:
             reasons=reasons,
             verdict=verdict,
         )
+        decision.lr_multiplier = self.lr_multiplier
         if action == "skip":
             self.counters = Counters(self.counters.skipped + 1, self.counters.rollbacks)
         elif action == "rollback":
-            self.counters = Counters(self.counters.skipped, self.counters.rollbacks + 1)
+            # Counted once it happened (`rolled_back`): a rollback that finds no
+            # checkpoint ends the run, and was reported as made. Its learning-rate scale
+            # is the one the run goes on with if it does.
+            decision.lr_multiplier *= self.spec.rollback_lr_scale
             decision.restore_before_step = self.trouble_since or verdict.step
             if self.spec.skip_data_window:
                 decision.resume_data_after_step = verdict.step
-        decision.lr_multiplier = self.lr_multiplier
         if self.listener is not None:
             self.listener.on_decision(decision, self.counters)
         return decision
+
+    def rolled_back(self) -> None:
+        """The rollback a decision asked for restored a checkpoint."""
+        self.counters = Counters(self.counters.skipped, self.counters.rollbacks + 1)
+        if self.listener is not None:
+            self.listener.on_rollback(self.counters)
 
     def healthy_for_checkpoint(self) -> bool:
         """Whether a checkpoint taken now may be tagged healthy (no recent trouble)."""

@@ -125,7 +125,7 @@ class MetricsExporter:
         zscore: float | None,
         action: str,
     ) -> None:
-        """Export one guard decision: health, per-check levels, alarms, skips, rollbacks."""
+        """Export one guard decision: health, per-check levels, alarms, skips."""
         with self._lock:
             self._gauge(M.HEALTH).set(M.HEALTH_LEVELS[health])
             for check in M.CHECKS:
@@ -138,8 +138,11 @@ class MetricsExporter:
                 self._gauge(M.GRAD_NORM_ZSCORE).set(zscore)
             if action == "skip":
                 self._counter(M.SKIPPED).inc()
-            elif action == "rollback":
-                self._counter(M.ROLLBACKS).inc()
+
+    def rolled_back(self) -> None:
+        """A rollback made (a checkpoint restored), not only decided."""
+        with self._lock:
+            self._counter(M.ROLLBACKS).inc()
 
     def checkpoint(self, step: int, ok: bool, when: float | None = None) -> None:
         """Export one checkpoint attempt."""

@@ -144,6 +144,11 @@ class Telemetry:
                 )
         self._last_flagged = flagged
 
+    def on_rollback(self, counters: Counters) -> None:
+        """StepGuard's listener: a rollback restored a checkpoint."""
+        self.exporter.rolled_back()
+        self.board.set_counters(rollbacks=counters.rollbacks, skipped_updates=counters.skipped)
+
     def close(self) -> None:
         """Stop the server and flush traces (idempotent)."""
         if self.server is not None:
