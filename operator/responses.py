@@ -14,6 +14,8 @@ from rlft.operator.status import FailureRecord, parse_time, rfc3339, set_conditi
 from rlft.operator.status import RLFineTuneStatus as Status
 from rlft.trainer.config import RLFineTuneSpec
 
+RAY_ROLES = (N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
+"""The pods of a rollout instance that spans nodes (nodesPerInstance > 1)."""
 STUCK_TERMINATING_SECONDS = 15.0
 """How long past its grace period a Terminating pod may stay before it is force-deleted."""
 
@@ -131,7 +133,13 @@ class FailureResponses:
         # A trainer is one rank of a gang whose other ranks cannot go on without it (the
         # rendezvous lives on trainer-0; torchrun restarts nothing): restart them all.
         gang = f.group or f.role == N.ROLE_TRAINER
+        # A Ray head and its workers are one rollout instance: vLLM spans them, and none
+        # serves without the others (a worker's Ray node gone breaks the head's engine, a
+        # head gone leaves its workers on a dead cluster): restart them together, once.
+        instance = f.role in RAY_ROLES and f.pod in self.pods
         scope = "the trainer gang" if gang else f"pod {f.pod}"
+        if instance:
+            scope = f"rollout instance {self.pods[f.pod].index} (its Ray head and workers)"
         action = (
             f"restart {scope} in {budget.delay:g} s (restart {len(budget.history)} of "
             f"{self.spec.restart_policy.max_restarts} in the window)"
@@ -143,6 +151,8 @@ class FailureResponses:
             st.message = f"restarting after {f.kind}"
         if gang:
             self.restart_gang()
+        elif instance:
+            self.restart_instance(self.pods[f.pod].index)
         elif f.pod in self.pods:
             self.delete(self.pods[f.pod])
 
@@ -200,6 +210,14 @@ class FailureResponses:
         for pod in self.pods.values():
             if pod.role == N.ROLE_TRAINER:
                 self.handled.add(pod.uid)  # their SIGTERM exits are not new failures
+                self.delete(pod)
+
+    def restart_instance(self, index: int) -> None:
+        """Delete every pod of multi-node rollout instance `index`; their exits meanwhile
+        are this restart's, not new failures (each was counted as one)."""
+        for pod in self.pods.values():
+            if pod.role in RAY_ROLES and pod.index == index:
+                self.handled.add(pod.uid)
                 self.delete(pod)
 
     def force_stuck(self) -> None:

@@ -943,3 +943,30 @@ def test_a_spec_pydantic_rejects_fails_the_job_and_frees_its_pods():
     assert [e.reason for e in d.events] == ["InvalidSpec"]
     again = invalid_spec(d.status, ["spec.trainer.steps: too big"], T0, [])
     assert again.events == [] and again.delete_pods == []  # said once
+
+
+def test_a_multi_node_rollout_instance_restarts_whole_and_counts_once():
+    """A Ray worker of a 3-node instance fails: its head's vLLM spans it and cannot go on.
+    Only the worker was replaced (the head then failed too, a second counted restart, and
+    the new worker joined a head whose engine was gone); the instance restarts whole."""
+    multi = {"engine": "vllm", "gpusPerInstance": 3, "nodesPerInstance": 3, "instances": 2}
+    w = _world(rollout=multi)
+    w.step()
+    names = sorted(w.pods)
+    heads = [n for n in names if w.pods[n].role == "ray-head"]
+    workers = [n for n in names if w.pods[n].role == "ray-worker"]
+    assert len(heads) == 2 and len(workers) == 4
+    w.run_all()
+    w.step()
+    broken = next(n for n in workers if w.pods[n].index == 1)
+    w.set(broken, phase="Failed", exit_code=1)
+    d = w.step()
+    one = sorted(n for n in names if w.pods.get(n) is None)
+    instance_1 = sorted(n for n in heads + workers if n.startswith("tiny-grpo-rollout-1"))
+    assert sorted(d.delete_pods) == instance_1 == one, (d.delete_pods, instance_1)
+    assert w.status.restarts == 1 and "rollout instance 1" in w.status.last_failure.action
+    assert not any(n.startswith("tiny-grpo-rollout-0") for n in d.delete_pods)
+    while not all(n in w.pods for n in instance_1):  # recreated after the backoff
+        w.tick(1)
+        w.step()
+    assert w.status.restarts == 1  # the others' going was this restart's
