@@ -339,6 +339,34 @@ def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> Non
     assert capsys.readouterr().out.splitlines() == ["step-000005: ok"]
 
 
+def test_an_export_keeps_the_generation_config_and_is_readable(tmp_path: Path, capsys) -> None:
+    """An instruct model's generation config (its stop tokens, sampling defaults) was
+    replaced by one derived from config.json; the folder was its owner's alone (0700);
+    a missing parent folder failed after the whole download, with a traceback."""
+    import json
+    import os
+
+    storage = open_storage(f"file://{tmp_path}/ckpts")
+    model, optimizer = _fresh()
+    model.generation_config.eos_token_id = [1, 2]
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6
+    ckpt = Checkpointer(storage, hf_files=hf_files_of(model))
+    _save(ckpt, model, optimizer, 3)
+    ckpt.close()
+    out = tmp_path / "hf"
+    assert rlft(["export", f"file://{tmp_path}/ckpts", str(out)]) == 0
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [1, 2] and generation["temperature"] == 0.6
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    capsys.readouterr()
+    missing = tmp_path / "no-such-folder" / "hf"
+    assert rlft(["export", f"file://{tmp_path}/ckpts", str(missing)]) == 1
+    assert f"{missing.parent} is not a folder: create it first" in capsys.readouterr().err
+    assert not missing.parent.exists()
+
+
 def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket) -> None:
     """The object store answers 503 to every read for a few seconds (past botocore's own
     retries): the resume retries, and restores once the store is back. It used to end

@@ -288,3 +288,25 @@ def test_jsonl_bad_eval_file_is_named(tmp_path: Path) -> None:
     held = write_lines(tmp_path / "e.jsonl", [json.dumps({"prompt": "p"})])
     with pytest.raises(DataFileError, match=re.escape(f"{held}:1: key 'answer'")):
         JsonlProblems(JsonlTask(train=train, eval=held))
+
+
+def test_jsonl_keeps_what_the_file_says(tmp_path: Path) -> None:
+    """A line separator inside a JSON string split the line (str.splitlines); a BOM was
+    refused; numeric answers were rewritten (1e3 → "1000.0", 3.50 → "3.5", so an exact
+    match never matched); a byte that is not UTF-8 was a bare UnicodeDecodeError."""
+    path = tmp_path / "data.jsonl"
+    rows = [
+        '{"prompt": "a\u2028b\u2029c\u0085d", "answer": 1e3}',
+        '{"prompt": "price", "answer": 3.50}',
+        '{"prompt": "count", "answer": 12}',
+    ]
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode() + b"\r\n")
+    problems = read_problems(str(path), "prompt", "answer")
+    assert [p.prompt for p in problems] == ["a\u2028b\u2029c\u0085d", "price", "count"]
+    assert [p.answer for p in problems] == ["1e3", "3.50", "12"]
+    path.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DataFileError, match=r"data.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        read_problems(str(path), "prompt", "answer")
+    path.write_text('{"prompt": "yes?", "answer": true}\n')
+    with pytest.raises(DataFileError, match="key 'answer' is missing or not text or a number"):
+        read_problems(str(path), "prompt", "answer")

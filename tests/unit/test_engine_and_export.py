@@ -336,3 +336,19 @@ def test_exported_folder_loads_as_spec_model_path(policy, tmp_path: Path) -> Non
 def test_model_path_without_config_is_a_load_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"spec\.model\.path: .*\(no config\.json\)"):
         build_policy(ModelSpec(path=str(tmp_path)), corpus=[], seed=0)
+
+
+def test_published_configs_hold_no_local_path(tmp_path: Path) -> None:
+    """The config of each published weight version carried `_name_or_path`: the trainer's
+    local folder of the model, in a store every rollout pod reads."""
+    import json
+
+    from rlft.trainer.weights.store import config_json
+
+    model, _ = build_policy(tiny_spec("qwen3"), corpus=[], seed=0)
+    folder = tmp_path / "private-models" / "mine"
+    model.save_pretrained(folder)
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    text = config_json(loaded)
+    assert "private-models" not in text and "_name_or_path" not in json.loads(text)
+    assert json.loads(text)["architectures"] == [type(loaded).__name__]

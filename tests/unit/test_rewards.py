@@ -228,3 +228,34 @@ def test_scores_are_finite_for_builtins() -> None:
         ["", "\n", "1", "x"], ["1", "1", "1", "y"]
     )
     assert all(math.isfinite(v) for v in scores.total)
+
+
+def test_a_reward_that_raises_is_named(user_module) -> None:
+    """A user reward's exception was a bare traceback naming no term of the job."""
+    name = user_module("def strict(completion, answer):\n    return float(completion)\n")
+    model = RewardModel(spec(("exact_match", 1.0), (f"{name}:strict", 1.0)))
+    assert model.score(["1.5"], ["1.5"]).total == [2.5]
+    with pytest.raises(RewardError) as caught:
+        model.score(["abc"], ["1"])
+    message = str(caught.value)
+    assert f"reward '{name}:strict' raised ValueError: could not convert" in message
+    assert "'abc'" in message
+
+
+def test_numpy_numbers_are_rewards(user_module) -> None:
+    """np.float32 is no float: a reward returning one was refused as not a number."""
+    name = user_module(
+        "import numpy as np\n"
+        "def f32(completion, answer):\n    return np.float32(0.5)\n"
+        "def i64(completion, answer):\n    return np.int64(2)\n"
+    )
+    model = RewardModel(spec((f"{name}:f32", 1.0), (f"{name}:i64", 1.0)))
+    assert model.score(["x"], ["y"]).total == [2.5]
+
+
+def test_a_module_that_fails_to_import_is_named(user_module) -> None:
+    name = user_module("def broken(c, a):\n    return 1.0\nundefined_name + 1\n")
+    with pytest.raises(RewardError) as caught:
+        load_reward(f"{name}:broken")
+    assert f"importing module {name!r} for reward" in str(caught.value)
+    assert "NameError" in str(caught.value)

@@ -250,16 +250,27 @@ def test_a_stop_ends_the_wait_for_a_batch_that_may_never_come() -> None:
         pipeline.close()
 
 
-def test_a_generation_failure_without_a_stop_is_an_error() -> None:
+@pytest.mark.parametrize("error", [ConnectionError("closed the connection"), "reward"])
+def test_a_generation_failure_without_a_stop_is_the_error_itself(error) -> None:
+    """Raised as generating in the trainer's own thread would: its type decides the exit
+    code. A reward's error (the job's, exit 2) was wrapped in a RuntimeError (exit 1),
+    and the operator restarted a job that could never succeed."""
+    from rlft.trainer.data.rewards import RewardError
+
+    if error == "reward":
+        error = RewardError("reward 'mine:score' raised ValueError: could not convert")
+
     def produce(rng, generator):
-        raise ConnectionError("rollout server closed the connection")
+        raise error
 
     pipeline = RolloutPipeline(
         produce, random.Random(3), torch.Generator().manual_seed(3), 0, 3, threaded=True
     )
     try:
-        with pytest.raises(RuntimeError, match="rollout generation failed: rollout server"):
+        with pytest.raises(type(error)) as raised:
             pipeline.next(0, lambda: False)
+        assert raised.value is error
+        assert "raised in the rollout pipeline's thread" in raised.value.__notes__
     finally:
         pipeline.close()
 

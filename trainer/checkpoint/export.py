@@ -5,6 +5,7 @@ model's config and tokenizer files under `hf/` in every checkpoint."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import warnings
@@ -89,12 +90,15 @@ def export_hf(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(local.path), no_dist=True)
         apply_tensor_state(model, None, state)
+        model.save_pretrained(work)
+        # The checkpoint's own files after the weights: save_pretrained writes a
+        # generation_config.json derived from config.json alone, and an instruct model's
+        # (its end-of-turn stop tokens, its sampling defaults) was lost.
         for path in hf.rglob("*"):
             if path.is_file():
                 target = work / path.relative_to(hf)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, target)
-        model.save_pretrained(work)
 
     try:
         _into_new_folder(Path(out_dir), fill)
@@ -133,10 +137,16 @@ def _into_new_folder(out_dir: Path, fill: Callable[[Path], None]) -> None:
     failure leaves nothing behind, and an existing non-empty `out_dir` is refused."""
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not empty: choose a new folder")
-    parent = out_dir.parent if out_dir.parent.exists() else None
-    work = Path(tempfile.mkdtemp(prefix=".rlft-export-", dir=parent))
+    if not out_dir.parent.is_dir():  # found before the download, not by the rename after it
+        raise CheckpointError(f"{out_dir.parent} is not a folder: create it first")
+    work = Path(tempfile.mkdtemp(prefix=".rlft-export-", dir=out_dir.parent))
     try:
         fill(work)
+        # mkdtemp's folder is the owner's alone (0700): a model server of another user
+        # could not read the export. The permissions a new folder gets here instead.
+        umask = os.umask(0)
+        os.umask(umask)
+        work.chmod(0o777 & ~umask)
         if out_dir.exists():
             out_dir.rmdir()
         work.rename(out_dir)

@@ -20,24 +20,36 @@ def read_problems(
 ) -> list[Problem]:
     file = Path(path)
     try:
-        lines = file.read_text().splitlines()
+        # Bytes, split on newlines only: str.splitlines also splits on U+2028, U+2029 and
+        # U+0085, which JSON strings may hold unescaped; and no locale decides the text.
+        lines = file.read_bytes().split(b"\n")
     except OSError as error:
         raise DataFileError(f"{path}: cannot read ({error.strerror})") from None
     problems = []
-    for number, line in enumerate(lines, start=1):
+    for number, raw in enumerate(lines, start=1):
+        try:
+            # utf-8-sig on the first line: an editor's byte-order mark is not an error
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            raise DataFileError(
+                f"{path}:{number}: not UTF-8 (byte {raw[error.start]:#04x} at column "
+                f"{error.start + 1}); save the file as UTF-8"
+            ) from None
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            # Numbers kept as written: str() of a parsed 1e3 is "1000.0", of 3.50 "3.5",
+            # and an answer rewritten so never matches a completion that says it.
+            row = json.loads(line, parse_float=str, parse_int=str)
         except json.JSONDecodeError as error:
             raise DataFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
         if not isinstance(row, dict):
             raise DataFileError(f"{path}:{number}: each line must be a JSON object")
         keys = (prompt_field, answer_field) + ((rejected_field,) if rejected_field else ())
         for key in keys:
-            if not isinstance(row.get(key), str | int | float):
+            if not isinstance(row.get(key), str):  # numbers arrive as their text
                 raise DataFileError(
-                    f"{path}:{number}: key {key!r} is missing or not text (set "
+                    f"{path}:{number}: key {key!r} is missing or not text or a number (set "
                     "spec.data.jsonl.promptField/answerField/rejectedField to the file's keys)"
                 )
         rejected = str(row[rejected_field]) if rejected_field else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,11 @@ def load_reward(name: str) -> RewardFn:
             f"spec.reward.functions: cannot import module {module_name!r} for reward {name!r} "
             f"({error}); is it installed or on PYTHONPATH?"
         ) from None
+    except Exception as error:  # the module's own code failed: a SyntaxError, a NameError…
+        raise RewardError(
+            f"spec.reward.functions: importing module {module_name!r} for reward {name!r} "
+            f"failed: {type(error).__name__}: {error}"
+        ) from error
     function = getattr(module, function_name, None)
     if not callable(function):
         raise RewardError(
@@ -85,8 +91,17 @@ class RewardModel:
         for name, weight, function in self.terms:
             values = []
             for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
-                value = function(completion, answer)
-                if not isinstance(value, int | float) or not math.isfinite(value):
+                try:
+                    value = function(completion, answer)
+                except Exception as error:
+                    # Named: a bare traceback (or, generating on a thread, "rollout
+                    # generation failed") did not say which of the job's terms failed.
+                    raise RewardError(
+                        f"reward {name!r} raised {type(error).__name__}: {error} for "
+                        f"completion {completion[:200]!r}"
+                    ) from error
+                # numbers.Real: numpy's scalars too (np.float32 is no float)
+                if not isinstance(value, numbers.Real) or not math.isfinite(value):
                     raise RewardError(
                         f"reward {name!r} returned {value!r} for completion {completion!r}; "
                         "a reward must be a finite number"

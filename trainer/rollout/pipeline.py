@@ -244,7 +244,11 @@ class RolloutPipeline:
             if isinstance(item, BaseException):
                 if stopping():
                     raise StopWaiting(f"rollout generation failed while stopping: {item}")
-                raise RuntimeError(f"rollout generation failed: {item}") from item
+                # The error itself, as generating in this thread would raise it: its
+                # type is the exit code (a reward's RewardError is the job's, exit 2; a
+                # RuntimeError wrapping it was exit 1, restarted forever).
+                item.add_note("raised in the rollout pipeline's thread")
+                raise item
             produced = item
         else:
             produced = self._produce(self.consumed)

@@ -62,6 +62,9 @@ def config_json(model: torch.nn.Module) -> str:
     picks the model class, and generation vs pooling, from it)."""
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]
+    # The trainer's local folder of the model (as save_pretrained drops it): nothing a
+    # server needs, and a path of the trainer's machine in a shared store.
+    config.pop("_name_or_path", None)
     return json.dumps(config, indent=2, sort_keys=True)
 
 
