@@ -5,6 +5,7 @@ weights into them through the weight store, and names an instance that never ans
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 from rollout_fixtures import ThreadServer
@@ -24,9 +25,11 @@ def instance():
     server.stop()
 
 
-def _job(tmp_path, **rollout):
+def _job(tmp_path, scheduling: dict | None = None, **rollout):
     spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4}, steps=3)
     spec["rollout"] |= {"weightsUri": (tmp_path / "weights").as_uri(), **rollout}
+    if scheduling:
+        spec["scheduling"] = scheduling
     return load_job(write_parity_job(tmp_path, spec))
 
 
@@ -48,9 +51,18 @@ def test_an_instance_that_never_answers_is_named(tmp_path, monkeypatch):
         dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("RLFT_ROLLOUT_URLS", dead)
-    job = _job(tmp_path, requestTimeoutSeconds=2)
+    # The wait is as long as the operator's pods may take to be placed and start (it was
+    # requestTimeoutSeconds: a large model's vLLM loading past it cost a restart).
+    job = _job(
+        tmp_path,
+        {"schedulingTimeoutSeconds": 1},
+        requestTimeoutSeconds=2,
+        startupTimeoutSeconds=10,
+    )
+    started = time.monotonic()
     with pytest.raises(NoInstanceError, match=rf"rollout instance 0 \({dead}\) did not answer"):
         run_job(job, tmp_path / "out")
+    assert time.monotonic() - started >= 11
 
 
 def test_a_resumed_run_goes_on_past_the_versions_its_instances_were_given(

@@ -13,7 +13,8 @@ from rlft.trainer.checkpoint.manifest import step_dir
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.storage.backends import FileStorage, S3Options, open_storage
 
-FAILURES = (CheckpointError, StorageError, BadUriError)
+FAILURES = (CheckpointError, StorageError, BadUriError, OSError)
+"""Reported as one line and exit 1 (a local folder that cannot be written or read, too)."""
 
 
 def add_storage_options(parser: argparse.ArgumentParser) -> None:
