@@ -8,8 +8,8 @@ server's message, one Warning Event per distinct refusal (the same child refused
 same reason again is not news), and a wait before any create that doubles with each
 refusal in a row. The wait is kept in the status (`createFailure.retryAt`), so a kick
 (a pod event, the poll timer) or a new leader waits too. An edit of the spec ends the wait
-(the user may have fixed the cause); the first round of writes that succeeds clears it
-(Created=True, a Normal Event).
+(the user may have fixed the cause); the first round after the wait in which nothing is
+refused clears it (Created=True, a Normal Event).
 
 The API server's message is copied because it is the cause the user must act on
 (`pods "x" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=8, …`);
@@ -88,7 +88,11 @@ def after_writes(
     None when nothing changes."""
     previous = st.create_failure
     if refusal is None:
-        if previous is None or not wrote:
+        # A round that wrote nothing clears it too once its wait is over: nothing was
+        # refused, and the round whose writes succeeded may not have got its status in
+        # (a conflict with another writer), which left Created=False for good.
+        held = not wrote and hold_seconds(st, generation, now) is not None
+        if previous is None or held:
             return None
         new = st.model_copy(deep=True)
         new.create_failure = None

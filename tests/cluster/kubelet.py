@@ -190,8 +190,8 @@ class Kubelet:
                 run = self.runs[uid] = self.admit(pod)
             run.pod = pod
             hosts = hosts_file(pod, run.ip, pods, services)
-            if hosts != run.hosts_text:  # in place: the bind mount follows the inode
-                run.hosts.write_text(hosts)
+            if hosts != run.hosts_text:
+                _rewrite_in_place(run.hosts, hosts)
                 run.hosts_text = hosts
             if pod["metadata"].get("deletionTimestamp"):
                 if self.terminate(run):
@@ -626,6 +626,17 @@ class Kubelet:
 
 
 # ---------------------------------------------------------------------- helpers
+def _rewrite_in_place(path: Path, text: str) -> None:
+    """In place (the pod's bind mount follows the inode, not the name), and never empty:
+    the new text over the old, then cut to its length. write_text truncated first, and a
+    resolver reading meanwhile found no `localhost` (a trainer's rendezvous failed with
+    gaierror). The first lines (localhost, the pod's own names) never change."""
+    data = text.encode()
+    with path.open("r+b") as file:
+        file.write(data)
+        file.truncate(len(data))
+
+
 def _key(pod: dict[str, Any]) -> tuple[str, str]:
     return pod["metadata"]["namespace"], pod["metadata"]["name"]
 

@@ -288,6 +288,12 @@ def test_a_refused_create_is_a_condition_one_event_and_a_doubling_wait():
     assert st.create_failure is None and event[:2] == ("Normal", "Created")
     assert next(c for c in st.conditions if c.type == "Created").status == "True"
     assert C.after_writes(st, None, True, 1, now) is None
+    # The round whose writes succeeded lost its status write (a conflict): a later round
+    # with nothing to write clears it once the wait is over, not while it lasts.
+    lost, _ = C.after_writes(RLFineTuneStatus(), _refusal(), True, 1, now)
+    assert C.after_writes(lost, None, False, 1, now) is None
+    cleared, event = C.after_writes(lost, None, False, 1, now + timedelta(seconds=2))
+    assert cleared.create_failure is None and event[:2] == ("Normal", "Created")
 
 
 @pytest.mark.parametrize(
