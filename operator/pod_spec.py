@@ -98,9 +98,8 @@ def spec_problems(job: RLFineTune) -> list[str]:
     if problem is None:
         return []
     return [
-        f"spec.rollout.engine: {problem}, and rollout pods without "
-        "spec.rollout.gpusPerInstance run it on the CPU (raise spec.model.init.hiddenSize "
-        "or lower numHeads, request GPUs, or set spec.rollout.engine: transformers)"
+        f"spec.rollout.engine: {problem}; rollout pods without "
+        "spec.rollout.gpusPerInstance run it on the CPU"
     ]
 
 

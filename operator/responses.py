@@ -136,10 +136,14 @@ class FailureResponses:
         # A Ray head and its workers are one rollout instance: vLLM spans them, and none
         # serves without the others (a worker's Ray node gone breaks the head's engine, a
         # head gone leaves its workers on a dead cluster): restart them together, once.
-        instance = f.role in RAY_ROLES and f.pod in self.pods
-        scope = "the trainer gang" if gang else f"pod {f.pod}"
-        if instance:
-            scope = f"rollout instance {self.pods[f.pod].index} (its Ray head and workers)"
+        instance = not gang and f.role in RAY_ROLES and f.pod in self.pods
+        scope = (
+            "the trainer gang"
+            if gang
+            else f"rollout instance {self.pods[f.pod].index} (its Ray head and workers)"
+            if instance
+            else f"pod {f.pod}"
+        )
         action = (
             f"restart {scope} in {budget.delay:g} s (restart {len(budget.history)} of "
             f"{self.spec.restart_policy.max_restarts} in the window)"

@@ -109,7 +109,8 @@ def vllm_cpu_head_problem(config: dict) -> str | None:
         return None
     return (
         f"vLLM on the CPU needs attention heads of at least {VLLM_CPU_MIN_HEAD_SIZE} "
-        f"dimensions; this model's are {head}"
+        f"dimensions; this model's are {head} (spec.model.init: raise hiddenSize or lower "
+        "numHeads, or set spec.rollout.engine: transformers)"
     )
 
 

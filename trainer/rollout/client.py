@@ -178,13 +178,14 @@ class RolloutClient:
             return [i for i in self.instances if self._usable(i)]
 
     def mark_down(self, instance: Instance, reason: str) -> None:
+        reason = reason[:500]
         with self._lock:
-            instance.last_error = reason[:500]
+            instance.last_error = reason
             if instance.healthy:
                 instance.healthy = False
                 instance.failures += 1
                 instance.last_probe = time.monotonic()
-                log.warning("rollout instance %s failed: %s", instance.url, reason[:500])
+                log.warning("rollout instance %s failed: %s", instance.url, reason)
             self._lock.notify_all()
 
     def _failures(self) -> str:

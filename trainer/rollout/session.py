@@ -80,12 +80,7 @@ def local_engine_problem(rollout, model_config: dict) -> str | None:
     if operator_instances() or not uses_servers(rollout) or local_engine(rollout) != "vllm":
         return None
     problem = None if torch.cuda.is_available() else vllm_cpu_head_problem(model_config)
-    if problem is None:
-        return None
-    return (
-        f"spec.rollout.engine: {problem} (spec.model.init: raise hiddenSize or lower "
-        "numHeads, or set spec.rollout.engine: transformers)"
-    )
+    return None if problem is None else f"spec.rollout.engine: {problem}"
 
 
 def pods_start_within(job: RLFineTune) -> float:

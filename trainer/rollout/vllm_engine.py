@@ -77,10 +77,7 @@ def _check_head_size(folder: Path) -> None:
         return
     problem = vllm_cpu_head_problem(json.loads((folder / "config.json").read_text()))
     if problem:
-        raise ValueError(
-            f"{problem} (spec.model.init: raise hiddenSize or lower numHeads, or use "
-            "spec.rollout.engine: transformers)"
-        )
+        raise ValueError(problem)
 
 
 def _executor(in_process: bool) -> str | None:

@@ -41,12 +41,12 @@ from rlft.trainer.run.supervisor import RunEnded, Supervisor
 from rlft.trainer.storage.retry import with_retries
 from rlft.trainer.telemetry import liveness
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml", ".rlft-run-id")
 RUN_ID_FILE = ".rlft-run-id"
 """The torchrun rendezvous whose workers wrote the folder (on Kubernetes, the job's
 gang). torchrun restarts a gang's workers when a node joins or leaves without counting
 it (TORCHELASTIC_RESTART_COUNT stays 0): a worker of the same rendezvous finding files
 there is that restart, not a second run to protect them from."""
+RUN_FILES = ("metrics.jsonl", "summary.json", "model", "job.yaml", RUN_ID_FILE)
 
 
 def restarted_worker(out: Path) -> bool:

@@ -52,6 +52,10 @@ class Supervisor:
         learning-rate multiplier is the guard's with it."""
         if self.guard is not None:
             self.guard.rolled_back()
+        self._share_lr_multiplier()
+
+    def _share_lr_multiplier(self) -> None:
+        """Rank 0's guard's learning-rate multiplier, on every rank (collective)."""
         self.lr_multiplier = self.dist.broadcast(
             self.guard.lr_multiplier if self.guard is not None else None
         )
@@ -75,9 +79,8 @@ class Supervisor:
                     self.telemetry.board.set_counters(
                         rollbacks=counters.rollbacks, skipped_updates=counters.skipped
                     )
-        self.lr_multiplier = self.dist.broadcast(
-            self.guard.lr_multiplier if self.guard is not None else None
-        )
+        if not rollback:  # a rollback's multiplier is set once it is counted (rolled_back)
+            self._share_lr_multiplier()
 
     def record(self, record: dict[str, Any]) -> None:
         if self.telemetry is not None:
