@@ -164,10 +164,14 @@ def trainer_pods(
     resources = pod_spec.container_resources(spec.trainer.resources, spec.trainer.gpus_per_pod)
     pods = {}
     checked = probes.trainer_probes(job, s.liveness_port)
-    ports = [("rdzv", s.rdzv_port), ("status", s.status_port)]
-    if checked:
-        ports.append(("liveness", s.liveness_port))
+    probed = [("liveness", s.liveness_port)] if checked else []
     for i in range(spec.trainer.replicas.max):
+        # Rank 0 serves /status and /metrics, and it runs on trainer-0: torchrun ranks
+        # the gang's agents by host name, and no gang forms without trainer-0 (it hosts
+        # the rendezvous). Declared on the others, the port made the jobs PodMonitor
+        # scrape targets nothing listens on (always down: TargetDown alerts).
+        served = [("status", s.status_port)] if i == 0 else []
+        ports = [("rdzv", s.rdzv_port), *served, *probed]
         pod = pod_spec.job_pod(
             job,
             body,

@@ -66,8 +66,10 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     assert phase == "Succeeded", json.dumps(rlft(cluster, name), indent=1) + "\n".join(
         f"--- {pod}\n{text[-3000:]}" for pod, text in logs.items()
     )
-    trainer_logs = logs["trainer-0"] + logs["trainer-1"]
-    assert "rank 0 of world size 2" in trainer_logs and "rank 1 of world size 2" in trainer_logs
+    # Rank 0 runs on trainer-0 (torchrun ranks agents by host name), the one pod that
+    # declares the port of /status and /metrics.
+    assert "rank 0 of world size 2" in logs["trainer-0"], logs["trainer-0"][-3000:]
+    assert "rank 1 of world size 2" in logs["trainer-1"], logs["trainer-1"][-3000:]
     # kubectl shows the step, which never goes back (a trainer restarting or in its warm
     # start reports none: it used to show 0), up to the job's last.
     assert seen_steps == sorted(seen_steps), seen_steps

@@ -145,6 +145,10 @@ def test_trainer_pods_run_elastic_torchrun():
         }
         assert "nodeAffinity" in spec["affinity"]
         assert spec["restartPolicy"] == "Never"
+        # Rank 0 serves /status and /metrics on trainer-0 only; a PodMonitor scrapes the
+        # ports a pod declares, and one declared where nothing listens is always down.
+        declared = {port["name"] for port in main["ports"]}
+        assert ("status" in declared) == (i == 0), declared
 
 
 def test_every_pod_leaves_a_lost_node_after_node_lost_seconds():

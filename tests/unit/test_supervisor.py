@@ -4,6 +4,7 @@ checkpoint retries counted as a metric and reported as a /status event and log l
 from __future__ import annotations
 
 import math
+import time
 
 from tiny_jobs import TINY_MODEL, manifest
 
@@ -52,10 +53,20 @@ def test_the_main_phase_exports_the_step_it_resumed_from_at_once() -> None:
     reads as a warm start, so it never fired) until a step finished."""
     sup = supervisor([])
     sup.begin(False, 0, 0)  # the warm start
-    assert "rlft_train_step 0.0" in sup.telemetry.exporter.exposition().decode()
+    text = sup.telemetry.exporter.exposition().decode()
+    assert "rlft_train_step 0.0" in text
+    assert "rlft_main_phase_start_time_seconds 0.0" in text
+    before = time.time()
     sup.begin(True, 500, 510)
     text = sup.telemetry.exporter.exposition().decode()
     assert "rlft_train_step 500.0" in text and "rlft_policy_version 510.0" in text
+    # ...and when it began: a fresh run stuck at step 0 is told from one in its warm start
+    (began,) = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("rlft_main_phase_start_time_seconds ")
+    ]
+    assert before <= began <= time.time()
     assert sup.telemetry.board.snapshot()["phase"] == "training"
 
 

@@ -142,6 +142,7 @@ class Supervisor:
             # The gauges too: a resumed run stuck in its first step showed step 0, which
             # RLFTNoProgress reads as a warm start, and dashboards a drop to 0.
             self.telemetry.exporter.record({"step": step, "policy_version": policy_version})
+            self.telemetry.exporter.main_phase_began()
         self.telemetry.set_phase("training" if main else "warm_start")
 
     def close(self) -> None:

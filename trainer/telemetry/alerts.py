@@ -80,7 +80,10 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "RLFTNoProgress",
-        f"changes({M.TRAIN_STEP.name}[15m]) == 0 and {M.TRAIN_STEP.name} > 0",
+        # Past the warm start: a resumed run at its step, or a fresh one whose main
+        # phase began 15 minutes ago and is still at step 0 (its first step stuck).
+        f"changes({M.TRAIN_STEP.name}[15m]) == 0 and ({M.TRAIN_STEP.name} > 0 "
+        f"or (time() - {M.MAIN_PHASE_START.name} > 900 and {M.MAIN_PHASE_START.name} > 0))",
         "5m",
         "critical",
         "No training step in 20 minutes on {{ $labels.instance }}",

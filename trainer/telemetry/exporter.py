@@ -59,6 +59,7 @@ class MetricsExporter:
         self._lock = threading.Lock()
         if source == "trainer":
             self._gauge(M.START_TIME).set(start_time if start_time is not None else time.time())
+            self._gauge(M.MAIN_PHASE_START).set(0)
             self._gauge(M.HEALTH).set(0)
             for check in M.CHECKS:
                 self._gauge(M.CHECK_LEVEL).labels(check=check).set(0)
@@ -102,6 +103,12 @@ class MetricsExporter:
                 number = _number(value)
                 if number is not None:
                     self._export(binding, number, {})
+
+    def main_phase_began(self, when: float | None = None) -> None:
+        """The algorithm's steps begin in this process: from then on a step counter
+        that does not move is a stuck run, even at step 0 (a fresh run's first step)."""
+        with self._lock:
+            self._gauge(M.MAIN_PHASE_START).set(when if when is not None else time.time())
 
     def watch_engines(self, count: Callable[[], tuple[int, int]]) -> None:
         """The rollout engine gauges from `count()` (healthy, expected) at each scrape:

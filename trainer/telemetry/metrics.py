@@ -119,6 +119,13 @@ START_TIME = _m(
     "seconds",
     panel="Progress",
 )
+MAIN_PHASE_START = _m(
+    "rlft_main_phase_start_time_seconds",
+    "gauge",
+    "Unix time this trainer process began the algorithm's steps (0 during the warm start).",
+    "seconds",
+    panel="Progress",
+)
 # ------------------------------------------------------------- optimisation
 LOSS = _m("rlft_train_loss", "gauge", "Training loss of the last step.", panel="Optimisation")
 GRAD_NORM = _m(
