@@ -212,3 +212,23 @@ def test_empty_micro_batch_contributes_nothing() -> None:
     assert (
         len(empty) == 2 and empty.mask.sum() == 0 and empty.attention_mask[:, 0].tolist() == [1, 1]
     )
+
+
+@pytest.mark.parametrize("mode", ["mask", "truncate"])
+def test_a_long_sequences_weight_past_floats_range_is_masked_or_capped_not_nan(mode) -> None:
+    # 1000 tokens 0.1 nats apart: the sequence's log weight is 100, past float32's exp
+    # (88.7). Its weight was inf, and mask's inf × 0 made the step's loss NaN.
+    old = torch.full((2, 1000), -1.0)
+    behaviour = old - 0.1
+    behaviour[1] = old[1]  # a sequence the engine agrees on, in the same batch
+    mask = torch.ones(2, 1000)
+    mask[1, 500:] = 0
+    behaviour[1, 500:] = -math.inf  # padding the engine never scored
+    w, rejected = mismatch_weights(old, behaviour, mask, mode, "sequence", 2.0)
+    assert torch.isfinite(w).all()
+    assert w[0, 0].item() == (0.0 if mode == "mask" else 2.0) and rejected[0, 0].item() == 1.0
+    assert w[1, 0].item() == 1.0 and rejected[1].sum().item() == 0.0
+    logp = old.clone().requires_grad_()
+    terms = clipped_surrogate(logp, old, torch.ones(2, 1), mask, 0.2, 0.2, "token", w)
+    (terms.loss * mask).sum().backward()
+    assert torch.isfinite(logp.grad).all()

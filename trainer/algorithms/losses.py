@@ -6,6 +6,7 @@ over the whole optimizer batch, so gradients do not depend on how the batch was 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -113,22 +114,27 @@ def mismatch_weights(
     exceeds `cap` or falls below 1/`cap`. `sequence` uses one weight per sequence: the
     product of its token weights. Returns (weights, rejected) without gradient.
     """
-    log_w = (old_logp - behaviour_logp).detach() * mask
+    log_w = torch.where(mask > 0, (old_logp - behaviour_logp).detach(), 0.0)
     if level == "sequence":
         log_w = log_w.sum(-1, keepdim=True).expand_as(old_logp)
-    weight = torch.exp(log_w)
     if mode == "none":
-        return torch.ones_like(weight), torch.zeros_like(weight)
+        return torch.ones_like(log_w), torch.zeros_like(log_w)
+    # Judged in log space and exponentiated only below the cap: a sequence's summed log
+    # weight passes 88 nats (float32's exp overflows) on a long completion, and the
+    # infinite weight of a rejected term times its zero made the whole step NaN.
+    log_cap = math.log(cap)
+    above = log_w > log_cap
+    weight = torch.where(above, cap, torch.exp(log_w.clamp(max=log_cap)))
     if mode == "truncate":
         # TIS bounds the weight's variance from above only: a small weight already
         # shrinks its term, so there is nothing to truncate below.
-        return weight.clamp(max=cap), (weight > cap).to(weight.dtype)
+        return weight, above.to(weight.dtype)
     if mode == "mask":
         # MIS trusts only terms where the engine and the trainer roughly agree: a weight
         # far below 1 means the engine sampled a token the trainer finds much less likely
         # (a numerics outlier just as much as one far above), so both tails are dropped.
-        rejected = ((weight > cap) | (weight < 1 / cap)).to(weight.dtype)
-        return weight * (1 - rejected), rejected
+        rejected = above | (log_w < -log_cap)
+        return torch.where(rejected, 0.0, weight), rejected.to(weight.dtype)
     raise ValueError(f"unknown mismatch mode {mode!r}")
 
 
