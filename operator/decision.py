@@ -60,10 +60,23 @@ def invalid_spec(
 ) -> Decision:
     """A custom resource the API server accepted but pydantic rejects (the CRD cannot say
     everything; a stricter operator after an upgrade): fail it once, naming every field,
-    and free what its pods hold, as every failed job does."""
+    and free what its pods hold, as every failed job does. A finished job is left as it
+    is (an edit never runs it again), and a suspended one stays suspended until the spec
+    is fixed: the edit is what is wrong, not the run its checkpoints hold."""
     st = status.model_copy(deep=True)
+    failed_otherwise = st.phase == "Failed" and (
+        st.last_failure is None or st.last_failure.reason != P.INVALID_CONFIG
+    )
+    if st.phase == "Succeeded" or failed_otherwise:
+        return Decision(status=st)
     message = "invalid spec: " + "; ".join(problems)
     d = Decision(status=st, delete_pods=sorted(p.name for p in pods if p.active))
+    if st.phase == "Suspended":
+        held = f"{message}; fix the spec before resuming"[:1024]
+        if st.message != held:
+            d.events.append(Event("Warning", "InvalidSpec", held))
+        st.message = held
+        return d
     if st.phase != "Failed" or st.message != message[:1024]:
         d.events.append(Event("Warning", "InvalidSpec", message[:1024]))
     st.phase = "Failed"

@@ -69,18 +69,40 @@ class FailureResponses:
         self.event("Warning", "Failed", message)
 
     def handle_failures(self) -> None:
+        failures = []
         for pod in sorted(self.pods.values(), key=lambda p: p.name):
             # A pod being deleted is ours to judge only when the cluster says why (a
             # preemption, an eviction: DisruptionTarget), once its container has ended.
             if pod.uid in self.handled or (pod.deleting and not pod.disruption):
                 continue
             failure = P.classify(pod)
-            if failure is None:
+            if failure is not None:
+                failures.append(failure)
+        if failures and self.run_ended_by_rank_0():
+            # Rank 0 finished the job, or its guard paused it: a peer failing meanwhile
+            # (in its teardown) is not a failure of the run; the phase follows rank 0.
+            self.handled.update(f.uid for f in failures if f.role == N.ROLE_TRAINER)
+            failures = [f for f in failures if f.role != N.ROLE_TRAINER]
+        # The first failure judged decides a gang's fate (a gang restart marks the rest
+        # handled), so the gravest goes first: a permanent error or the guard's verdict
+        # is not retried because a peer's broken connection happened to sort first.
+        for failure in sorted(failures, key=lambda f: (not f.permanent, f.kind != P.COLLAPSED)):
+            if failure.uid in self.handled:
                 continue
-            self.handled.add(pod.uid)
+            self.handled.add(failure.uid)
             self.respond(failure)
             if self.st.phase == "Failed" or self.d.set_suspend:
                 return
+
+    def run_ended_by_rank_0(self) -> bool:
+        """A trainer of this gang (not judged yet, not being deleted) exited 0 saying the
+        run is complete, or that its guard paused it after a collapse."""
+        return any(
+            p.role == N.ROLE_TRAINER and p.phase == "Succeeded" and p.verdict is not None
+            and p.uid not in self.handled and not p.deleting
+            and p.verdict.exit_code == 0 and (p.verdict.completed or p.verdict.collapsed)
+            for p in self.pods.values()
+        )  # fmt: skip
 
     def respond(self, f: P.Failure) -> None:
         st = self.st
@@ -94,7 +116,7 @@ class FailureResponses:
             why = f": {f.message}" if f.message else ""
             self.fail(P.COLLAPSED, f"{what}: the trainer's stability guard ended the run{why}", f)
             return
-        if f.kind == P.RENDEZVOUS and self.gang_unplaced():
+        if f.kind == P.RENDEZVOUS and f.role == N.ROLE_TRAINER and self.gang_unplaced():
             # A gang that could not meet because one of its pods has no node yet is
             # waiting for capacity, not failing: it costs no restart budget.
             self.event(
@@ -205,7 +227,10 @@ class FailureResponses:
             if p.role == N.ROLE_TRAINER and p.scheduled
             and (not p.deleting or p.uid in current)
         ]  # fmt: skip
-        return len(placed) < self.spec.trainer.replicas.min
+        # A pod of the current gang that is gone already (force-deleted, collected, or
+        # while no operator watched) ran in it: it was placed, and the gang had met.
+        vanished = current - {p.uid for p in self.pods.values()}
+        return len(placed) + len(vanished) < self.spec.trainer.replicas.min
 
     def restart_gang(self) -> None:
         self.group_restart = True
