@@ -39,7 +39,7 @@ from rlft.operator.metrics import OperatorMetrics
 from rlft.operator.observe import PodView, pod_view, trainer_report
 from rlft.operator.pod_spec import spec_problems
 from rlft.operator.reconcile import reconcile
-from rlft.operator.status import RLFineTuneStatus
+from rlft.operator.status import RLFineTuneStatus, read_status
 from rlft.trainer.config import JobFileError, parse_job
 
 log = logging.getLogger("rlft.operator")
@@ -375,10 +375,9 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
     body = await kube.get_job(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return "gone"
-    try:
-        status = RLFineTuneStatus.model_validate(body.get("status") or {})
-    except ValueError:
-        status = RLFineTuneStatus()
+    status, dropped = read_status(body.get("status") or {})
+    if dropped:
+        log.warning(f"{namespace}/{name}: status fields that do not parse were dropped: {dropped}")
     now = datetime.now(UTC)
     document = {
         "apiVersion": body.get("apiVersion"),

@@ -258,7 +258,10 @@ class _Run(FailureResponses):
         ]  # fmt: skip
         if st.gang_replicas is None:  # a status written before this field existed
             st.gang_replicas = shape if trainers else None
-        if st.gang_replicas in (None, shape) or not trainers:
+        # With an edit waiting for a suspend, replacements are made from the job file the
+        # running pods read (ensure_children): a restart now would bring back the same
+        # shape, and again each round. The new replicas apply with that edit.
+        if st.gang_replicas in (None, shape) or not trainers or self.waiting:
             return
         self.event(
             "Normal",
@@ -272,11 +275,15 @@ class _Run(FailureResponses):
         st.message = f"restarting the trainer gang with replicas {shape}"
         self.restart_gang()
 
-    def ensure_children(self) -> None:
+    def refresh_configs(self) -> None:
+        """Re-render the ConfigMaps the pods read, or say which edits wait (self.waiting)."""
         desired = self.desired()
         self.refresh_config(
             {n: cm for n, cm in desired.config_maps.items() if n in self.observed.config_maps}
         )
+
+    def ensure_children(self) -> None:
+        desired = self.desired()
         if self.waiting:
             # The edit waits for a suspend: new pods (replacements) and the slots are the
             # job's as its running pods read it, not the edit's.
@@ -307,9 +314,19 @@ class _Run(FailureResponses):
             self.d.create.extend(desired.pod_groups.values())
         for name in missing:
             self.d.create.append(desired.pods[name])
-        if any(desired.pods[name]["metadata"]["labels"][N.LABEL_ROLE] == N.ROLE_TRAINER
-               for name in missing):  # fmt: skip
-            self.st.gang_replicas = S.gang_replicas(self.spec)
+        made = [
+            desired.pods[name] for name in missing
+            if desired.pods[name]["metadata"]["labels"][N.LABEL_ROLE] == N.ROLE_TRAINER
+        ]  # fmt: skip
+        if made:
+            # The shape the pods are made with (the running job file's while an edit
+            # waits), not the spec's: the status says what the gang runs.
+            self.st.gang_replicas = _nnodes(made[0]) or S.gang_replicas(self.spec)
+            if hold is not None:
+                # The gang's pods are made once its restart backoff ends: the wait for
+                # nodes begins now (a backoff longer than schedulingTimeoutSeconds
+                # declared the gang unschedulable the moment its pods were created).
+                self.st.waiting_since = rfc3339(self.now)
 
     def settle(self, rescaling: bool) -> None:
         if self.held_update:
@@ -469,6 +486,7 @@ class _Run(FailureResponses):
                 self.delete(pod)
         self.force_stuck()
         self.lost_trainers()
+        self.refresh_configs()  # before rescale: a waiting edit holds the gang's shape too
         self.rescale()
         self.ensure_children()
         self.update_phase()
@@ -492,6 +510,14 @@ def reconcile(
     """Decide what to do for one job. `body` is the raw custom resource (metadata: name,
     namespace, uid, generation); `status` its parsed status."""
     return _Run(job, body, status, observed, now, settings or M.Settings()).run()
+
+
+def _nnodes(pod: dict[str, Any]) -> str | None:
+    """`min:max` of a trainer pod's torchrun `--nnodes`."""
+    for arg in pod["spec"]["containers"][0].get("command") or []:
+        if arg.startswith("--nnodes="):
+            return arg.removeprefix("--nnodes=")
+    return None
 
 
 def _completed(pod: PodView) -> bool:

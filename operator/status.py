@@ -165,6 +165,41 @@ class RLFineTuneStatus(_Status):
     succeeds: creates wait for its retryAt."""
 
 
+def read_status(raw: object) -> tuple[RLFineTuneStatus, list[str]]:
+    """The stored status, and the fields of it that did not parse (an operator downgraded
+    past a condition type, a hand edit): those are dropped alone. Falling back to an
+    empty status forgot the counted failures, the restart history and a terminal phase,
+    and the next write stored that: failures counted again, a Failed job run again."""
+    data = raw if isinstance(raw, dict) else {}
+    try:
+        return RLFineTuneStatus.model_validate(data), []
+    except ValueError:
+        pass
+    kept: dict[str, object] = {}
+    dropped: list[str] = []
+    for key, value in data.items():
+        try:
+            RLFineTuneStatus.model_validate({key: value})
+        except ValueError:
+            if key != "conditions" or not isinstance(value, list):
+                dropped.append(key)
+                continue
+            good = [c for c in value if _valid_condition(c)]
+            dropped += [f"conditions[{i}]" for i, c in enumerate(value) if c not in good]
+            kept[key] = good
+        else:
+            kept[key] = value
+    return RLFineTuneStatus.model_validate(kept), dropped
+
+
+def _valid_condition(value: object) -> bool:
+    try:
+        Condition.model_validate(value)
+    except ValueError:
+        return False
+    return True
+
+
 def rfc3339(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 

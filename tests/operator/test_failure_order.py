@@ -5,7 +5,7 @@ suspended job. Pure: `reconcile` and `invalid_spec` over plain data."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from jobs import job_doc, parsed
 from pods import view
@@ -136,3 +136,70 @@ def test_an_edit_the_operator_rejects_leaves_a_finished_job_as_it_was():
     )
     d = invalid_spec(failed, PROBLEM, T0, [])
     assert d.status == failed and d.events == []
+
+
+def test_the_scheduling_timeout_counts_from_the_end_of_the_restart_backoff():
+    """The 7th restart backs off 640 s, past schedulingTimeoutSeconds (600): counted from
+    the gang's restart, its pods were declared unschedulable as soon as they were made."""
+    restarted = Status(
+        phase="Restarting",
+        gang_attempt=7,
+        gang_replicas="2:2",
+        restarts=7,
+        waiting_since="2026-01-01T00:00:00Z",
+        next_restart_at="2026-01-01T00:10:40Z",
+    )
+    job, body = parsed(job_doc(trainer={"replicas": {"min": 2, "max": 2}}))
+    made = reconcile(job, body, restarted, Observed(config_maps=CHILDREN, services=CHILDREN),
+                     T0 + timedelta(seconds=641))  # fmt: skip
+    assert [p["metadata"]["name"] for p in made.create if p["kind"] == "Pod"]
+    pending = [_trainer(i, f"n{i}", phase="Pending") for i in range(2)]
+    observed = Observed(pods=pending, config_maps=CHILDREN, services=CHILDREN)
+    d = reconcile(job, body, made.status, observed, T0 + timedelta(seconds=642))
+    (scheduled,) = [c for c in d.status.conditions if c.type == "Scheduled"]
+    assert scheduled.status != "False", scheduled
+    assert not any(e.reason == "Unschedulable" for e in d.events)
+    later = reconcile(job, body, d.status, observed, T0 + timedelta(seconds=641 + 601))
+    (scheduled,) = [c for c in later.status.conditions if c.type == "Scheduled"]
+    assert scheduled.status == "False" and scheduled.reason == "Unschedulable"
+
+
+def test_a_replicas_change_waits_with_an_edit_that_waits_for_a_suspend():
+    """replicas 2:2 → 2:3 together with a learning rate (which waits for a suspend): the
+    gang was restarted for the new shape, its pods were made from the running job file
+    (2:2) and the status recorded 2:3, so the change was never made."""
+    from rlft.operator import manifests as M
+
+    old, old_body = parsed(job_doc(trainer={"replicas": {"min": 2, "max": 2}}))
+    running_file = M.config_map(old, old_body)["data"]["job.yaml"]
+    job, body = parsed(job_doc(trainer={"replicas": {"min": 2, "max": 3}, "learningRate": 0.001}))
+    body["metadata"]["generation"] = 3
+    status = Status(phase="Running", gang_pods=GANG, gang_replicas="2:2", observed_generation=1)
+    pods = [_trainer(i, "ab"[i], phase="Running", pod_ip=f"10.0.0.{i}") for i in range(2)]
+    observed = Observed(
+        pods=pods,
+        config_maps=CHILDREN,
+        services=CHILDREN,
+        config_data={"tiny-grpo-config": running_file},
+    )
+    d = reconcile(job, body, status, observed, T0)
+    assert d.delete_pods == [] and d.status.gang_attempt == 0
+    assert d.status.gang_replicas == "2:2" and "SuspendToApply" in [e.reason for e in d.events]
+    # with no pod left running the whole edit applies, the new shape with it
+    restarted = d.status.model_copy(update={"phase": "Restarting", "gang_pods": []})
+    gone = Observed(config_maps=CHILDREN, services=CHILDREN, config_data=observed.config_data)
+    later = reconcile(job, body, restarted, gone, T0 + timedelta(seconds=90))
+    made = [p for p in later.create if p["kind"] == "Pod" and "trainer" in p["metadata"]["name"]]
+    assert len(made) == 3
+    assert all("--nnodes=2:3" in p["spec"]["containers"][0]["command"] for p in made)
+    assert later.status.gang_replicas == "2:3"
+    # ...but while a pod still runs (the rollout), replacements are the running file's
+    rollout = _rollout(phase="Running", pod_ip="10.0.0.3")
+    busy = Observed(
+        pods=[rollout], config_maps=CHILDREN, services=CHILDREN, config_data=observed.config_data
+    )
+    held = reconcile(job, body, restarted, busy, T0 + timedelta(seconds=90))
+    made = [p for p in held.create if p["kind"] == "Pod" and "trainer" in p["metadata"]["name"]]
+    assert len(made) == 2
+    assert all("--nnodes=2:2" in p["spec"]["containers"][0]["command"] for p in made)
+    assert held.status.gang_replicas == "2:2"
