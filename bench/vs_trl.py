@@ -43,7 +43,8 @@ How it stays fair:
   the end. One difference is left as the frameworks ship it: TRL divides advantages by
   the group's sample std (Bessel-corrected) + 1e-4, rlft (and the bare loop) by the
   population std + 1e-6; with groups of 8 that is the same factor √(8/7) on every
-  advantage, which Adam's update is invariant to (up to ε and clipping).
+  advantage, which Adam's update is invariant to (up to ε and clipping). A job that
+  wants TRL's numbers exactly says `rewardStd: sample` and `rewardStdEps: 1e-4`.
 - Same budget: each trains for `--seconds` of wall time (default 90), one after the
   other, never at the same time, each with 2 threads (`torch.set_num_threads(2)`,
   OMP_NUM_THREADS=2). The clock starts at the first step; process start, model loading

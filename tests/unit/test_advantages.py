@@ -159,3 +159,31 @@ def test_equal_rewards_give_exactly_zero_even_when_the_mean_rounds(scale: str) -
     advantages = group_relative_advantages(rewards, 3, scale)
     assert torch.equal(advantages[:3], torch.zeros(3, dtype=torch.float64))
     assert advantages[4] > 0
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_a_job_can_ask_for_trls_sample_std_and_eps(scale) -> None:
+    """TRL's GRPOTrainer divides by the Bessel-corrected std plus 1e-4: a job that says
+    rewardStd: sample, rewardStdEps: 1e-4 gets its advantages (on [1, 0] TRL's are ±0.707
+    where the population std gives ±1)."""
+    from rlft.trainer.algorithms.batch import pack
+    from rlft.trainer.algorithms.registry import algorithm
+    from rlft.trainer.config.algorithm import AlgorithmSpec
+
+    rewards = rewards_of([1, 0, 0, 0, 0.25, 0.5, 0.5, 0.5])
+    spec = AlgorithmSpec.model_validate(
+        {"groupSize": 4, "scaleRewards": scale, "rewardStd": "sample", "rewardStdEps": 1e-4}
+    )
+    batch = pack([[1]] * 8, [[2, 3]] * 8, 0, [[-1.0, -1.0]] * 8)
+    kl = torch.zeros_like(batch.mask, dtype=torch.float64)
+    got = algorithm("grpo").shape(spec, batch, rewards, kl).advantages[:, -1]
+    # TRL 1.16's formula, written out
+    groups = rewards.view(-1, 4)
+    std = groups.std(dim=1).repeat_interleave(4) if scale == "group" else rewards.std()
+    trl = (rewards - groups.mean(dim=1).repeat_interleave(4)) / (std + 1e-4)
+    torch.testing.assert_close(got, trl.to(got.dtype), rtol=1e-12, atol=0)
+    default = AlgorithmSpec.model_validate({"groupSize": 4, "scaleRewards": scale})
+    assert not torch.allclose(
+        algorithm("grpo").shape(default, batch, rewards, kl).advantages,
+        algorithm("grpo").shape(spec, batch, rewards, kl).advantages,
+    )

@@ -11,13 +11,18 @@ Scale = Literal["group", "batch", "none"]
 
 
 def group_relative_advantages(
-    rewards: torch.Tensor, group_size: int, scale: Scale = "group", eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    scale: Scale = "group",
+    eps: float = 1e-6,
+    sample_std: bool = False,
 ) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, optionally divided by a std.
 
     `rewards` is flat, groups contiguous (`group_size` completions of one prompt in a
     row). `scale`: divide by the group's std (GRPO), the whole batch's std, or not at all
-    (Dr. GRPO). Stds are population stds; `eps` keeps all-equal groups at zero.
+    (Dr. GRPO). Stds are population stds, or with `sample_std` Bessel-corrected ones
+    (TRL's); `eps` is added to them before dividing.
     """
     groups = _groups(rewards, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
@@ -26,9 +31,9 @@ def group_relative_advantages(
     uniform = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
     centred = centred.masked_fill(uniform, 0.0)
     if scale == "group":
-        centred = centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
+        centred = centred / (groups.std(dim=1, unbiased=sample_std, keepdim=True) + eps)
     elif scale == "batch":
-        centred = centred / (rewards.std(unbiased=False) + eps)
+        centred = centred / (rewards.std(unbiased=sample_std) + eps)
     return centred.reshape(-1)
 
 

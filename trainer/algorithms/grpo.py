@@ -42,6 +42,13 @@ def _register(name: str, advantages) -> Algorithm:
     )
 
 
-GRPO = _register("grpo", lambda s, r: group_relative_advantages(r, s.group_size, s.scale_rewards))
+def _grpo_advantages(spec: AlgorithmSpec, rewards: torch.Tensor) -> torch.Tensor:
+    sample = spec.reward_std == "sample"
+    return group_relative_advantages(
+        rewards, spec.group_size, spec.scale_rewards, spec.reward_std_eps, sample
+    )
+
+
+GRPO = _register("grpo", _grpo_advantages)
 RLOO = _register("rloo", lambda s, r: leave_one_out_advantages(r, s.group_size))
 REINFORCE_PP = _register("reinforce++", lambda s, r: reinforce_pp_advantages(r, s.group_size))

@@ -177,6 +177,13 @@ class AlgorithmSpec(Section):
     """Completions sampled per prompt (grpo and rloo need ≥ 2)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """grpo: divide advantages by the group's reward std, the batch's, or not at all."""
+    reward_std: Literal["population", "sample"] = "population"
+    """grpo with scaleRewards: the std of n rewards divides by n (`population`) or by
+    n − 1 (`sample`, Bessel's correction, as TRL's GRPOTrainer does with rewardStdEps
+    1e-4). Adam hides most of the difference, but not its weight against the KL term."""
+    reward_std_eps: float = Field(1e-6, gt=0, le=1)
+    """grpo with scaleRewards: added to the std before dividing, bounding the advantages
+    of a group whose rewards barely differ (TRL's GRPOTrainer: 1e-4)."""
     policy_loss: PolicyLossParams = PolicyLossParams()
     """The clipped surrogate (grpo, rloo, reinforce++, ppo)."""
     kl: KLParams = KLParams()
