@@ -77,3 +77,25 @@ def test_every_epoch_applied_when_gradients_are_finite():
     assert result.applied and result.dropped_epochs == 0
     assert "dropped_epochs" not in update_metrics(result)
     assert not torch.equal(weights, one_epoch)
+
+
+class CriticLoss(Quadratic):
+    """The policy's |w|² plus a value loss whose gradient is infinite (a return far out
+    of the critic's range)."""
+
+    def loss(self, models, micro, prepared, norms):
+        loss, stats = super().loss(models, micro, prepared, norms)
+        return loss + (models.critic.w * math.inf).sum(), stats
+
+
+def test_a_non_finite_critic_gradient_drops_the_critics_update_not_the_policys():
+    """The guard judges the policy's gradient only: the critic's NaN update was applied,
+    every critic weight became NaN, and every advantage after it."""
+    policy, critic = Policy(), Policy()
+    learner = Learner(policy, TrainerSpec(), Dist())
+    learner.attach_critic(critic, lr=0.1)
+    result = learner.step(CriticLoss(), pack([[1, 2]], [[3, 4]], 0))
+    assert result.applied and not torch.equal(policy.w.detach(), torch.ones(3))
+    assert torch.equal(critic.w.detach(), torch.ones(3))  # not stepped, not NaN
+    assert result.critic_skipped_epochs == 1 and not math.isfinite(result.critic_grad_norm)
+    assert update_metrics(result)["critic_skipped_epochs"] == 1

@@ -40,6 +40,10 @@ class StepResult:
     """What the stability guard decided for this update (apply, skip, rollback, …)."""
     dropped_epochs: int = 0
     """Epochs after the first not applied for a non-finite gradient (those before stand)."""
+    critic_grad_norm: float | None = None
+    """PPO: the critic's gradient norm before clipping (the last epoch's)."""
+    critic_skipped_epochs: int = 0
+    """PPO: epochs whose critic update was dropped for a non-finite gradient."""
 
     @property
     def action(self) -> str:
@@ -151,9 +155,22 @@ class Learner:
             self.optimizer.step()
             self.engine_current = not self.dist.active  # one process samples the policy itself
             if self.critic_optimizer is not None:
-                clip_and_norm(list(self.models.critic.parameters()), self.trainer.grad_clip)
-                self.critic_optimizer.step()
+                self._critic_step(result)
         return result
+
+    def _critic_step(self, result: StepResult) -> None:
+        """The critic's update beside the policy's. The guard judges the policy's gradient
+        only, so a non-finite value gradient (a return far out of the critic's range) is
+        dropped here: applied, it made every critic weight NaN, and every advantage after
+        it. The norm is global, so every rank drops the same update."""
+        assert self.critic_optimizer is not None and self.models.critic is not None
+        norm = clip_and_norm(list(self.models.critic.parameters()), self.trainer.grad_clip)
+        result.critic_grad_norm = norm
+        if math.isfinite(norm):
+            self.critic_optimizer.step()
+        else:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            result.critic_skipped_epochs += 1
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -52,6 +52,10 @@ def update_metrics(result: StepResult) -> dict[str, float]:
         out["tokens"] = stats.get("norm_tokens", 0.0)
     if result.dropped_epochs:
         out["dropped_epochs"] = result.dropped_epochs
+    if result.critic_grad_norm is not None:
+        out["critic_grad_norm"] = result.critic_grad_norm
+    if result.critic_skipped_epochs:
+        out["critic_skipped_epochs"] = result.critic_skipped_epochs
     for key in ("kl", "entropy", "is_weight"):
         if key in stats:
             out[key if key != "is_weight" else "is_weight_mean"] = stats[key] / tokens
