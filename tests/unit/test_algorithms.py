@@ -232,3 +232,16 @@ def test_a_long_sequences_weight_past_floats_range_is_masked_or_capped_not_nan(m
     terms = clipped_surrogate(logp, old, torch.ones(2, 1), mask, 0.2, 0.2, "token", w)
     (terms.loss * mask).sum().backward()
     assert torch.isfinite(logp.grad).all()
+
+
+def test_filtered_sequences_still_count_in_the_sequence_normalisers() -> None:
+    """4 sequences, 2 masked out by overlong filtering, a loss of 1 on each token: Dr.
+    GRPO's constant normaliser counts all 4 rows as TRL's dr_grpo does (6 / (4 × 10));
+    counting only those that train made it 6 / (2 × 10), twice the weight per token."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 0, 0], [0, 0, 0]], dtype=F64)
+    norms = Normalisers.local(mask, torch.ones_like(mask))
+    assert norms.sequences == 4 and norms.tokens == 6
+    ones = torch.ones_like(mask)
+    assert aggregate(ones, mask, "constant", norms, 10.0).item() == pytest.approx(0.15)
+    # TRL's grpo loss: the mean over all rows of each row's token mean
+    assert aggregate(ones, mask, "seq-mean-token-mean", norms).item() == pytest.approx(0.5)

@@ -23,7 +23,9 @@ class Normalisers:
     tokens: float
     """Trainable (masked-in) tokens."""
     sequences: float
-    """Sequences with at least one trainable token."""
+    """Sampled sequences, also those left without a trainable token (overlong filtering
+    masks a truncated one out): each counts, as TRL counts its rows, so Dr. GRPO's
+    `constant` normaliser stays constant however many completions were filtered."""
     attended_tokens: float = 0.0
     """Non-padding input tokens (prompt and completion) of the sequences that train: the
     MoE router loss's weight (`routed_tokens`)."""
@@ -32,10 +34,11 @@ class Normalisers:
 
     @classmethod
     def local(cls, mask: torch.Tensor, attention_mask: torch.Tensor, pairs: int = 0):
-        """This shard's counts, to be summed across ranks (`all_reduce`) before use."""
+        """This shard's counts (its rows are samples: a rank short of micro-batches adds
+        filler ones outside it), to be summed across ranks (`all_reduce`) before use."""
         return cls(
             tokens=float(mask.sum().item()),
-            sequences=float((mask.sum(-1) > 0).sum().item()),
+            sequences=float(mask.shape[0]),
             attended_tokens=float(routed_tokens(mask, attention_mask).item()),
             pairs=float(pairs),
         )

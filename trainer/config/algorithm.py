@@ -46,7 +46,8 @@ class PolicyLossParams(Section):
     optimizer batch (all micro-batches and ranks): `token-mean` (÷ all completion tokens),
     `seq-mean-token-sum` (per-sequence sums ÷ sequences), `seq-mean-token-mean`
     (per-sequence means ÷ sequences), `constant` (Dr. GRPO: sums ÷ sequences ×
-    constantNormalizer)."""
+    constantNormalizer). Sequences are all sampled ones, those overlong filtering masks
+    out too (as TRL counts them)."""
     constant_normalizer: int | None = Field(None, ge=1, le=10_000_000)
     """Tokens per sequence assumed by `constant` aggregation (default: the rollout's
     maxNewTokens)."""
