@@ -143,7 +143,9 @@ class MoEParams(Section):
     router_aux_coef: float = Field(0.0, ge=0, le=100)
     """Weight of the router load-balancing loss. It is computed per forward pass (per
     micro-batch, as in Megatron and transformers) and weighted by the micro-batch's share
-    of the batch's tokens, so its total weight is this value however the batch is split."""
+    of the batch's tokens, so its total weight is this value however the batch is split;
+    its value is not (a nonlinear function of each pass's routing), so with this above 0
+    the update depends on microBatchSize and the number of ranks."""
 
 
 class SFTParams(Section):

@@ -333,7 +333,9 @@ class TrainerSpec(Section):
     """Prompts per RL step (each yields a group of completions)."""
     micro_batch_size: int = Field(64, ge=1, le=65536)
     """Sequences per forward/backward pass; gradients are accumulated over micro-batches
-    and normalised globally, so this changes memory use, not the update."""
+    and normalised globally, so this changes memory use, not the update (except a MoE
+    router load-balancing loss, `moe.routerAuxCoef` > 0: it is a function of each forward
+    pass)."""
     learning_rate: float = Field(1e-3, gt=0, le=1)
     """Peak learning rate of RL (AdamW, linear warm-up then constant)."""
     warmup_steps: int = Field(0, ge=0, le=1_000_000)
