@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -143,11 +144,37 @@ def local_rows(tokens: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
     return tokens[rank::world_size]
 
 
+class CountingReads:
+    """A store that counts the bytes read from it (whole files and ranges)."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.read = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def get_file(self, key: str, path: Path) -> None:
+        self.inner.get_file(key, path)
+        self.read += path.stat().st_size
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        data = self.inner.get_range(key, start, length)
+        self.read += len(data)
+        return data
+
+
 def distributed_save_and_resume(
-    rank: int, world_size: int, uri: str, endpoint: str, port: int, out: str
+    rank: int,
+    world_size: int,
+    uri: str,
+    endpoint: str,
+    port: int,
+    out: str,
+    block_bytes: int = 64 * 2**20,
 ) -> None:
     """Spawned per rank: FSDP2 training, an async sharded save at step 2, one more step;
-    then a fresh FSDP2 model resumes from the checkpoint and must redo step 3 exactly."""
+    then a fresh FSDP2 model resumes from the checkpoint and must redo step 3 exactly.
+    Writes the bytes each rank's resume read from the store to `read-<rank>`."""
     import torch.distributed as dist
 
     from rlft.trainer.checkpoint import load, open_storage
@@ -161,7 +188,9 @@ def distributed_save_and_resume(
     options = S3Options(endpoint_url=endpoint, addressing_style="path", part_size_mb=5)
     storage = open_storage(uri, options)
     model, optimizer = fsdp_model(world_size)
-    ckpt = Checkpointer(storage, interval_steps=2, hf_files=hf_files_of(model))
+    ckpt = Checkpointer(
+        storage, interval_steps=2, hf_files=hf_files_of(model), block_bytes=block_bytes
+    )
     for step in (1, 2):
         train_step(model, optimizer, local_rows(batch_for(step), rank, world_size), mask=False)
         decision = ckpt.poll(step)
@@ -176,7 +205,9 @@ def distributed_save_and_resume(
         torch.save({"two": at_two, "three": at_three}, Path(out) / "reference.pt")
 
     model2, optimizer2 = fsdp_model(world_size)
-    resumed = load(storage, "auto", model2, optimizer2)
+    counting = CountingReads(storage)
+    resumed = load(counting, "auto", model2, optimizer2)
+    (Path(out) / f"read-{rank}").write_text(str(counting.read))
     assert resumed.step == 2 and resumed.rank_state == {"rank": rank}
     train_step(model2, optimizer2, local_rows(batch_for(3), rank, world_size), mask=False)
     for name, value in params_of(model2).items():

@@ -55,6 +55,32 @@ def test_fsdp2_sharded_save_resumes_at_world_size_2_and_1(s3_env, bucket, tmp_pa
         torch.testing.assert_close(value, reference["three"][name], rtol=1e-5, atol=1e-6)
 
 
+def test_each_rank_reads_only_the_pieces_of_the_checkpoint_it_loads(
+    s3_env, bucket, tmp_path: Path
+) -> None:
+    """Whole shard files made each of N ranks download the whole checkpoint (N times its
+    size from the store). With the manifest's per-piece checksums (4 KiB pieces here),
+    each rank fetches the pieces its load plan reads, and still resumes exactly."""
+    uri = f"s3://{bucket}/ranged"
+    (port,) = free_ports(1)
+    mp.spawn(
+        distributed_save_and_resume,
+        args=(2, uri, s3_env.endpoint, port, str(tmp_path), 4096),
+        nprocs=2,
+        join=True,
+    )
+    assert (tmp_path / "ok-0").exists() and (tmp_path / "ok-1").exists()  # exact resume
+    manifest = Catalog(open_storage(uri, s3_options(s3_env))).scan().manifests[2]
+    assert manifest.block_bytes == 4096
+    shards = [e for e in manifest.files if e.path.endswith(".distcp")]
+    assert all(len(e.blocks) == -(-e.size // 4096) for e in shards)
+    total = manifest.total_bytes
+    read = [int((tmp_path / f"read-{rank}").read_text()) for rank in (0, 1)]
+    # each rank: its half of the shards, the pieces of the small replicated values, and
+    # the side files; not the whole checkpoint
+    assert all(r < 0.75 * total for r in read), (read, total)
+
+
 def damaged_on_two_ranks(rank: int, port: int, root: str) -> None:
     """Spawned per rank: a file:// checkpoint at world size 2 whose file in rank 1's
     share of the checksum work is damaged; both ranks try to resume from it."""

@@ -3,6 +3,7 @@ URI parsing, redaction; and the file:// backend's atomic writes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -50,6 +51,20 @@ def test_manifest_round_trips_and_names_its_folder() -> None:
     assert manifest.folder == "step-000120"
     assert manifest.total_bytes == 13
     assert json.loads(manifest.to_json())["worldSize"] == 2
+
+
+def test_piece_checksums_round_trip_and_must_cover_the_file() -> None:
+    """Shard files carry a SHA-256 per `blockBytes` piece (what a resume checks as it
+    reads); a manifest without them reads as before (whole files)."""
+    shard = FileEntry("__0_0.distcp", 10, "ab" * 32, ("01" * 32, "02" * 32, "03" * 32))
+    manifest = dataclasses.replace(_manifest(), files=(shard,), block_bytes=4)
+    doc = json.loads(manifest.to_json())
+    assert doc["blockBytes"] == 4 and len(doc["files"][0]["blocks"]) == 3
+    assert Manifest.from_json(manifest.to_json(), "x") == manifest
+    assert "blocks" not in json.loads(_manifest().to_json())["files"][0]
+    doc["files"][0]["blocks"] = doc["files"][0]["blocks"][:2]  # 10 bytes are 3 pieces of 4
+    with pytest.raises(ManifestError, match="2 block checksums for 10 bytes"):
+        Manifest.from_json(json.dumps(doc), "x")
 
 
 @pytest.mark.parametrize(

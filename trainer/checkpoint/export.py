@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import CheckpointError
@@ -72,25 +71,33 @@ def export_hf(
     catalog = Catalog(storage)
     local = LocalCopy(storage, None, 0, 1)
     chosen_manifest: list[Manifest] = []
+    loaded: list[Any] = []
+
+    def check(manifest: Manifest) -> list[str]:
+        """Its files, then its model's weights read (only those: not the optimizer's)."""
+        if problems := _hf_problems(manifest) or local.fetch(manifest):
+            return problems
+        assert local.path is not None
+        config = AutoConfig.from_pretrained(local.path / HF_DIR, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
+        state = tensor_state(model, None)
+        if damage := local.read(state):
+            return damage
+        apply_tensor_state(model, None, state)
+        loaded[:] = [model]
+        return []
 
     def fill(work: Path) -> None:
         manifest = catalog.choose(
             which,
-            check=lambda m: _hf_problems(m) or local.fetch(m),
+            check=check,
             purpose="export",
             advice="export another step (`rlft checkpoints verify` checks them)",
         )
         chosen_manifest.append(manifest)
         assert local.path is not None
         hf = local.path / HF_DIR
-        config = AutoConfig.from_pretrained(hf, local_files_only=True)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
-        state = tensor_state(model, None)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(local.path), no_dist=True)
-        apply_tensor_state(model, None, state)
-        model.save_pretrained(work)
+        loaded[0].save_pretrained(work)
         # The checkpoint's own files after the weights: save_pretrained writes a
         # generation_config.json derived from config.json alone, and an instruct model's
         # (its end-of-turn stop tokens, its sampling defaults) was lost.

@@ -2,8 +2,9 @@
 
 Every rank takes part: rank 0 scans the location and shares what it found, so all ranks
 try the same checkpoints in the same order. A checkpoint is used only when every rank
-found its files intact (sizes and SHA-256); a damaged one is skipped with a warning and
-the previous one is tried.
+found its files intact (sizes and SHA-256; from an object store, the shard files' pieces
+its load reads, `ranged.py`); a damaged one is skipped with a warning and the previous
+one is tried.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 
 from rlft.trainer.checkpoint import rng
 from rlft.trainer.checkpoint.catalog import Catalog, Scan
 from rlft.trainer.checkpoint.errors import BucketMissingError, CredentialsError, StorageError
 from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, problems_with
+from rlft.trainer.checkpoint.ranged import BlockReader, Blocks, damage_in, storage_failure
 from rlft.trainer.checkpoint.saver import RANKS
 from rlft.trainer.checkpoint.state import Modules, apply_tensor_state, tensor_state
 from rlft.trainer.storage.backends import FileStorage, Storage, sha256_file
@@ -78,11 +81,14 @@ class LocalCopy:
         self.cache = cache_dir or Path(tempfile.mkdtemp(prefix="rlft-resume-"))
         self.owned = cache_dir is None
         self.path: Path | None = None
+        self.blocks: Blocks | None = None
+        """The shard files fetched piece by piece as DCP reads them (a download)."""
 
     def fetch(self, manifest: Manifest) -> list[str]:
         """Make the checkpoint readable at `self.path`; the problems found (empty: ok).
         On file:// the ranks split the checksum work; downloads are checked in full."""
         if isinstance(self.storage, FileStorage):
+            self.blocks = None
             self.path = self.storage.root / manifest.folder
             mine = manifest.files[self.rank :: self.world_size]
             found = {}
@@ -96,8 +102,12 @@ class LocalCopy:
         self.cleanup_download()
         self.path = self.cache / f"rank-{self.rank}" / manifest.folder
         shutil.rmtree(self.path, ignore_errors=True)
-        found = {}
+        self.blocks = Blocks(self.storage, manifest, self.path, self.retry_s)
+        found: dict[str, tuple[int, str | None]] = {}
         for entry in manifest.files:
+            if entry.path in self.blocks.entries:
+                found[entry.path] = (entry.size, None)  # its pieces are checked as read
+                continue
             target = self.path / entry.path
             key = f"{manifest.folder}/{entry.path}"
             # Progress, file by file (a rollback's restore runs inside the judged loop).
@@ -114,7 +124,31 @@ class LocalCopy:
                     raise
                 continue
             found[entry.path] = sha256_file(target)
+        self.blocks.prepare()
         return problems_with(manifest, found)
+
+    def read(self, state: dict[str, Any], process_group: Any = None) -> list[str]:
+        """Load `state` from the fetched checkpoint (DCP: each rank reads its part, with
+        `process_group` when distributed); the shard pieces found missing or corrupted
+        on any rank (empty: loaded). Every rank gets the same answer."""
+        assert self.path is not None
+        distributed = dist.is_available() and dist.is_initialized()
+        reader = BlockReader(self.path, self.blocks) if self.blocks is not None else None
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(
+                    state,
+                    checkpoint_id=None if reader else str(self.path),
+                    storage_reader=reader,
+                    process_group=process_group,
+                    no_dist=not distributed,
+                )
+        except CheckpointException as error:  # each rank's failures, on every rank
+            if damage := damage_in(error):
+                return damage
+            raise storage_failure(error) or error from None
+        return []
 
     def cleanup_download(self) -> None:
         if not isinstance(self.storage, FileStorage) and self.path is not None:
@@ -175,8 +209,14 @@ def load(
     catalog = Catalog(storage)
     local = LocalCopy(storage, cache_dir, rank, world_size, retry_s)
 
+    state = tensor_state(model, optimizer, modules)
+
     def check(manifest: Manifest) -> list[str]:
-        return _every_ranks(local.fetch(manifest), process_group)
+        """Intact when every rank's files check and its load reads only intact pieces
+        (the state of a checkpoint found damaged is loaded again from the next)."""
+        return _every_ranks(local.fetch(manifest), process_group) or local.read(
+            state, process_group
+        )
 
     try:
         scan = shared_scan(catalog, process_group, retry_s)
@@ -184,15 +224,6 @@ def load(
             scan = scan.without_other_jobs(job_uid)
         manifest = catalog.choose(which, check=check, scan=scan)
         assert local.path is not None
-        state = tensor_state(model, optimizer, modules)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
-                state,
-                checkpoint_id=str(local.path),
-                process_group=process_group,
-                no_dist=not distributed,
-            )
         apply_tensor_state(model, optimizer, state, modules)
         extra = json.loads((local.path / EXTRA).read_text())
         ranks = json.loads((local.path / RANKS).read_text())

@@ -66,6 +66,9 @@ class FileEntry:
     path: str
     size: int
     sha256: str
+    blocks: tuple[str, ...] = ()
+    """SHA-256 of each `Manifest.block_bytes` piece of a shard file (the last may be
+    shorter): a resume downloads, and checks, only the pieces its rank reads."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class Manifest:
     """The RLFineTune's metadata.uid when the operator ran the job (RLFT_JOB_UID): which
     checkpoints at a location are the job's own (see `resume: never`)."""
     format_version: int = FORMAT_VERSION
+    block_bytes: int = 0
+    """Length of the pieces `FileEntry.blocks` hash (0: files are checked whole)."""
 
     @property
     def folder(self) -> str:
@@ -106,7 +111,8 @@ class Manifest:
             "emergency": self.emergency,
             **({"jobUid": self.job_uid} if self.job_uid else {}),
             "createdAt": self.created_at,
-            "files": [asdict(entry) for entry in self.files],
+            **({"blockBytes": self.block_bytes} if self.block_bytes else {}),
+            "files": [_entry_json(entry) for entry in self.files],
         }
         return json.dumps(document, indent=1) + "\n"
 
@@ -122,7 +128,13 @@ class Manifest:
                     f"({FORMAT_VERSION}); upgrade rlft"
                 )
             files = tuple(
-                FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in doc["files"]
+                FileEntry(
+                    str(f["path"]),
+                    int(f["size"]),
+                    str(f["sha256"]),
+                    tuple(str(b) for b in f.get("blocks", ())),
+                )
+                for f in doc["files"]
             )
             manifest = Manifest(
                 step=int(doc["step"]),
@@ -135,12 +147,34 @@ class Manifest:
                 emergency=bool(doc.get("emergency", False)),
                 job_uid=str(doc["jobUid"]) if doc.get("jobUid") else None,
                 format_version=int(version),
+                block_bytes=int(doc.get("blockBytes", 0)),
             )
+            for f in files:
+                if f.blocks and len(f.blocks) != block_count(f.size, manifest.block_bytes):
+                    raise ValueError(
+                        f"{f.path}: {len(f.blocks)} block checksums for {f.size} bytes"
+                    )
         except ManifestError:
             raise
         except (ValueError, KeyError, TypeError) as error:
             raise ManifestError(f"{where}: not a valid manifest ({error!r})") from None
         return manifest
+
+
+def block_count(size: int, block_bytes: int) -> int:
+    """Pieces of `block_bytes` (the last may be shorter) a file of `size` bytes has."""
+    if block_bytes <= 0:
+        raise ValueError("blockBytes must be positive where files list block checksums")
+    return max(1, -(-size // block_bytes))
+
+
+def _entry_json(entry: FileEntry) -> dict[str, Any]:
+    data = asdict(entry)
+    if not entry.blocks:
+        del data["blocks"]
+    else:
+        data["blocks"] = list(entry.blocks)
+    return data
 
 
 def problems_with(manifest: Manifest, found: dict[str, tuple[int, str | None]]) -> list[str]:

@@ -57,6 +57,9 @@ class Storage(Protocol):
     def get_file(self, key: str, path: Path) -> None:
         """Copy the object to a local file (written atomically)."""
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes of the object from offset `start` (fewer at its end)."""
+
     @contextmanager
     def open_read(self, key: str) -> Iterator[BinaryIO]:
         """A readable stream of the object (for hashing without a local copy)."""
@@ -92,6 +95,29 @@ def sha256_stream(stream: BinaryIO) -> tuple[int, str]:
 def sha256_file(path: Path) -> tuple[int, str]:
     with open(path, "rb") as stream:
         return sha256_stream(stream)
+
+
+def sha256_blocks(path: Path, block_bytes: int) -> tuple[int, str, tuple[str, ...]]:
+    """Size and SHA-256 of a file, and the SHA-256 of each `block_bytes` piece of it, in
+    one read."""
+    whole = hashlib.sha256()
+    blocks: list[str] = []
+    size = 0
+    with open(path, "rb") as stream:
+        while True:
+            piece = hashlib.sha256()
+            filled = 0
+            while filled < block_bytes and (chunk := stream.read(min(CHUNK, block_bytes - filled))):
+                whole.update(chunk)
+                piece.update(chunk)
+                filled += len(chunk)
+            if filled == 0 and blocks:
+                break
+            blocks.append(piece.hexdigest())
+            size += filled
+            if filled < block_bytes:
+                break
+    return size, whole.hexdigest(), tuple(blocks)
 
 
 # ------------------------------------------------------------------------ file://
@@ -171,6 +197,16 @@ class FileStorage:
     def get_bytes(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissingError(f"{self.uri}/{key} does not exist") from None
+        except OSError as error:
+            raise _os_error(error, f"reading {key}", self.uri) from None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            with self._path(key).open("rb") as stream:
+                stream.seek(start)
+                return stream.read(length)
         except FileNotFoundError:
             raise ObjectMissingError(f"{self.uri}/{key} does not exist") from None
         except OSError as error:

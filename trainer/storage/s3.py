@@ -294,6 +294,22 @@ class S3Storage:
             Config=self._transfer,
         )
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        what = f"reading bytes {start}-{start + length - 1} of {key}"
+        response = self._call(
+            what,
+            self._client.get_object,
+            Bucket=self.bucket,
+            Key=self._key(key),
+            Range=f"bytes={start}-{start + length - 1}",
+        )
+        try:
+            return response["Body"].read()
+        except (bex.BotoCoreError, bex.ClientError) as error:
+            raise self._translate(error, what) from None
+        finally:
+            response["Body"].close()
+
     @contextmanager
     def open_read(self, key: str) -> Iterator[BinaryIO]:
         response = self._call(
