@@ -256,6 +256,19 @@ def test_a_download_the_store_refuses_is_that_error_not_a_damaged_checkpoint(
     assert load(storage, "auto", *_fresh(seed=3)).step == 2
 
 
+def test_a_resume_that_finds_nothing_leaves_the_optimizer_as_it_was(location) -> None:
+    """Reading a checkpoint's layout initialises an optimizer's state (a zero step):
+    done before there was a checkpoint to load, a fresh run's first AdamW step took the
+    bias correction of a second one, and a run resumed from its own step differed from
+    one never interrupted."""
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    with pytest.raises(NoCheckpointError):
+        load(storage, "auto", model, optimizer)
+    assert optimizer.state_dict()["state"] == {}
+
+
 def test_nothing_intact_is_a_clear_error(tmp_path: Path, capsys) -> None:
     storage = open_storage(str(tmp_path))
     model, optimizer = _fresh()

@@ -209,14 +209,16 @@ def load(
     catalog = Catalog(storage)
     local = LocalCopy(storage, cache_dir, rank, world_size, retry_s)
 
-    state = tensor_state(model, optimizer, modules)
+    states: list[dict[str, Any]] = []
 
     def check(manifest: Manifest) -> list[str]:
         """Intact when every rank's files check and its load reads only intact pieces
         (the state of a checkpoint found damaged is loaded again from the next)."""
-        return _every_ranks(local.fetch(manifest), process_group) or local.read(
-            state, process_group
-        )
+        if problems := _every_ranks(local.fetch(manifest), process_group):
+            return problems
+        if not states:  # only once there is one to load: it fills the optimizer's state
+            states.append(tensor_state(model, optimizer, modules))
+        return local.read(states[0], process_group)
 
     try:
         scan = shared_scan(catalog, process_group, retry_s)
@@ -224,7 +226,7 @@ def load(
             scan = scan.without_other_jobs(job_uid)
         manifest = catalog.choose(which, check=check, scan=scan)
         assert local.path is not None
-        apply_tensor_state(model, optimizer, state, modules)
+        apply_tensor_state(model, optimizer, states[0], modules)
         extra = json.loads((local.path / EXTRA).read_text())
         ranks = json.loads((local.path / RANKS).read_text())
     finally:
