@@ -294,6 +294,38 @@ def test_a_never_job_restarted_resumes_its_own_checkpoints_not_another_runs(
     assert checkpoint_files(tmp_path / "ckpts") == before
 
 
+def test_a_local_run_never_replaces_another_runs_checkpoints_or_outputs_unasked(
+    tmp_path: Path, capsys
+) -> None:
+    """Locally (no job uid to tell runs apart) `--resume never` at a location holding
+    committed checkpoints rewrote them and deleted the newer ones; `--resume
+    latest-healthy` deleted the output folder's run, its checkpoints included. Both are
+    refused (exit 2) and leave everything as it was; --overwrite still abandons them."""
+    spec = arithmetic_spec(rl_steps=4)
+    spec["checkpoint"] = {"uri": f"file://{tmp_path}/ckpts", "intervalSteps": 2}
+    job = str(write_job(tmp_path / "job.yaml", spec))
+    first = tmp_path / "first"
+    assert main(["train", job, "--out", str(first), "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    before = checkpoint_files(tmp_path / "ckpts")
+    fresh = ["train", job, "--out", str(tmp_path / "second"), "--max-steps", "1"]
+    assert main([*fresh, "--resume", "never"]) == 2
+    error = capsys.readouterr().err
+    assert f"file://{tmp_path}/ckpts holds committed checkpoints (steps 2)" in error
+    assert "--overwrite" in error
+    assert checkpoint_files(tmp_path / "ckpts") == before
+    # the output folder's own run (local checkpoints), asked for latest-healthy of an
+    # empty location: refused, the folder kept
+    local = arithmetic_spec(rl_steps=4)
+    local["checkpoint"] = {"uri": f"file://{tmp_path}/empty", "intervalSteps": 2}
+    other = str(write_job(tmp_path / "other.yaml", local))
+    kept = sorted(p.name for p in first.iterdir())
+    assert main(["train", other, "--out", str(first), "--resume", "latest-healthy"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert sorted(p.name for p in first.iterdir()) == kept
+    assert main([*fresh, "--overwrite"]) == 0  # said on purpose: abandoned
+
+
 def test_ranks_started_with_nproc_exit_with_their_own_code(tmp_path: Path, monkeypatch, capfd):
     """torchrun's agent exits 1 whatever its workers returned; `rlft train --nproc 2` exits
     as its ranks do: 2 for a job that cannot run (a retry would loop on it as on 1)."""

@@ -250,7 +250,10 @@ def add_training_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--out", help="output folder (default runs/<metadata.name>)")
     train.add_argument("--max-steps", type=int, help="stop after this many steps")
     train.add_argument(
-        "--overwrite", action="store_true", help="replace a run already in the output folder"
+        "--overwrite",
+        action="store_true",
+        help="replace a run already in the output folder and start afresh, "
+        "abandoning the checkpoints at spec.checkpoint.uri too (its commits replace them)",
     )
     train.add_argument(
         "--nproc", type=int, default=1, help="train on this many local ranks (torchrun, FSDP2)"

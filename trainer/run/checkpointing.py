@@ -83,6 +83,11 @@ class Checkpointing:
         self.retry_s = spec.upload_retry_minutes * 60
         """How long reads the store refuses are retried (resume, rollback, the scan)."""
         job_uid = os.environ.get(JOB_UID_ENV) or None
+        self.operator_run = job_uid is not None
+        """Started by the operator (its restarts may find an earlier attempt's files)."""
+        self.elsewhere = spec.uri is not None
+        """The checkpoints live at spec.checkpoint.uri, not in the output folder (whose
+        own previous run `prepare_output` guards)."""
         self.own_only = job_uid if spec.resume == "never" else None
         """`resume: never` on the operator: only this job's checkpoints (by the job uid in
         their manifests) are ever resumed or rolled back to, others' never."""
@@ -95,6 +100,22 @@ class Checkpointing:
             job_uid=job_uid,
         )
 
+    def _refuse_others_checkpoints(self) -> None:
+        """A local run told `never` at a location that holds committed checkpoints: its
+        commits would move `latest` below them and retention would delete them (the
+        operator tells jobs apart by uid; here only --overwrite says to abandon them)."""
+        if not self.elsewhere or self.operator_run:
+            return
+        steps = self.dist.broadcast(sorted(self._scan().manifests) if self.dist.is_main else None)
+        if steps:
+            raise LocationTakenError(
+                f"{self.checkpointer.storage.uri} holds committed checkpoints (steps "
+                f"{', '.join(map(str, steps[-5:]))}{' …' if len(steps) > 5 else ''}), and "
+                "this run (resume: never) would overwrite them: pass --overwrite to abandon "
+                "them, give the job another spec.checkpoint.uri, or --resume auto to go on "
+                "from them"
+            )
+
     def choice(self, which: str | int) -> str | int:
         """Rank 0's `which`, on every rank: pods of one gang may have been started with
         different --resume arguments (a replaced pod, survivors restarted in place), and
@@ -103,7 +124,10 @@ class Checkpointing:
         checkpoint the operator never saw, say) resumes them: never is about other runs'
         checkpoints, and starting afresh would move `latest` below the job's own steps."""
         which = self.dist.broadcast(which)
-        if self.own_only is None or which != "never":
+        if which != "never":
+            return which
+        if self.own_only is None:
+            self._refuse_others_checkpoints()
             return which
         found = None
         if self.dist.is_main:

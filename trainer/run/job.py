@@ -97,9 +97,9 @@ def run_job(
     number from that step, `never` starts afresh. `overwrite` starts afresh too, after
     removing the previous run's files and local checkpoints.
 
-    A restart (`restarted`: torchrun started this worker again; or `latest-healthy`, the
-    operator's restarts) that finds no checkpoint starts the job again over the files
-    its earlier attempt left in `out`, instead of refusing to clobber them.
+    A restart (`restarted`: torchrun started this worker again; or the operator's
+    restarts, which say `latest-healthy`) that finds no checkpoint starts the job again
+    over the files its earlier attempt left in `out`, instead of refusing to clobber them.
     """
     dist = dist or Dist()
     reporter = _reporter_for(dist, reporter)
@@ -124,7 +124,10 @@ def run_job(
         if resume == "never" or not _resume(run, parts, resume):
             if existing and not overwrite:
                 # Rank 0's view decides for every rank (each may have other arguments).
-                again = dist.broadcast(restarted or resume == "latest-healthy")
+                # A user's own --resume latest-healthy is no restart: the folder's run is
+                # refused as any other (it deleted it, local checkpoints included).
+                operator = run.checkpoints.operator_run and resume == "latest-healthy"
+                again = dist.broadcast(restarted or operator)
                 if not again:
                     prepare_output(out, overwrite=False)  # raises: a run is there, no checkpoint
                 elif dist.is_main:
