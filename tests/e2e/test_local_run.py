@@ -326,6 +326,19 @@ def test_a_local_run_never_replaces_another_runs_checkpoints_or_outputs_unasked(
     assert main([*fresh, "--overwrite"]) == 0  # said on purpose: abandoned
 
 
+def test_a_run_stopped_in_its_warm_start_runs_again_with_the_same_command(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM in the warm start (or a refused --resume) leaves job.yaml and an empty
+    checkpoints/: the same command again refused them as "a run" (exit 2)."""
+    job = write_job(tmp_path / "job.yaml", arithmetic_spec(rl_steps=1))
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "job.yaml").write_text(job.read_text())
+    assert main(["train", str(job), "--out", str(out)]) == 0
+    assert (out / "summary.json").is_file()
+
+
 def test_ranks_started_with_nproc_exit_with_their_own_code(tmp_path: Path, monkeypatch, capfd):
     """torchrun's agent exits 1 whatever its workers returned; `rlft train --nproc 2` exits
     as its ranks do: 2 for a job that cannot run (a retry would loop on it as on 1)."""

@@ -62,7 +62,16 @@ class OutputExistsError(Exception):
 
 
 def existing_run_files(out: Path) -> list[str]:
-    return [name for name in (*RUN_FILES, "checkpoints") if (out / name).exists()]
+    """What of a run `out` holds. Only results count: a run stopped in its warm start (or
+    refused) leaves its job.yaml and an empty checkpoints/, and running the same command
+    again must start it again, not refuse it."""
+    results = [n for n in RUN_FILES if n not in ("job.yaml", RUN_ID_FILE) and (out / n).exists()]
+    checkpoints = out / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        results.append("checkpoints")
+    if results:  # replaced with them
+        results += [n for n in ("job.yaml", RUN_ID_FILE) if (out / n).exists()]
+    return results
 
 
 def prepare_output(out: Path, overwrite: bool) -> None:
