@@ -356,3 +356,20 @@ def test_file_writes_leave_no_temp_file_when_they_fail(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="no space left"):
         store._write_atomically("step-000001/x", failing)
     assert list((tmp_path / "step-000001").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "https://AKIAUSER:SECRETXYZ@minio.example:9000/bucket/run",
+        "file://AKIAUSER:SECRETXYZ@host/x",
+        "s3://bucket/x?token=SECRETXYZ",
+        "s3://bucket/x#SECRETXYZ",
+    ],
+)
+def test_a_location_refused_is_named_without_its_secret(uri: str) -> None:
+    with pytest.raises(BadUriError) as refused:
+        open_storage(uri)
+    message = str(refused.value)
+    assert "SECRETXYZ" not in message and "AKIAUSER" not in message, message
+    assert "…" in message  # said that something was left out

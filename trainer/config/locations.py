@@ -22,6 +22,18 @@ def holds_credentials(url: str) -> bool:
     return "@" in (urlparse(url).netloc if "://" in url else "")
 
 
+def shown(uri: str) -> str:
+    """`uri` as a message may repeat it: without a user-info part, query or fragment,
+    where a secret may be (`https://key:secret@host/…`, `s3://b/x?token=…`)."""
+    if "://" not in uri:
+        return repr(uri)
+    parsed = urlparse(uri)
+    host = parsed.netloc.rpartition("@")[2]
+    hidden = "…@" if "@" in parsed.netloc else ""
+    rest = "?…" if parsed.query or parsed.fragment else ""
+    return repr(f"{parsed.scheme}://{hidden}{host}{parsed.path}{rest}")
+
+
 def location_problem(uri: str) -> str | None:
     """Why `uri` is not `s3://bucket[/prefix]` or `file:///absolute/path`, or None. The
     answer never repeats the URI (it may hold a secret)."""

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
 
+from rlft.trainer.config.locations import shown
 from rlft.trainer.storage.errors import (
     BadUriError,
     ObjectMissingError,
@@ -276,10 +277,10 @@ def parse_file_uri(uri: str) -> Path:
         return Path(uri).expanduser().resolve()
     parsed = urlparse(uri)
     if parsed.scheme != "file":
-        raise BadUriError(f"{uri!r}: not a file URI")
+        raise BadUriError(f"{shown(uri)}: not a file URI")
     if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
         raise BadUriError(
-            f"{uri!r}: a file URI needs an absolute path with three slashes, "
+            f"{shown(uri)}: a file URI needs an absolute path with three slashes, "
             "e.g. file:///data/checkpoints"
         )
     return Path(parsed.path)
@@ -297,7 +298,7 @@ def open_storage(uri: str, s3: S3Options | None = None) -> Storage:
     if scheme in ("", "file"):
         return FileStorage(parse_file_uri(uri), uri if scheme else None)
     raise BadUriError(
-        f"{uri!r}: unsupported scheme {scheme!r}; use s3://bucket/prefix or file:///path"
+        f"{shown(uri)}: unsupported scheme {scheme!r}; use s3://bucket/prefix or file:///path"
     )
 
 

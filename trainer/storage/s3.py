@@ -26,7 +26,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.loaders import create_loader
 
-from rlft.trainer.config.locations import BUCKET, NO_CREDENTIALS, holds_credentials
+from rlft.trainer.config.locations import BUCKET, NO_CREDENTIALS, holds_credentials, shown
 from rlft.trainer.storage.backends import ObjectInfo, S3Options, check_key
 from rlft.trainer.storage.errors import (
     BadUriError,
@@ -87,14 +87,14 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     parsed = urlparse(uri)
     bucket = parsed.netloc
     if parsed.scheme != "s3" or not bucket:
-        raise BadUriError(f"{uri!r}: an S3 URI looks like s3://bucket/prefix")
+        raise BadUriError(f"{shown(uri)}: an S3 URI looks like s3://bucket/prefix")
     if not BUCKET.match(bucket):
         raise BadUriError(
-            f"{uri!r}: {bucket!r} is not a valid bucket name (3–63 lower-case letters, "
+            f"{shown(uri)}: {bucket!r} is not a valid bucket name (3–63 lower-case letters, "
             "digits, dots and hyphens)"
         )
     if parsed.query or parsed.fragment:
-        raise BadUriError(f"{uri!r}: an S3 URI has no query or fragment")
+        raise BadUriError(f"{shown(uri)}: an S3 URI has no query or fragment")
     return bucket, parsed.path.strip("/")
 
 
