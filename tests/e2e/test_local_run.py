@@ -333,7 +333,7 @@ def test_a_run_stopped_in_its_warm_start_runs_again_with_the_same_command(
     checkpoints/: the same command again refused them as "a run" (exit 2)."""
     job = write_job(tmp_path / "job.yaml", arithmetic_spec(rl_steps=1))
     out = tmp_path / "out"
-    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / ".rlft-tmp-staging" / "rank-0").mkdir(parents=True)  # a stage
     (out / "job.yaml").write_text(job.read_text())
     assert main(["train", str(job), "--out", str(out)]) == 0
     assert (out / "summary.json").is_file()

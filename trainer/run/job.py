@@ -38,6 +38,7 @@ from rlft.trainer.run.phases import (
 from rlft.trainer.run.progress import Reporter
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.run.supervisor import RunEnded, Supervisor
+from rlft.trainer.storage.backends import TEMP_MARK
 from rlft.trainer.storage.retry import with_retries
 from rlft.trainer.telemetry import liveness
 
@@ -67,7 +68,9 @@ def existing_run_files(out: Path) -> list[str]:
     again must start it again, not refuse it."""
     results = [n for n in RUN_FILES if n not in ("job.yaml", RUN_ID_FILE) and (out / n).exists()]
     checkpoints = out / "checkpoints"
-    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+    if checkpoints.is_dir() and any(
+        not entry.name.startswith(TEMP_MARK) for entry in checkpoints.iterdir()
+    ):  # a save's staging folder alone is no checkpoint
         results.append("checkpoints")
     if results:  # replaced with them
         results += [n for n in ("job.yaml", RUN_ID_FILE) if (out / n).exists()]
