@@ -648,3 +648,22 @@ def test_every_python_folder_is_a_listed_package(repo_root: Path) -> None:
         top = ".".join(package.split(".")[:2])
         rest = package.split(".")[2:]
         assert (repo_root / package_dir[top]).joinpath(*rest).is_dir(), package
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("kind: RLFineTune\n".encode("utf-16"), "line 1: not UTF-8 (byte 0xff); save it as UTF-8"),
+        (b"kind: RLFineTune\nname: caf\xe9\n", "line 2: not UTF-8 (byte 0xe9); save it as UTF-8"),
+        (b"kind: RLFineTune\n[a, b]: 1\n", "line 2: not valid YAML (found unhashable key)"),
+        (b"[" * 3000, "not a job file: nested too deeply"),
+    ],
+)
+def test_a_job_file_that_is_not_yaml_text_is_named_not_a_traceback(
+    tmp_path: Path, content: bytes, problem: str
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content)
+    with pytest.raises(JobFileError) as caught:
+        load_job(path)
+    assert caught.value.problems == [problem]

@@ -12,7 +12,7 @@ has bounds, so a bad file fails at load time with the field named, e.g.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -763,6 +763,8 @@ class _Yaml12Loader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # a list or mapping as a key: PyYAML's error
+                return super().construct_mapping(node, deep=deep)
             if key in seen and key != "<<":
                 raise yaml.constructor.ConstructorError(
                     "while reading a mapping",
@@ -797,11 +799,19 @@ def load_job(path: str | Path) -> RLFineTune:
     """Read and validate a job file (YAML)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as error:
         raise JobFileError(str(path), [f"cannot read the file: {error.strerror}"]) from None
+    except UnicodeDecodeError as error:
+        line = error.object[: error.start].count(b"\n") + 1
+        raise JobFileError(
+            str(path),
+            [f"line {line}: not UTF-8 (byte 0x{error.object[error.start]:02x}); save it as UTF-8"],
+        ) from None
     try:
         document = read_yaml(text)
+    except RecursionError:
+        raise JobFileError(str(path), ["not a job file: nested too deeply"]) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark else ""

@@ -86,10 +86,17 @@ def prepare_output(out: Path, overwrite: bool) -> None:
             f"{out} already holds a run ({', '.join(existing)}) and no checkpoint to resume "
             "from; choose another --out or pass --overwrite to replace it"
         )
-    for name in existing:
-        target = out / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for name in existing:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputExistsError(
+            f"--out {out}: {error.strerror or error}"
+            f"{f' ({error.filename})' if error.filename else ''}: choose a folder rlft can "
+            "create and write"
+        ) from None
 
 
 def run_job(

@@ -1,0 +1,27 @@
+"""The output folder of `rlft train`: what counts as a run to protect, and a folder that
+cannot be made is a clear error (exit 2 through OutputExistsError), not a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlft.trainer.run.job import OutputExistsError, existing_run_files, prepare_output
+
+
+def test_an_output_path_that_is_a_file_is_named_with_what_to_do(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out in (afile, afile / "sub"):
+        with pytest.raises(OutputExistsError, match=r"--out .*afile.*choose a folder"):
+            prepare_output(out, overwrite=False)
+    assert afile.read_text() == "mine"
+
+
+def test_only_results_count_as_a_run(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints" / ".rlft-tmp-staging").mkdir(parents=True)
+    (tmp_path / "job.yaml").write_text("x")
+    assert existing_run_files(tmp_path) == []
+    (tmp_path / "checkpoints" / "step-000002").mkdir()
+    assert existing_run_files(tmp_path) == ["checkpoints", "job.yaml"]
