@@ -269,6 +269,28 @@ def test_a_resume_that_finds_nothing_leaves_the_optimizer_as_it_was(location) ->
     assert optimizer.state_dict()["state"] == {}
 
 
+def test_another_models_checkpoint_is_named_not_a_traceback(location) -> None:
+    """A job resumed where another model's checkpoints are (its shapes differ): DCP's
+    traceback and exit 1 (retried forever) became an error naming the checkpoint and
+    what to do, which the CLI exits 2 for."""
+    from checkpoint_fixtures import tiny_config
+
+    from rlft.trainer.checkpoint.errors import ForeignCheckpointError
+
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage)
+    _save(ckpt, model, optimizer, 2)
+    ckpt.close()
+    wider = tiny_model(0, tiny_config().__class__(**{**tiny_config().to_dict(), "hidden_size": 96}))
+    with pytest.raises(ForeignCheckpointError) as refused:
+        load(storage, "auto", wider, torch.optim.AdamW(wider.parameters(), lr=1e-2))
+    message = str(refused.value)
+    assert "step-000002 holds another model's checkpoint (Size mismatch" in message, message
+    assert "--overwrite" in message
+
+
 def test_nothing_intact_is_a_clear_error(tmp_path: Path, capsys) -> None:
     storage = open_storage(str(tmp_path))
     model, optimizer = _fresh()

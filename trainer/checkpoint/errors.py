@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "CredentialsError",
     "DamagedCheckpointsError",
+    "ForeignCheckpointError",
     "LocationTakenError",
     "ManifestError",
     "NewerFormatError",
@@ -66,3 +67,8 @@ class DamagedCheckpointsError(CheckpointError):
         super().__init__(message)
         self.found = found
         """Each damaged folder and why, for callers that word their own message."""
+
+
+class ForeignCheckpointError(CheckpointError):
+    """The checkpoint holds another model (other shapes or parameters): a restart would
+    meet it again (exit 2)."""

@@ -26,9 +26,20 @@ from torch.distributed.checkpoint import CheckpointException
 
 from rlft.trainer.checkpoint import rng
 from rlft.trainer.checkpoint.catalog import Catalog, Scan
-from rlft.trainer.checkpoint.errors import BucketMissingError, CredentialsError, StorageError
+from rlft.trainer.checkpoint.errors import (
+    BucketMissingError,
+    CredentialsError,
+    ForeignCheckpointError,
+    StorageError,
+)
 from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, problems_with
-from rlft.trainer.checkpoint.ranged import BlockReader, Blocks, damage_in, storage_failure
+from rlft.trainer.checkpoint.ranged import (
+    BlockReader,
+    Blocks,
+    damage_in,
+    foreign_in,
+    storage_failure,
+)
 from rlft.trainer.checkpoint.saver import RANKS
 from rlft.trainer.checkpoint.state import Modules, apply_tensor_state, tensor_state
 from rlft.trainer.storage.backends import FileStorage, Storage, sha256_file
@@ -147,6 +158,12 @@ class LocalCopy:
         except CheckpointException as error:  # each rank's failures, on every rank
             if damage := damage_in(error):
                 return damage
+            if foreign := foreign_in(error):
+                raise ForeignCheckpointError(
+                    f"{self.storage.uri}/{self.path.name} holds another model's checkpoint "
+                    f"({foreign}): give this job its own checkpoint location (or --out), or "
+                    "start afresh over it with --overwrite"
+                ) from None
             raise storage_failure(error) or error from None
         return []
 

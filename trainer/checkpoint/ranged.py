@@ -126,3 +126,16 @@ def damage_in(error: CheckpointException) -> list[str]:
     """The damaged pieces a failed load found, on any rank (empty: another failure)."""
     found = (str(f) for _, (f, _) in sorted(error.failures.items()) if isinstance(f, BlockDamaged))
     return list(dict.fromkeys(found))
+
+
+_FOREIGN = ("Size mismatch", "Missing key in checkpoint")
+"""What DCP says when the checkpoint's tensors are not the model's."""
+
+
+def foreign_in(error: CheckpointException) -> str | None:
+    """DCP's first word that the checkpoint holds another model, if it said one."""
+    for _, (failure, _) in sorted(error.failures.items()):
+        text = str(failure).strip()
+        if any(sign in text for sign in _FOREIGN):
+            return text.splitlines()[0][:300]
+    return None

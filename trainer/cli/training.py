@@ -28,7 +28,11 @@ def _job(path: str) -> RLFineTune | None:
 def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     # Imported here so that `rlft validate` works without the trainer's heavy extras.
     from rlft.trainer.checkpoint import BadUriError, CheckpointError, NoCheckpointError
-    from rlft.trainer.checkpoint.errors import LocationTakenError, NewerFormatError
+    from rlft.trainer.checkpoint.errors import (
+        ForeignCheckpointError,
+        LocationTakenError,
+        NewerFormatError,
+    )
     from rlft.trainer.data.jsonl import DataFileError
     from rlft.trainer.data.rewards import RewardError
     from rlft.trainer.model.build import ModelLoadError
@@ -56,6 +60,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         NoCheckpointError,
         NewerFormatError,  # upgrade rlft: a restart would refuse it again
         LocationTakenError,
+        ForeignCheckpointError,  # another model's: a restart would meet it again
         BadUriError,
     ) as error:
         return _failed(ExitCode.INVALID_CONFIG, error, rank)
