@@ -242,6 +242,22 @@ def test_a_reward_that_raises_is_named(user_module) -> None:
     assert "'abc'" in message
 
 
+def test_a_reward_whose_call_out_fails_is_retryable_and_a_wrong_one_is_not(user_module) -> None:
+    """A judge over the network timing out hours into a run was a permanent failure
+    (exit 2, never restarted); a reward that is wrong stays one."""
+    name = user_module(
+        "def judge(completion, answer):\n"
+        "    raise ConnectionError('judge.example.com:443 timed out')\n"
+    )
+    with pytest.raises(RewardError) as caught:
+        RewardModel(spec((f"{name}:judge", 1.0))).score(["1"], ["1"])
+    assert caught.value.retryable and "ConnectionError" in str(caught.value)
+    wrong = user_module("def strict(completion, answer):\n    return float(completion)\n")
+    with pytest.raises(RewardError) as caught:
+        RewardModel(spec((f"{wrong}:strict", 1.0))).score(["abc"], ["1"])
+    assert not caught.value.retryable
+
+
 def test_numpy_numbers_are_rewards(user_module) -> None:
     """np.float32 is no float: a reward returning one was refused as not a number."""
     name = user_module(
@@ -259,3 +275,25 @@ def test_a_module_that_fails_to_import_is_named(user_module) -> None:
         load_reward(f"{name}:broken")
     assert f"importing module {name!r} for reward" in str(caught.value)
     assert "NameError" in str(caught.value)
+
+
+@pytest.mark.parametrize(("retryable", "code"), [(True, 1), (False, 2)])
+def test_rlft_train_exits_1_for_a_reward_call_that_failed_and_2_for_a_wrong_reward(
+    tmp_path, monkeypatch, retryable, code
+) -> None:
+    """The exit code is the operator's failure policy: 1 is restarted within the budget,
+    2 fails the job for good."""
+    from pathlib import Path
+
+    import yaml
+
+    import rlft.trainer.run.job as job_module
+    from rlft.trainer.cli.main import main
+
+    def raising(*args, **kwargs):
+        raise RewardError("reward 'mine:judge' raised ConnectionError: timed out", retryable)
+
+    monkeypatch.setattr(job_module, "run_job", raising)
+    job = Path(__file__).parents[2] / "examples" / "tiny-grpo.yaml"
+    assert yaml.safe_load(job.read_text())["kind"] == "RLFineTune"
+    assert main(["train", str(job), "--out", str(tmp_path / "out")]) == code

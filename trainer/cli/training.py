@@ -63,6 +63,10 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         ForeignCheckpointError,  # another model's: a restart would meet it again
         BadUriError,
     ) as error:
+        if isinstance(error, RewardError) and error.retryable:
+            # A reward's own call out (a judge over the network) failed: a retry may
+            # succeed, where a reward that is wrong would fail the same way again.
+            return _failed(ExitCode.FAILURE, error, rank)
         return _failed(ExitCode.INVALID_CONFIG, error, rank)
     except (CheckpointError, StorageError, TelemetryServeError) as error:  # worth retrying
         return _failed(ExitCode.FAILURE, error, rank)

@@ -21,7 +21,13 @@ _NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
 
 
 class RewardError(Exception):
-    """A reward function that cannot be loaded or returned something unusable."""
+    """A reward function that cannot be loaded, raised, or returned something unusable.
+    `retryable`: it raised an OSError (a judge it calls over the network timed out, a
+    connection dropped), which a restart may not meet again; anything else it would."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 def normalise_answer(text: str) -> str:
@@ -98,7 +104,8 @@ class RewardModel:
                     # generation failed") did not say which of the job's terms failed.
                     raise RewardError(
                         f"reward {name!r} raised {type(error).__name__}: {error} for "
-                        f"completion {completion[:200]!r}"
+                        f"completion {completion[:200]!r}",
+                        retryable=isinstance(error, OSError),
                     ) from error
                 # numbers.Real: numpy's scalars too (np.float32 is no float)
                 if not isinstance(value, numbers.Real) or not math.isfinite(value):
