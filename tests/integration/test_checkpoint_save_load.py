@@ -377,6 +377,13 @@ def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> Non
     _save(ckpt, model, optimizer, 5)
     assert rlft(["checkpoints", "verify", uri, "--step", "5", *flags]) == 0
     assert capsys.readouterr().out.splitlines() == ["step-000005: ok"]
+    # A step folder named is that step, as export takes it (it checked the folder as a
+    # location: "no committed checkpoints", exit 0, for a damaged step).
+    assert rlft(["checkpoints", "verify", f"{uri}/step-000003", *flags]) == 1
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("step-000003: DAMAGED: extra.json: checksum mismatch")
+    assert rlft(["checkpoints", "verify", f"{uri}/step-000005/", *flags]) == 0
+    assert capsys.readouterr().out.splitlines() == ["step-000005: ok"]
 
 
 def test_an_export_keeps_the_generation_config_and_is_readable(tmp_path: Path, capsys) -> None:

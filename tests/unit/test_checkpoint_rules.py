@@ -13,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlft.trainer.checkpoint.errors import BadUriError, ManifestError, StorageError, redact
-from rlft.trainer.checkpoint.export import split_location
 from rlft.trainer.checkpoint.manifest import (
     FileEntry,
     Manifest,
@@ -23,6 +22,7 @@ from rlft.trainer.checkpoint.manifest import (
     problems_with,
     resume_order,
     retention_plan,
+    split_location,
     step_dir,
 )
 from rlft.trainer.checkpoint.schedule import SavePolicy

@@ -25,3 +25,16 @@ def test_only_results_count_as_a_run(tmp_path: Path) -> None:
     assert existing_run_files(tmp_path) == []
     (tmp_path / "checkpoints" / "step-000002").mkdir()
     assert existing_run_files(tmp_path) == ["checkpoints", "job.yaml"]
+
+
+def test_verifying_a_run_folder_instead_of_its_checkpoints_fails(tmp_path: Path, capsys) -> None:
+    """`rlft checkpoints verify RUN` (not RUN/checkpoints) found "no committed
+    checkpoints" and exited 0: a CI gate on it checked nothing."""
+    from rlft.trainer.cli.main import main
+
+    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    assert main(["checkpoints", "verify", str(tmp_path)]) == 1
+    assert f"verify {tmp_path}/checkpoints" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["checkpoints", "verify", str(empty)]) == 0  # an empty location is no damage

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import BadUriError, CheckpointError, StorageError
-from rlft.trainer.checkpoint.manifest import step_dir
+from rlft.trainer.checkpoint.manifest import split_location, step_dir
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.storage.backends import FileStorage, S3Options, open_storage
 
@@ -84,12 +84,18 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check every committed checkpoint's files against its manifest (sizes and
     SHA-256), or only `--step`'s; exit 1 if any checked is damaged or missing."""
+    base, named = split_location(args.uri)  # `…/step-000120` is that step, as for export
+    if isinstance(named, int) and args.step not in (None, named):
+        print(f"rlft: {args.uri} names step {named}, --step {args.step}: give one", file=sys.stderr)
+        return ExitCode.INVALID_CONFIG
+    step = named if isinstance(named, int) else args.step
     try:
-        catalog = Catalog(_readable(args.uri, args))
+        storage = _readable(base, args)
+        catalog = Catalog(storage)
         scan = catalog.scan()
         damaged = 0
         wanted = set(scan.manifests) | set(scan.unreadable)
-        steps = sorted(wanted) if args.step is None else [args.step]
+        steps = sorted(wanted) if step is None else [step]
         for step in steps:
             if step in scan.unreadable:
                 # A newer rlft's checkpoint cannot be checked here; it is not damage.
@@ -115,6 +121,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return ExitCode.FAILURE
     if not steps:
         print(f"{args.uri}: no committed checkpoints")
+        if isinstance(storage, FileStorage) and (storage.root / "checkpoints").is_dir():
+            # a run's output folder: a CI gate on it passed without checking anything
+            print(
+                f"rlft: {args.uri} is a run folder: verify {args.uri}/checkpoints", file=sys.stderr
+            )
+            return ExitCode.FAILURE
     return ExitCode.FAILURE if damaged else ExitCode.OK
 
 

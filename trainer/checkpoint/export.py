@@ -11,14 +11,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import CheckpointError
 from rlft.trainer.checkpoint.loader import LocalCopy
-from rlft.trainer.checkpoint.manifest import HF_DIR, OUTPUTS, Manifest, Which, parse_step_dir
+from rlft.trainer.checkpoint.manifest import HF_DIR, OUTPUTS, Manifest, Which, split_location
 from rlft.trainer.checkpoint.state import apply_tensor_state, tensor_state
 from rlft.trainer.storage.backends import S3Options, Storage, open_storage
 
@@ -38,18 +37,6 @@ def hf_files_of(model: torch.nn.Module, tokenizer=None) -> dict[str, bytes]:
             for path in sorted(Path(folder).rglob("*"))
             if path.is_file()
         }
-
-
-def split_location(location: str) -> tuple[str, Which]:
-    """`…/step-000120` names one checkpoint; anything else is a location (→ auto)."""
-    parsed = urlparse(location) if "://" in location else None
-    path = parsed.path if parsed else location
-    head, _, tail = path.rstrip("/").rpartition("/")
-    step = parse_step_dir(tail)
-    if step is None:
-        return location, "auto"
-    base = parsed._replace(path=head).geturl() if parsed else (head or ".")
-    return base, step
 
 
 def export_hf(

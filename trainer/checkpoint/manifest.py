@@ -22,6 +22,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlparse
 
 from rlft.trainer.checkpoint.errors import ManifestError, NewerFormatError
 
@@ -198,6 +199,18 @@ def problems_with(manifest: Manifest, found: dict[str, tuple[int, str | None]]) 
 
 Which = str | int
 """`auto`, `latest-healthy`, or a step number."""
+
+
+def split_location(location: str) -> tuple[str, Which]:
+    """`…/step-000120` names one checkpoint; anything else is a location (→ auto)."""
+    parsed = urlparse(location) if "://" in location else None
+    path = parsed.path if parsed else location
+    head, _, tail = path.rstrip("/").rpartition("/")
+    step = parse_step_dir(tail)
+    if step is None:
+        return location, "auto"
+    base = parsed._replace(path=head).geturl() if parsed else (head or ".")
+    return base, step
 
 
 def parse_which(text: str | int) -> Which:
