@@ -408,10 +408,18 @@ def test_an_export_keeps_the_generation_config_and_is_readable(tmp_path: Path, c
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask
     capsys.readouterr()
-    missing = tmp_path / "no-such-folder" / "hf"
-    assert rlft(["export", f"file://{tmp_path}/ckpts", str(missing)]) == 1
-    assert f"{missing.parent} is not a folder: create it first" in capsys.readouterr().err
-    assert not missing.parent.exists()
+    # The README's `rlft export … out/hf` in a fresh folder: the parents are made...
+    nested = tmp_path / "new" / "out" / "hf"
+    assert rlft(["export", f"file://{tmp_path}/ckpts", str(nested)]) == 0
+    assert (nested / "config.json").is_file()
+    # ...and go again when the export fails (nothing left behind)
+    (tmp_path / "empty").mkdir()
+    failed = tmp_path / "made" / "for" / "hf"
+    assert rlft(["export", f"file://{tmp_path}/empty", str(failed)]) == 1
+    assert not (tmp_path / "made").exists()
+    (tmp_path / "afile").write_text("mine")
+    assert rlft(["export", f"file://{tmp_path}/ckpts", str(tmp_path / "afile" / "hf")]) == 1
+    assert f"cannot make {tmp_path / 'afile'}" in capsys.readouterr().err
 
 
 def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket) -> None:

@@ -5,6 +5,7 @@ model's config and tokenizer files under `hf/` in every checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -131,9 +132,15 @@ def _into_new_folder(out_dir: Path, fill: Callable[[Path], None]) -> None:
     failure leaves nothing behind, and an existing non-empty `out_dir` is refused."""
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not empty: choose a new folder")
-    if not out_dir.parent.is_dir():  # found before the download, not by the rename after it
-        raise CheckpointError(f"{out_dir.parent} is not a folder: create it first")
+    # Made before the download, so a parent that cannot be is found then, not by the
+    # rename after it; the folders made here go again if the export fails.
+    made = [p for p in reversed(out_dir.parents) if not p.exists()]
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot make {out_dir.parent} ({error.strerror})") from None
     work = Path(tempfile.mkdtemp(prefix=".rlft-export-", dir=out_dir.parent))
+    exported = False
     try:
         fill(work)
         # mkdtemp's folder is the owner's alone (0700): a model server of another user
@@ -144,8 +151,12 @@ def _into_new_folder(out_dir: Path, fill: Callable[[Path], None]) -> None:
         if out_dir.exists():
             out_dir.rmdir()
         work.rename(out_dir)
+        exported = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for folder in [] if exported else reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _hf_problems(manifest: Manifest) -> list[str]:

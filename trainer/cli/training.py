@@ -270,8 +270,8 @@ def add_training_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--resume",
         type=_which,
-        help="auto (default: continue from the newest checkpoint if any), latest-healthy, "
-        "never, or a step number",
+        help="auto (continue from the newest checkpoint if any), latest-healthy, never, or "
+        "a step number (default: the job's spec.checkpoint.resume, itself auto by default)",
     )
     train.set_defaults(handler=cmd_train)
 
