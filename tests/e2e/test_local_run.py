@@ -144,6 +144,11 @@ def test_max_steps_caps_the_run_and_existing_output_is_kept(tmp_path: Path, caps
     assert "resumed from the checkpoint of step 3" in capsys.readouterr().out
     assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == before
     assert json.loads((out / "summary.json").read_text())["last_checkpoint_step"] == 3
+    # ...and a cap below the step resumed trains nothing and says the step it is at
+    # (summary.json said the cap: 2 steps of a model at step 3)
+    assert main(["train", str(job), "--out", str(out), "--max-steps", "2"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["policy_version"] == 3
     # ...and --overwrite replaces it.
     assert main(["train", str(job), "--out", str(out), "--max-steps", "1", "--overwrite"]) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1

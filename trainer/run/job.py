@@ -234,7 +234,8 @@ def _finish(
         "job": run.job.metadata.name,
         "algorithm": spec.algorithm.name,
         "world_size": run.dist.world,
-        "steps": steps,
+        # The step reached: a resume past --max-steps trains none, and said the cap.
+        "steps": max(steps, cursor.step),
         "sft_steps": cursor.sft_steps,
         "policy_version": cursor.policy_version,
         "eval_problems": len(parts.task.eval_problems()[: spec.eval.max_problems]),
