@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 
 from rlft.trainer.exit_codes import ExitCode
@@ -62,27 +63,51 @@ class Verdict:
     checkpoint_uri: str | None = None
 
 
+STARTED = time.time()
+"""When this process began (the module is imported at a worker's start)."""
+GENERATION_GAP_S = 5.0
+"""A line whose writer started this much before this process is another generation's."""
+
+
 def write(verdict: Verdict, environ: dict[str, str] | None = None) -> None:
     """Record `verdict` as this rank's line, replacing an earlier one of the same rank
     (an in-pod restart); other ranks' lines are kept. Best effort: never raises."""
-    _replace(verdict.rank, encode(verdict), environ)
+    line = {**_parse_lines(encode(verdict))[0], "started": round(STARTED, 3)}
+    _edit(lambda lines: [v for v in lines if v.get("rank") != verdict.rank] + [line], environ)
 
 
 def clear(rank: int, environ: dict[str, str] | None = None) -> None:
     """Remove this rank's line (a stall it recovered from); best effort, never raises."""
-    _replace(rank, "", environ)
+    _edit(lambda lines: [v for v in lines if v.get("rank") != rank], environ)
 
 
-def _replace(rank: int, line: str, environ: dict[str, str] | None) -> None:
+def forget_earlier_generations(environ: dict[str, str] | None = None) -> None:
+    """At a worker's start, drop the lines of workers that started well before it: the
+    pod's earlier generation, before torchrun restarted its workers in place (an elastic
+    membership change). Kept, their `stopped` lines were read as the verdict of this
+    generation's workers when these died without a word, and the gang never restarted."""
+    oldest = STARTED - GENERATION_GAP_S
+    _edit(lambda lines: [v for v in lines if _float(v.get("started")) >= oldest], environ)
+
+
+def _float(value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _edit(change, environ: dict[str, str] | None) -> None:
     path = (os.environ if environ is None else environ).get(ENV)
     if not path:
         return
     with contextlib.suppress(OSError), open(path, "a+") as file:
         fcntl.flock(file, fcntl.LOCK_EX)
         file.seek(0)
-        kept = [v for v in _parse_lines(file.read()) if v.get("rank") != rank]
-        if line:
-            kept += _parse_lines(line)
+        before = _parse_lines(file.read())
+        kept = change(before)
+        if kept == before:
+            return
         file.seek(0)
         file.truncate()
         file.write(_fitted(kept))

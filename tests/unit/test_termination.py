@@ -24,6 +24,45 @@ def test_each_rank_keeps_one_line_and_the_most_telling_verdict_wins(tmp_path):
     assert verdict.exit_code == ExitCode.INVALID_CONFIG and verdict.message == "spec.data: bad"
 
 
+def test_a_worker_restarted_in_place_forgets_its_pods_earlier_generation(tmp_path, monkeypatch):
+    """An elastic membership change: every worker wrote a `stopped` line (its emergency
+    checkpoint) and torchrun started new ones in the same pod. When those died without
+    a word (an NCCL abort), the old lines were read as their verdict (stopped: no
+    failure) and the gang was never restarted."""
+    env = {termination.ENV: str(tmp_path / "termination-log")}
+    monkeypatch.setattr(termination, "STARTED", 1000.0)
+    for rank in (0, 1):
+        termination.write(Verdict(ExitCode.OK, "stopped", rank=rank, stopped=True), env)
+    monkeypatch.setattr(termination, "STARTED", 1000.0 + 120)  # the next generation
+    termination.forget_earlier_generations(env)
+    assert termination.read((tmp_path / "termination-log").read_text()) is None
+    # a worker of this generation that wrote already (it failed fast) is kept
+    termination.write(Verdict(ExitCode.INVALID_CONFIG, "spec.data: bad", rank=1), env)
+    monkeypatch.setattr(termination, "STARTED", 1000.0 + 121)
+    termination.forget_earlier_generations(env)
+    verdict = termination.read((tmp_path / "termination-log").read_text())
+    assert verdict is not None and verdict.exit_code == ExitCode.INVALID_CONFIG
+
+
+def test_the_process_group_waits_past_what_rank_0_may_do_alone():
+    """The other ranks wait in a collective while rank 0 reaches the rollout pods or
+    publishes the outputs through a store outage: the 600 s timeout ended a finished job
+    as a failure (its final publication cut) and restarted it, again and again."""
+    from pathlib import Path
+
+    from rlft.trainer.cli.training import collective_timeout_s
+    from rlft.trainer.config import load_job
+    from rlft.trainer.rollout.session import pods_start_within
+
+    examples = Path(__file__).parents[2] / "examples"
+    for path in sorted(examples.glob("*.yaml")):
+        job = load_job(path)
+        timeout = collective_timeout_s(job)
+        assert timeout > pods_start_within(job), path.name
+        assert timeout > job.spec.checkpoint.upload_retry_minutes * 60, path.name
+        assert timeout > job.spec.trainer.stall_timeout_seconds, path.name
+
+
 def test_log_text_and_damaged_lines_are_no_verdict():
     assert termination.read("Traceback...\nRuntimeError: boom\n") is None
     assert termination.read('{"rlftVerdict": 1, "exit_code": "x"}\n{"rlftVerdict": 1') is None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -199,6 +200,7 @@ def launched_by_torchrun(environ: dict[str, str] | None = None) -> bool:
 def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     from rlft.trainer.telemetry import liveness_server
 
+    termination.forget_earlier_generations()  # a worker restarted in place starts clean
     # First, before torch is even imported: the pod's probes ask from the moment its
     # worker runs, and a worker restarted in place must answer again within seconds.
     try:
@@ -207,7 +209,7 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         return _failed(ExitCode.FAILURE, error, int(os.environ["RANK"]))
     from rlft.trainer.distributed.runtime import exit_worker, init_from_env, shutdown
 
-    dist = init_from_env()
+    dist = init_from_env(collective_timeout_s(job))
     liveness.beat("joined the process group")
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
     try:
@@ -221,8 +223,27 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         verdict = termination.Verdict(ExitCode.FAILURE, message, dist.rank)
         termination.write(liveness.current().marked(verdict))
         exit_worker(ExitCode.FAILURE)
-    shutdown()
+    # The verdict is written: a peer gone from the goodbye barrier changes nothing of it
+    # (its error escaped here, and the agent stopped rank 0 mid-publication).
+    with contextlib.suppress(Exception):
+        shutdown()
     exit_worker(code)
+
+
+def collective_timeout_s(job: RLFineTune) -> float:
+    """The process group's timeout: past every phase in which the other ranks wait in a
+    collective for rank 0's own work (reaching the rollout pods, publishing the outputs
+    through a store outage, a stalled rank's own timeout), so that liveness judges those
+    waits rather than a timeout that ended a finished job as a failure."""
+    from rlft.trainer.rollout.session import pods_start_within
+
+    spec = job.spec
+    longest = max(
+        pods_start_within(job),
+        spec.checkpoint.upload_retry_minutes * 60,
+        spec.trainer.stall_timeout_seconds,
+    )
+    return max(600.0, longest + 300.0)
 
 
 def _which(value: str) -> str | int:
