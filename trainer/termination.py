@@ -122,9 +122,26 @@ def _fitted(lines: list[dict]) -> str:
             json.dumps({**v, "message": str(v.get("message") or "")[:limit]}, sort_keys=True) + "\n"
             for v in lines
         )
-        if len(text.encode()) <= MAX_BYTES or limit == 0:
+        if len(text.encode()) <= MAX_BYTES:
             return text
+        if limit == 0:
+            if len(lines) == 1:
+                return text
+            # Many ranks in one pod (16 and a long checkpoint URI pass 4096 bytes): the
+            # kubelet kept the tail, cutting the telling line. The least telling goes.
+            lines = sorted(lines, key=_telling)[:-1]
+            continue
         limit = max(0, min(limit - 16, limit * 3 // 4))
+
+
+def _telling(fields: dict) -> tuple:
+    """Sort key of a line: the verdict `read` picks sorts first."""
+    code = fields.get("exit_code")
+    return (
+        _SEVERITY.get(code, 2),  # type: ignore[call-overload]
+        not fields.get("completed"),
+        not fields.get("stalled"),
+    )
 
 
 def encode(verdict: Verdict) -> str:
@@ -159,9 +176,7 @@ def read(message: str) -> Verdict | None:
         return None
     # Among equally severe lines a stalled rank's is the cause: its peers' errors (a
     # collective broken when it was killed) follow from it.
-    return min(
-        verdicts, key=lambda v: (_SEVERITY.get(v.exit_code, 2), not v.completed, not v.stalled)
-    )
+    return min(verdicts, key=lambda v: _telling(asdict(v)))
 
 
 def _parse_lines(text: str) -> list[dict]:

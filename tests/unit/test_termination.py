@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -115,3 +116,19 @@ def test_nproc_runs_exit_as_their_ranks_did(agent, verdict, code):
     from rlft.trainer.cli.training import ranks_exit_code
 
     assert ranks_exit_code(agent, verdict) == code
+
+
+def test_sixteen_ranks_in_a_pod_still_fit_and_keep_the_telling_line(tmp_path):
+    """16 ranks with a long checkpoint URI wrote more than 4096 bytes even with every
+    message emptied; the kubelet kept the tail and cut the stalled rank's line, which
+    made a Stalled failure an Error."""
+    env = {termination.ENV: str(tmp_path / "termination-log")}
+    uri = "s3://a-rather-long-bucket-name-for-checkpoints/team/project/runs/qwen3-moe"
+    termination.write(Verdict(ExitCode.FAILURE, "stalled in all_reduce", rank=2, stalled=True), env)
+    for rank in (r for r in range(16) if r != 2):
+        stopped = Verdict(ExitCode.OK, "x" * 300, rank=rank, stopped=True, step=41)
+        termination.write(dataclasses.replace(stopped, last_checkpoint=40, checkpoint_uri=uri), env)
+    text = (tmp_path / "termination-log").read_text()
+    assert len(text.encode()) <= termination.MAX_BYTES
+    verdict = termination.read(text)
+    assert verdict is not None and verdict.stalled and verdict.rank == 2
