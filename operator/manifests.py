@@ -145,7 +145,8 @@ def torchrun_command(
         # membership changes (a node back) still restart the workers in place.
         "--max-restarts=0",
         # SIGTERM reaches the workers through the agent, which SIGKILLs them after this
-        # (30 s by default): the emergency checkpoint gets the job's whole grace.
+        # (30 s by default): the emergency checkpoint gets the job's whole grace. Not on
+        # an elastic membership change: the agent stops its workers with its own 30 s.
         f"--shutdown-timeout={trainer_grace_seconds(job)}",
         "--no-python",
         "rlft",
