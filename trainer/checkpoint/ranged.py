@@ -37,15 +37,12 @@ class Blocks:
     them, into `folder` (each file pre-sized, holes where nothing was fetched)."""
 
     def __init__(self, storage: Storage, manifest: Manifest, folder: Path, retry_s: float):
-        self.storage, self.manifest, self.folder, self.retry_s = (
-            storage,
-            manifest,
-            folder,
-            retry_s,
-        )
+        self.storage = storage
+        self.manifest = manifest
+        self.folder = folder
+        self.retry_s = retry_s
         self.entries = {e.path: e for e in manifest.files if e.blocks}
         self.fetched: set[tuple[str, int]] = set()
-        self.fetched_bytes = 0
 
     def prepare(self) -> None:
         """Each file at its full size, all holes (the file system stores none of it)."""
@@ -95,7 +92,6 @@ class Blocks:
         finally:
             os.close(fd)
         self.fetched.add((entry.path, index))
-        self.fetched_bytes += length
 
 
 class BlockReader(FileSystemReader):
