@@ -152,6 +152,35 @@ def test_a_wait_that_broke_is_no_progress_and_a_finished_rank_is_not_judged(log)
     assert live.check().alive and not live.stalled
 
 
+def test_a_stall_declared_as_the_rank_finishes_does_not_overwrite_its_verdict(log, monkeypatch):
+    """The watch found the rank idle and was writing its stalled verdict when the main
+    thread wrote the final one and ended: the stall landed last, and a completed job read
+    as a failure. Judging now ends first, waiting for a stall under way, and the final
+    verdict, written after, carries it."""
+    clock = Clock()
+    live = Liveness(20, rank=0, clock=clock, environ=log)
+    live.begin()
+    clock.now += 100  # idle past its timeout
+    real_write, in_write = termination.write, threading.Event()
+
+    def slow_write(verdict, environ=None):
+        in_write.set()
+        time.sleep(0.3)  # the main thread finishes meanwhile
+        real_write(verdict, environ)
+
+    monkeypatch.setattr(termination, "write", slow_write)
+    watch = threading.Thread(target=live.check)
+    watch.start()
+    assert in_write.wait(5)
+    monkeypatch.setattr(termination, "write", real_write)
+    live.end()  # as `rlft train` does: end, then the final verdict
+    final = termination.Verdict(0, "", rank=0, completed=True, step=9)
+    termination.write(live.marked(final), log)
+    watch.join(5)
+    verdict = termination.read(Path(log[termination.ENV]).read_text())
+    assert verdict is not None and verdict.completed and verdict.step == 9
+
+
 def test_off_means_always_live(log):
     clock = Clock()
     live = Liveness(0, clock=clock, environ=log)

@@ -73,8 +73,10 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         return _failed(ExitCode.FAILURE, error, rank)
     code = summary.get("exit_code", ExitCode.OK)
     verdict = _verdict(job, summary, code, rank)
+    # Judging ends first: a stall declared between the final write and the end wrote
+    # over the verdict (now it is declared before, and the final verdict says it).
+    liveness.current().end()
     termination.write(liveness.current().marked(verdict))
-    liveness.current().end()  # the verdict is final
     if verdict.stopped and code == ExitCode.OK and _other_agents():
         # After its workers exit 0, torchrun's agent waits (up to 300 s, deaf to SIGTERM
         # inside a store call) in an exit barrier for every other agent, and an agent
@@ -99,12 +101,16 @@ def _await_own_agent(seconds: float) -> None:
     failure, ending the gang instead of growing it. A peer preempted alone sends no
     SIGTERM here: after the wait this rank exits as before."""
     import signal
-    import threading
+    import time
 
-    arrived = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: arrived.set())
+    # A plain flag, polled: the handler runs on the main thread between bytecodes, and an
+    # Event's set() there could wait forever on the lock its own wait() holds.
+    arrived: list[bool] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: arrived.append(True))
     try:
-        arrived.wait(seconds)
+        deadline = time.monotonic() + seconds
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -120,9 +120,12 @@ class Liveness:
         self.beat("the loop began")
 
     def end(self) -> None:
-        """The rank wrote its final verdict: nothing is judged any more (a peer slow to
-        reach the last barrier must not turn a finished rank's verdict into a stall)."""
-        self._ended = True
+        """The rank is about to write its final verdict: nothing is judged any more (a
+        peer slow to reach the last barrier must not turn a finished rank's verdict into
+        a stall). Under the lock: a stall `check` is declaring completes first, so the
+        final verdict, written after, carries it (`marked`)."""
+        with self._lock:
+            self._ended = True
 
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:
