@@ -33,8 +33,7 @@ from rlft.operator import manifests as M
 from rlft.operator import names as N
 from rlft.operator import spec_changes as S
 from rlft.operator.decision import Decision, Observed
-from rlft.operator.observe import PodView
-from rlft.operator.responses import FailureResponses
+from rlft.operator.responses import FailureResponses, completed
 from rlft.operator.status import (
     TERMINAL_PHASES,
     CheckpointRef,
@@ -340,7 +339,7 @@ class _Run(FailureResponses):
         replicas = self.spec.trainer.replicas
         live = [p for p in self.pods.values() if p.name not in self.deleted and not p.deleting]
         trainers = [p for p in live if p.role == N.ROLE_TRAINER]
-        done = [p.verdict for p in trainers if p.phase == "Succeeded" and _completed(p)]
+        done = [p.verdict for p in trainers if p.phase == "Succeeded" and completed(p)]
         if done:
             self.mirror_verdict(done[0])
             st.phase = "Succeeded"
@@ -518,8 +517,3 @@ def _nnodes(pod: dict[str, Any]) -> str | None:
         if arg.startswith("--nnodes="):
             return arg.removeprefix("--nnodes=")
     return None
-
-
-def _completed(pod: PodView) -> bool:
-    """Only rank 0's verdict says the job is complete; another rank exiting 0 is not."""
-    return pod.verdict is not None and pod.verdict.completed and pod.verdict.exit_code == 0

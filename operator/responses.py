@@ -25,6 +25,16 @@ def gang_uid(gang_entry: str) -> str:
     return gang_entry.rpartition("/")[2]
 
 
+def completed(pod: PodView) -> bool:
+    """Only rank 0's verdict says the job is complete; another rank exiting 0 is not."""
+    return pod.verdict is not None and pod.verdict.completed and pod.verdict.exit_code == 0
+
+
+def paused(pod: PodView) -> bool:
+    """The trainer's guard paused the run after a collapse (exit 0, collapsed)."""
+    return pod.verdict is not None and pod.verdict.collapsed and pod.verdict.exit_code == 0
+
+
 class FailureResponses:
     """The failure rules of one reconcile; `_Run` provides the state below."""
 
@@ -98,9 +108,9 @@ class FailureResponses:
         """A trainer of this gang (not judged yet, not being deleted) exited 0 saying the
         run is complete, or that its guard paused it after a collapse."""
         return any(
-            p.role == N.ROLE_TRAINER and p.phase == "Succeeded" and p.verdict is not None
+            p.role == N.ROLE_TRAINER and p.phase == "Succeeded"
             and p.uid not in self.handled and not p.deleting
-            and p.verdict.exit_code == 0 and (p.verdict.completed or p.verdict.collapsed)
+            and (completed(p) or paused(p))
             for p in self.pods.values()
         )  # fmt: skip
 
@@ -324,14 +334,14 @@ class FailureResponses:
         follow the status write did not land (the operator died between the two, or the
         patch failed). Ask again; True when so (nothing else is done this round, or the
         paused run would be restarted)."""
-        paused = [
-            p for p in self.pods.values()
-            if p.role == N.ROLE_TRAINER and p.uid in self.handled and p.phase == "Succeeded"
-            and not p.deleting and p.verdict is not None and p.verdict.collapsed
-        ]  # fmt: skip
-        if paused:
+        asked = any(
+            p.role == N.ROLE_TRAINER and p.uid in self.handled and p.phase == "Succeeded"
+            and not p.deleting and paused(p)
+            for p in self.pods.values()
+        )  # fmt: skip
+        if asked:
             self.d.set_suspend = True
-        return bool(paused)
+        return asked
 
     def stopped_early(self, exited: list[PodView]) -> None:
         """Every trainer exited 0 but rank 0 did not report completion (they stopped
@@ -341,12 +351,12 @@ class FailureResponses:
             return
         self.handled.update(p.uid for p in fresh)
         first = fresh[0]
-        paused = next((p for p in fresh if p.verdict is not None and p.verdict.collapsed), None)
-        if paused is not None:  # the trainer's guard paused the run: the job is suspended
-            message = f"the trainer paused after a collapse: {paused.verdict.message}"
+        pause = next((p for p in fresh if paused(p)), None)
+        if pause is not None:  # the trainer's guard paused the run: the job is suspended
+            message = f"the trainer paused after a collapse: {pause.verdict.message}"
             self.d.set_suspend = True
             self.record(
-                P.Failure(P.COLLAPSED, paused.name, paused.uid, N.ROLE_TRAINER, 0, message),
+                P.Failure(P.COLLAPSED, pause.name, pause.uid, N.ROLE_TRAINER, 0, message),
                 "suspend the job",
             )
             self.event("Warning", "Collapsed", f"{message}; suspending the job")

@@ -184,9 +184,9 @@ def read_status(raw: object) -> tuple[RLFineTuneStatus, list[str]]:
             if key != "conditions" or not isinstance(value, list):
                 dropped.append(key)
                 continue
-            good = [c for c in value if _valid_condition(c)]
-            dropped += [f"conditions[{i}]" for i, c in enumerate(value) if c not in good]
-            kept[key] = good
+            valid = [_valid_condition(c) for c in value]
+            dropped += [f"conditions[{i}]" for i, ok in enumerate(valid) if not ok]
+            kept[key] = [c for c, ok in zip(value, valid, strict=True) if ok]
         else:
             kept[key] = value
     return RLFineTuneStatus.model_validate(kept), dropped

@@ -66,14 +66,15 @@ def existing_run_files(out: Path) -> list[str]:
     """What of a run `out` holds. Only results count: a run stopped in its warm start (or
     refused) leaves its job.yaml and an empty checkpoints/, and running the same command
     again must start it again, not refuse it."""
-    results = [n for n in RUN_FILES if n not in ("job.yaml", RUN_ID_FILE) and (out / n).exists()]
+    bookkeeping = ("job.yaml", RUN_ID_FILE)  # what a start writes before any result
+    results = [n for n in RUN_FILES if n not in bookkeeping and (out / n).exists()]
     checkpoints = out / "checkpoints"
     if checkpoints.is_dir() and any(
         not entry.name.startswith(TEMP_MARK) for entry in checkpoints.iterdir()
     ):  # a save's staging folder alone is no checkpoint
         results.append("checkpoints")
     if results:  # replaced with them
-        results += [n for n in ("job.yaml", RUN_ID_FILE) if (out / n).exists()]
+        results += [n for n in bookkeeping if (out / n).exists()]
     return results
 
 
