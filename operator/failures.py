@@ -8,7 +8,9 @@ Kinds (seen as → response):
 - NodeLost: phase Unknown, reason NodeLost/NodeShutdown, taint-manager deletion →
   recreate, with backoff.
 - RendezvousTimeout: a rendezvous / NCCL / gloo timeout in the termination message →
-  restart the whole trainer gang from the latest healthy checkpoint, with backoff.
+  restart the whole trainer gang from the latest healthy checkpoint, with backoff; while
+  another trainer of the gang still runs, first wait briefly for its verdict, which may
+  be the cause (responses.py, PEER_VERDICT_WAIT_SECONDS).
 - Stalled: a trainer's verdict says `stalled` (it made no progress for
   stallTimeoutSeconds, so its liveness probe failed and the kubelet killed it; a kubelet
   reports such a kill only as exit code 137 or 143, reason Error) → restart the whole

@@ -38,6 +38,8 @@ class PodView:
     """Exit code of the main container, once it terminated."""
     terminated_reason: str = ""
     """OOMKilled, Error, Completed, ContainerCannotRun, …"""
+    finished_at: str | None = None
+    """When the main container terminated (its node's clock, as its kubelet reports it)."""
     message: str = ""
     """Termination message (the end of the log with FallbackToLogsOnError): matched for
     known failures, never copied into the status."""
@@ -106,7 +108,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
         disruption = disruption_cond.get("reason") or "DisruptionTarget"
     ready_cond = _condition(pod, "Ready")
     ready = None if ready_cond is None else ready_cond.get("status") == "True"
-    exit_code, terminated_reason, message = None, "", ""
+    exit_code, terminated_reason, message, finished_at = None, "", "", None
     waiting_reason, waiting_message = "", ""
     for cs in status.get("containerStatuses") or []:
         if cs.get("name") != "main":
@@ -117,6 +119,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
             exit_code = term.get("exitCode")
             terminated_reason = term.get("reason") or ""
             message = term.get("message") or ""
+            finished_at = term.get("finishedAt")
         waiting = state.get("waiting")
         if waiting:
             waiting_reason = waiting.get("reason") or ""
@@ -136,6 +139,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
         pod_ip=status.get("podIP"),
         exit_code=exit_code,
         terminated_reason=terminated_reason,
+        finished_at=finished_at,
         message=message[-2000:],
         verdict=read_verdict(message),
         waiting_reason=waiting_reason,

@@ -78,6 +78,7 @@ class _Run(FailureResponses):
         self.deleted: set[str] = set()
         self.handled = set(self.st.handled_pods)
         self.group_restart = False
+        self.awaiting_verdicts: tuple[str, ...] = ()
         self.cannot_start = False
         self.generation: int | None = body["metadata"].get("generation")
         self.waiting: tuple[str, ...] = ()  # edits that must wait for a suspend
@@ -371,6 +372,12 @@ class _Run(FailureResponses):
             st.message = f"training with {running} trainer pods"
             st.waiting_since = None
             set_condition(st, "Progressing", "True", "Training", st.message, now)
+        elif self.awaiting_verdicts:
+            # Not a restart yet: the verdicts may fail the job instead (without_awaited_verdicts).
+            st.message = (
+                "a trainer pod lost its rendezvous; waiting for "
+                f"{', '.join(self.awaiting_verdicts)} to end before judging the gang"
+            )
         else:
             if st.phase == "Running":
                 st.phase = "Restarting"

@@ -18,6 +18,11 @@ RAY_ROLES = (N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
 """The pods of a rollout instance that spans nodes (nodesPerInstance > 1)."""
 STUCK_TERMINATING_SECONDS = 15.0
 """How long past its grace period a Terminating pod may stay before it is force-deleted."""
+PEER_VERDICT_WAIT_SECONDS = 15.0
+"""How long a trainer's lost rendezvous waits for the gang's other trainers to end: when
+one rank fails (a bad data file, exit 2), its agent closes the rendezvous and the other
+agents end with a rendezvous error, sometimes reported first. Judged alone, that error
+restarted the gang (counted) instead of failing the job with the rank's own verdict."""
 
 
 def gang_uid(gang_entry: str) -> str:
@@ -46,6 +51,8 @@ class FailureResponses:
     handled: set[str]
     deleted: set[str]
     group_restart: bool
+    awaiting_verdicts: tuple[str, ...]
+    """Running trainers whose verdicts a peer's lost rendezvous waits for."""
 
     def event(self, kind: str, reason: str, message: str) -> None:
         self.d.events.append(Event(kind, reason, message))
@@ -88,6 +95,7 @@ class FailureResponses:
             failure = P.classify(pod)
             if failure is not None:
                 failures.append(failure)
+        failures = self.without_awaited_verdicts(failures)
         if failures and self.run_ended_by_rank_0():
             # Rank 0 finished the job, or its guard paused it: a peer failing meanwhile
             # (in its teardown) is not a failure of the run; the phase follows rank 0.
@@ -103,6 +111,41 @@ class FailureResponses:
             self.respond(failure)
             if self.st.phase == "Failed" or self.d.set_suspend:
                 return
+
+    def without_awaited_verdicts(self, failures: list[P.Failure]) -> list[P.Failure]:
+        """The failures to judge now: a trainer's lost rendezvous waits (up to
+        PEER_VERDICT_WAIT_SECONDS from its end) while another trainer of its gang still
+        runs, for that one's verdict may be the cause, and is judged first when it comes."""
+        running = [
+            p.name for p in self.pods.values()
+            if p.role == N.ROLE_TRAINER and p.running and p.exit_code is None
+            and p.uid not in self.handled
+        ]  # fmt: skip
+        if not running or self.gang_unplaced():
+            return failures  # no peer left to end, or a gang that never met
+        if any(f.role == N.ROLE_TRAINER and f.kind != P.RENDEZVOUS for f in failures):
+            return failures  # a cause to judge already
+        waits = {
+            f.uid: left
+            for f in failures
+            if f.role == N.ROLE_TRAINER and f.kind == P.RENDEZVOUS
+            and (left := self.verdict_wait(f)) is not None
+        }  # fmt: skip
+        if not waits:
+            return failures
+        self.requeue(min(waits.values()))
+        self.awaiting_verdicts = tuple(sorted(running))
+        return [f for f in failures if f.uid not in waits]
+
+    def verdict_wait(self, failure: P.Failure) -> float | None:
+        """Seconds `failure` may still wait for its peers' verdicts; None to judge it now
+        (waited long enough, no end time, or a node clock too far ahead to trust)."""
+        pod = self.pods.get(failure.pod)
+        ended = parse_time(pod.finished_at) if pod is not None else None
+        if ended is None:
+            return None
+        left = PEER_VERDICT_WAIT_SECONDS - (self.now - ended).total_seconds()
+        return left if 0 < left <= 2 * PEER_VERDICT_WAIT_SECONDS else None
 
     def run_ended_by_rank_0(self) -> bool:
         """A trainer of this gang (not judged yet, not being deleted) exited 0 saying the

@@ -33,6 +33,7 @@ def raw_pod(
     pod_ip: str | None = None,
     verdict: termination.Verdict | None = None,
     ready: bool | None = None,
+    finished_at: str | None = None,
 ) -> dict[str, Any]:
     """`verdict`: what the container's process wrote to its termination message (the
     message is then that, as the kubelet reports it, not `message`)."""
@@ -67,7 +68,7 @@ def raw_pod(
             "exitCode": exit_code,
             "reason": terminated_reason or "Error",
             "message": message,
-        }
+        } | ({"finishedAt": finished_at} if finished_at else {})
     elif waiting:
         state["waiting"] = {"reason": waiting, "message": f"{waiting} for image"}
     elif phase == "Running":

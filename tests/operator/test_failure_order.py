@@ -21,11 +21,11 @@ CHILDREN = frozenset({"tiny-grpo-config", "tiny-grpo-trainer", "tiny-grpo-rollou
 GANG = ["tiny-grpo-trainer-0/a", "tiny-grpo-trainer-1/b"]
 
 
-def _reconcile(status: Status, pods: list, **spec):
+def _reconcile(status: Status, pods: list, now: datetime = T0, **spec):
     two = {"trainer": {"replicas": {"min": 2, "max": 2}}, "restartPolicy": {"maxRestarts": 3}}
     job, body = parsed(job_doc(**{**two, **spec}))
     observed = Observed(pods=pods, config_maps=CHILDREN, services=CHILDREN)
-    return reconcile(job, body, status, observed, T0)
+    return reconcile(job, body, status, observed, now)
 
 
 def _trainer(index: int, uid: str, **kwargs):
@@ -49,6 +49,46 @@ def test_a_permanent_error_decides_though_a_peers_broken_connection_sorts_first(
     assert d.status.phase == "Failed" and d.status.restarts == 0
     assert d.status.last_failure.pod == "tiny-grpo-trainer-1"
     assert d.status.last_failure.reason == "InvalidConfig"
+
+
+LOST = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
+ENDED = "2026-01-01T00:00:00Z"  # T0
+
+
+def test_a_peers_lost_rendezvous_waits_for_the_rank_whose_verdict_caused_it():
+    """rank 0 exits 2 (a data file not there) and its agent closes the rendezvous; the
+    kubelet reports trainer-1's agent, ended by that, first. Judged alone, its lost
+    rendezvous restarted the gang, counted, and a job that cannot run restarted; the CI
+    of `32fcc80` saw it twice in a row on the test cluster."""
+    status = Status(phase="Running", gang_pods=GANG, gang_replicas="2:2")
+    lost = _trainer(1, "b", phase="Failed", exit_code=1, message=LOST, finished_at=ENDED)
+    running = _trainer(0, "a", phase="Running", pod_ip="10.0.0.1")
+    d = _reconcile(status, [running, lost], now=T0 + timedelta(seconds=2))
+    assert d.delete_pods == [] and d.status.restarts == 0, d.status.message
+    assert d.status.phase == "Running" and "waiting for tiny-grpo-trainer-0" in d.status.message
+    assert d.requeue_after is not None and d.requeue_after <= 13.0
+    assert not any(e.reason == "Restarting" for e in d.events)
+    bad = Verdict(2, "/data/not-there.jsonl: cannot read", rank=0)
+    verdict = _trainer(0, "a", phase="Failed", exit_code=1, verdict=bad, finished_at=ENDED)
+    d = _reconcile(d.status, [verdict, lost], now=T0 + timedelta(seconds=4))
+    assert d.status.phase == "Failed" and d.status.restarts == 0
+    assert d.status.last_failure.reason == "InvalidConfig"
+    assert d.status.last_failure.pod == "tiny-grpo-trainer-0"
+
+
+def test_a_lost_rendezvous_restarts_the_gang_once_its_peers_had_time_to_end():
+    status = Status(phase="Running", gang_pods=GANG, gang_replicas="2:2")
+    lost = _trainer(1, "b", phase="Failed", exit_code=1, message=LOST, finished_at=ENDED)
+    running = _trainer(0, "a", phase="Running", pod_ip="10.0.0.1")
+    d = _reconcile(status, [running, lost], now=T0 + timedelta(seconds=16))
+    assert d.status.restarts == 1 and d.status.gang_attempt == 1
+    assert sorted(d.delete_pods) == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+    # A node clock an hour ahead: its end time is not trusted, the gang restarts now.
+    ahead = _trainer(
+        1, "b", phase="Failed", exit_code=1, message=LOST, finished_at="2026-01-01T01:00:00Z"
+    )
+    d = _reconcile(status, [running, ahead])
+    assert d.status.restarts == 1 and d.status.gang_attempt == 1
 
 
 def test_rank_0_finishing_is_not_undone_by_a_peer_failing_in_its_teardown():
