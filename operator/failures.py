@@ -15,7 +15,8 @@ Kinds (seen as → response):
   stallTimeoutSeconds, so its liveness probe failed and the kubelet killed it; a kubelet
   reports such a kill only as exit code 137 or 143, reason Error) → restart the whole
   trainer gang from the latest healthy checkpoint, with backoff.
-- Error: any other non-zero exit → recreate the pod, with backoff.
+- Error: any other non-zero exit → recreate the pod, with backoff (a trainer restarts
+  its gang, after the same brief wait for its peers' verdicts as RendezvousTimeout).
 - InvalidConfig: exit code 2 (trainer/exit_codes.py) → fail the job: permanent.
 - Collapsed: exit code 3 (the trainer's stability guard ended the run; it rolls back in
   process itself) → fail the job. A guard that paused the run and /status

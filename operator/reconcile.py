@@ -375,7 +375,7 @@ class _Run(FailureResponses):
         elif self.awaiting_verdicts:
             # Not a restart yet: the verdicts may fail the job instead (without_awaited_verdicts).
             st.message = (
-                "a trainer pod lost its rendezvous; waiting for "
+                "a trainer pod failed; waiting for "
                 f"{', '.join(self.awaiting_verdicts)} to end before judging the gang"
             )
         else:

@@ -19,10 +19,13 @@ RAY_ROLES = (N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
 STUCK_TERMINATING_SECONDS = 15.0
 """How long past its grace period a Terminating pod may stay before it is force-deleted."""
 PEER_VERDICT_WAIT_SECONDS = 15.0
-"""How long a trainer's lost rendezvous waits for the gang's other trainers to end: when
-one rank fails (a bad data file, exit 2), its agent closes the rendezvous and the other
-agents end with a rendezvous error, sometimes reported first. Judged alone, that error
-restarted the gang (counted) instead of failing the job with the rank's own verdict."""
+"""How long a trainer's lost rendezvous or plain error waits for the gang's other trainers
+to end: when one rank fails (a bad data file, exit 2), its agent closes the rendezvous and
+the other agents end (a rendezvous error, or their workers killed mid-start), sometimes
+reported first. Judged alone, that restarted the gang (counted) instead of failing the
+job with the rank's own verdict."""
+AWAITING_KINDS = (P.RENDEZVOUS, P.ERROR)
+"""Failures that may be a peer's consequence; the other kinds are causes of their own."""
 
 
 def gang_uid(gang_entry: str) -> str:
@@ -113,9 +116,9 @@ class FailureResponses:
                 return
 
     def without_awaited_verdicts(self, failures: list[P.Failure]) -> list[P.Failure]:
-        """The failures to judge now: a trainer's lost rendezvous waits (up to
-        PEER_VERDICT_WAIT_SECONDS from its end) while another trainer of its gang still
-        runs, for that one's verdict may be the cause, and is judged first when it comes."""
+        """The failures to judge now: a trainer's lost rendezvous or plain error waits
+        (up to PEER_VERDICT_WAIT_SECONDS from its end) while another trainer of its gang
+        still runs, for that one's verdict may be the cause, judged first when it comes."""
         running = [
             p.name for p in self.pods.values()
             if p.role == N.ROLE_TRAINER and p.running and p.exit_code is None
@@ -123,12 +126,12 @@ class FailureResponses:
         ]  # fmt: skip
         if not running or self.gang_unplaced():
             return failures  # no peer left to end, or a gang that never met
-        if any(f.role == N.ROLE_TRAINER and f.kind != P.RENDEZVOUS for f in failures):
+        if any(f.role == N.ROLE_TRAINER and f.kind not in AWAITING_KINDS for f in failures):
             return failures  # a cause to judge already
         waits = {
             f.uid: left
             for f in failures
-            if f.role == N.ROLE_TRAINER and f.kind == P.RENDEZVOUS
+            if f.role == N.ROLE_TRAINER and f.kind in AWAITING_KINDS
             and (left := self.verdict_wait(f)) is not None
         }  # fmt: skip
         if not waits:

@@ -76,6 +76,31 @@ def test_a_peers_lost_rendezvous_waits_for_the_rank_whose_verdict_caused_it():
     assert d.status.last_failure.pod == "tiny-grpo-trainer-0"
 
 
+def test_a_peer_killed_mid_start_waits_for_the_rank_whose_verdict_caused_it():
+    """As above, but trainer-1's worker was still starting when its agent ended it: no
+    verdict and no rendezvous text, a plain error (the CI of 955b330 restarted once)."""
+    status = Status(phase="Running", gang_pods=GANG, gang_replicas="2:2")
+    killed = _trainer(1, "b", phase="Failed", exit_code=1, message="", finished_at=ENDED)
+    running = _trainer(0, "a", phase="Running", pod_ip="10.0.0.1")
+    d = _reconcile(status, [running, killed], now=T0 + timedelta(seconds=1))
+    assert d.delete_pods == [] and d.status.restarts == 0, d.status.message
+    bad = Verdict(2, "/data/not-there.jsonl: cannot read", rank=0)
+    verdict = _trainer(0, "a", phase="Failed", exit_code=1, verdict=bad, finished_at=ENDED)
+    d = _reconcile(d.status, [verdict, killed], now=T0 + timedelta(seconds=3))
+    assert d.status.phase == "Failed" and d.status.restarts == 0
+    assert d.status.last_failure.reason == "InvalidConfig"
+
+
+def test_an_oom_kill_restarts_the_gang_without_waiting():
+    status = Status(phase="Running", gang_pods=GANG, gang_replicas="2:2")
+    oom = _trainer(
+        1, "b", phase="Failed", exit_code=137, terminated_reason="OOMKilled", finished_at=ENDED
+    )
+    running = _trainer(0, "a", phase="Running", pod_ip="10.0.0.1")
+    d = _reconcile(status, [running, oom], now=T0 + timedelta(seconds=1))
+    assert d.status.restarts == 1 and d.status.last_failure.reason == "OOMKilled"
+
+
 def test_a_lost_rendezvous_restarts_the_gang_once_its_peers_had_time_to_end():
     status = Status(phase="Running", gang_pods=GANG, gang_replicas="2:2")
     lost = _trainer(1, "b", phase="Failed", exit_code=1, message=LOST, finished_at=ENDED)

@@ -21,6 +21,9 @@ from rlft.trainer.exit_codes import ExitCode
 
 log = logging.getLogger("rlft.checkpoint")
 
+RESERVE_FRACTION = 0.4
+RESERVE_MAX_SECONDS = 5.0
+
 
 class GracefulStop:
     """Turns SIGTERM into a flag plus a deadline."""
@@ -47,12 +50,22 @@ class GracefulStop:
         if self._watchdog is not None:
             self._watchdog.cancel()
 
+    @property
+    def reserve_seconds(self) -> float:
+        """Time kept back from the emergency checkpoint's retries, to give up cleanly
+        (verdict written, exit 0) before the watchdog fires: with the retries' deadline on
+        the watchdog's own, a busy machine saw the watchdog win, exit 1 and no verdict."""
+        return min(
+            RESERVE_MAX_SECONDS, RESERVE_FRACTION * (self.grace_seconds - self.margin_seconds)
+        )
+
     def remaining(self) -> float:
         """Seconds left to finish the emergency checkpoint (inf before a signal)."""
         if self.received_at is None:
             return float("inf")
         spent = time.monotonic() - self.received_at
-        return max(0.0, self.grace_seconds - self.margin_seconds - spent)
+        budget = self.grace_seconds - self.margin_seconds - self.reserve_seconds
+        return max(0.0, budget - spent)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
