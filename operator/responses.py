@@ -55,7 +55,7 @@ class FailureResponses:
     deleted: set[str]
     group_restart: bool
     awaiting_verdicts: tuple[str, ...]
-    """Running trainers whose verdicts a peer's lost rendezvous waits for."""
+    """Running trainers whose verdicts a failed peer waits for (without_awaited_verdicts)."""
 
     def event(self, kind: str, reason: str, message: str) -> None:
         self.d.events.append(Event(kind, reason, message))
