@@ -412,6 +412,8 @@ def test_status_is_mirrored_and_a_collapse_left_to_the_trainer(api, operator, tr
     assert status["phase"] == "Running" and status.get("restarts", 0) == 0
     assert status["rollbacks"] == 1 and status["lastCheckpoint"]["step"] == 60
     assert _pods(api, ns, "col")["col-trainer-0"]["metadata"]["uid"] == old
+    # Events are posted after the status write (a courtesy; the status says it first).
+    wait_for(lambda: [r for r, _ in _events(api, ns)].count("Collapsed") >= 1, "a Collapsed Event")
     assert [r for r, _ in _events(api, ns)].count("Collapsed") == 1
 
 
