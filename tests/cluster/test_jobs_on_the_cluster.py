@@ -268,7 +268,8 @@ def test_the_trainers_invalid_config_verdict_reaches_the_operator_through_torchr
         for e in cluster.api.list("events", NS)
         if e["involvedObject"]["name"] == name and e["type"] == "Warning"
     ]  # which failure was judged first, when a restart slips through
-    assert status["phase"] == "Failed" and status.get("restarts", 0) == 0, (judged, status)
+    shown = "\n".join([*judged, json.dumps(status.get("conditions"))])  # a str: shown whole
+    assert status["phase"] == "Failed" and status.get("restarts", 0) == 0, shown
     failure = status["lastFailure"]
     assert failure["reason"] == "InvalidConfig" and failure["exitCode"] == 2, failure
     assert "/data/not-there.jsonl" in failure["message"], failure
