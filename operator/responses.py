@@ -128,12 +128,11 @@ class FailureResponses:
             return failures  # no peer left to end, or a gang that never met
         if any(f.role == N.ROLE_TRAINER and f.kind not in AWAITING_KINDS for f in failures):
             return failures  # a cause to judge already
-        waits = {
+        waits = {  # every trainer failure here is of AWAITING_KINDS
             f.uid: left
             for f in failures
-            if f.role == N.ROLE_TRAINER and f.kind in AWAITING_KINDS
-            and (left := self.verdict_wait(f)) is not None
-        }  # fmt: skip
+            if f.role == N.ROLE_TRAINER and (left := self.verdict_wait(f)) is not None
+        }
         if not waits:
             return failures
         self.requeue(min(waits.values()))
