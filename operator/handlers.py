@@ -36,7 +36,7 @@ from rlft.operator import names as N
 from rlft.operator.decision import Decision, Observed, invalid_spec
 from rlft.operator.kube import ApiError, Connection, Kube, fetch_json
 from rlft.operator.metrics import OperatorMetrics
-from rlft.operator.observe import PodView, pod_view, trainer_report
+from rlft.operator.observe import PodView, TrainerReport, pod_view, trainer_report
 from rlft.operator.pod_spec import spec_problems
 from rlft.operator.reconcile import reconcile
 from rlft.operator.status import RLFineTuneStatus, read_status
@@ -358,8 +358,9 @@ def _index_items(index_name: str, key: Key) -> list[Any]:
         return []
 
 
-async def _poll_trainer(pods: list[PodView]) -> Any:
-    port = RUNTIME.options.settings.status_port
+async def poll_trainer(pods: list[PodView], port: int) -> TrainerReport | None:
+    """The first running trainer's /status that parses and comes from that pod (rank 0's;
+    the other ranks serve none)."""
     for pod in sorted(pods, key=lambda p: p.index):
         if pod.role == N.ROLE_TRAINER and pod.running and pod.pod_ip:
             document = await fetch_json(f"http://{pod.pod_ip}:{port}/status")
@@ -398,7 +399,9 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
             pods=pods,
             config_maps=frozenset(config_maps),
             services=frozenset(_index_items("services_by_job", key)),
-            report=await _poll_trainer(pods) if status.phase not in ("Suspended",) else None,
+            report=None
+            if status.phase == "Suspended"
+            else await poll_trainer(pods, RUNTIME.options.settings.status_port),
             config_data={n: text for n, text in config_maps.items() if text is not None},
             oom_killed=_recent_ooms(state),
         )

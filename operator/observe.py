@@ -183,8 +183,12 @@ def _checkpoint(value: Any) -> dict[str, Any] | None:
 
 def trainer_report(document: Any, pod_uid: str) -> TrainerReport | None:
     """Parse a /status document; None if it is not one (a trainer that is not rank 0, a
-    proxy's error page, …). Unknown or malformed fields are dropped, never trusted."""
+    proxy's error page, …), or another pod's (its `podUid` is not `pod_uid`: a pod's address
+    reused while an older pod still serves there). Unknown or malformed fields are dropped,
+    never trusted; a document without `podUid` (a trainer from before it) is believed."""
     if not isinstance(document, dict) or "step" not in document:
+        return None
+    if document.get("podUid") not in (None, pod_uid):
         return None
     health = document.get("health")
     reward = document.get("reward")

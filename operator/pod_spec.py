@@ -151,6 +151,8 @@ def operator_env(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[dic
         {"name": "RLFT_JOB_NAME", "value": job.metadata.name},
         {"name": "RLFT_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "RLFT_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # In /status: the poller drops another pod's document (an address reused).
+        {"name": "RLFT_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
         {"name": "RLFT_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "RLFT_STATUS_PORT", "value": str(s.status_port)},
         {"name": "RLFT_TERMINATION_LOG", "value": TERMINATION_LOG},

@@ -21,7 +21,7 @@ from rlft.trainer.telemetry.status import StatusBoard
 
 STATUS_KEYS = {
     "step", "policyVersion", "reward", "phase", "health", "lastCheckpoint", "lastHealthyCheckpoint",
-    "rollbacks", "skippedUpdates", "events",
+    "rollbacks", "skippedUpdates", "events", "podUid",
 }  # fmt: skip
 
 
@@ -54,6 +54,7 @@ def test_endpoints(telemetry: Telemetry):
     assert (status["step"], status["policyVersion"], status["health"]) == (3, 3, "ok")
     assert status["reward"] == 0.5  # the operator mirrors it into the RLFineTune's status
     assert status["lastCheckpoint"] is None and status["events"] == []
+    assert status["podUid"] is None  # not in a pod (no $RLFT_POD_UID)
     assert get(telemetry.url + "/healthz")[:1] == (200,)
     assert get(telemetry.url + "/nope")[0] == 404
 

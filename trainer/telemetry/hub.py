@@ -17,6 +17,7 @@ Every decision other than a clean `apply` becomes an event in /status and a log 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,7 +26,7 @@ from rlft.trainer.config.telemetry import TelemetrySpec
 from rlft.trainer.stability.actions import Counters, GuardDecision
 from rlft.trainer.telemetry.exporter import MetricsExporter
 from rlft.trainer.telemetry.server import TelemetryServer
-from rlft.trainer.telemetry.status import StatusBoard
+from rlft.trainer.telemetry.status import POD_UID_ENV, StatusBoard
 from rlft.trainer.telemetry.tracing import StepTracer
 
 _EVENT_LEVEL = {
@@ -61,7 +62,8 @@ class Telemetry:
     ) -> Telemetry:
         """Build everything `spec` asks for and start serving."""
         spec = spec or TelemetrySpec()
-        exporter, board = MetricsExporter(), StatusBoard(spec.max_events)
+        exporter = MetricsExporter()
+        board = StatusBoard(spec.max_events, os.environ.get(POD_UID_ENV) or None)
         server = TelemetryServer(exporter, board, spec.host, spec.port) if spec.enabled else None
         tracer = StepTracer.from_config(spec.otlp_endpoint, spec.service_name)
         telemetry = cls(exporter, board, tracer, server, log)

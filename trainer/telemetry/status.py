@@ -8,9 +8,13 @@ is the contract with the operator:
      "lastCheckpoint": {"step", "uri", "time"} | null,
      "lastHealthyCheckpoint": {"step", "uri", "time"} | null,
      "rollbacks": int, "skippedUpdates": int,
-     "events": [{"time", "step", "kind", "level", "message"}, ...]}   # oldest first
+     "events": [{"time", "step", "kind", "level", "message"}, ...],   # oldest first
+     "podUid": str | null}
 
 `time` values are RFC 3339 UTC strings. `events` keeps the most recent `max_events`.
+`podUid` is the serving pod's metadata.uid (`$RLFT_POD_UID`, null outside a pod): the
+operator drops a document from another pod than the one it asked, an address reused while
+an old pod still serves on it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ Phase = Literal[
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 HEALTH = ("ok", "warning", "collapsed")
 EVENT_LEVELS = ("info", "warning", "critical")
+POD_UID_ENV = "RLFT_POD_UID"
+"""The pod's metadata.uid, set by the operator from the downward API."""
 
 
 def rfc3339(timestamp: float) -> str:
@@ -37,9 +43,10 @@ def rfc3339(timestamp: float) -> str:
 class StatusBoard:
     """Current state of the trainer, safe to update and read from different threads."""
 
-    def __init__(self, max_events: int = 50):
+    def __init__(self, max_events: int = 50, pod_uid: str | None = None):
         if max_events < 1:
             raise ValueError("max_events must be ≥ 1")
+        self._pod_uid = pod_uid
         self._lock = threading.Lock()
         self._step = 0
         self._policy_version = 0
@@ -117,4 +124,5 @@ class StatusBoard:
                 "rollbacks": self._rollbacks,
                 "skippedUpdates": self._skipped,
                 "events": [dict(e) for e in self._events],
+                "podUid": self._pod_uid,
             }
