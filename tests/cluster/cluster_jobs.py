@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from testcluster import ProcessCluster
+from testcluster import ProcessCluster, wait_for
 from tiny_jobs import TINY_INIT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlft.operator import names as N
 from rlft.trainer.config import load_job
 from rlft.trainer.data import build_task
 from rlft.trainer.model.encoding import Encoder
@@ -207,3 +208,24 @@ ALGORITHMS = {
     "ppo": {"name": "ppo"},
     "dpo": {"name": "dpo", "dpo": {"pairsPerStep": 4}},
 }
+
+
+def end_every_job(cluster: ProcessCluster, timeout: float = 180.0) -> None:
+    """Delete every RLFineTune and wait until the pods of each are gone. Pods share the
+    machine's network here (README: one job at a time): a job's trainer still stopping
+    holds the rendezvous and /status ports, which the next job's trainer-0 then could not
+    bind (EADDRINUSE: a lost rendezvous, a restart) and the operator polled the old one."""
+    listed = cluster.kubectl("get", "rlft", "-A", "-o", "json", check=False)
+    jobs = json.loads(listed.stdout)["items"] if listed.returncode == 0 else []
+    for job in jobs:
+        meta = job["metadata"]
+        cluster.kubectl("delete", "rlft", meta["name"], "-n", meta["namespace"], "--wait=false")
+
+    def jobs_pods() -> list[str]:
+        return [
+            f"{p['metadata']['namespace']}/{p['metadata']['name']}"
+            for p in cluster.api.list("pods")
+            if N.LABEL_JOB in (p["metadata"].get("labels") or {})
+        ]
+
+    wait_for(lambda: not jobs_pods(), "the jobs' pods to be gone", timeout, every=0.5)

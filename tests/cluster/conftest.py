@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_jobs import NS, pod_targets
+from cluster_jobs import NS, end_every_job, pod_targets
 from faults import faulty_job, uninterrupted
 from prometheus_fixtures import Prometheus, start_prometheus, stop_prometheus
 from testcluster import ProcessCluster
@@ -26,6 +26,14 @@ def cluster(tmp_path_factory, seaweed) -> Iterator[ProcessCluster]:
     with ProcessCluster(tmp_path_factory.mktemp("jobs-cluster"), nodes=2) as running:
         running.install_operator(NS, seaweed.credentials(), secret="s3-creds")
         yield running
+
+
+@pytest.fixture(autouse=True)
+def one_job_at_a_time(request) -> Iterator[None]:
+    """Each test on a module's cluster starts with no job pod left by the one before."""
+    yield
+    if "cluster" in request.fixturenames:
+        end_every_job(request.getfixturevalue("cluster"))
 
 
 @pytest.fixture(scope="session")
