@@ -48,8 +48,10 @@ def write_job(folder: Path, algorithm: dict) -> Path:
     return write_parity_job(folder, spec, "resume")
 
 
-def start(folder: Path, out: str, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS="1")
+def start(
+    folder: Path, out: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS="1", **(env or {}))
     # What a pod's container reports when it ends (the operator reads it).
     env[termination.ENV] = str(folder / f"{out}.termination")
     return subprocess.Popen(
@@ -348,6 +350,36 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     assert committed_after < 15, (committed_after, output)
     assert "stopping while waiting for rollouts; checkpointing step" in output, output
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
+
+
+def test_sigterm_while_waiting_for_the_rollout_pods_to_start_exits_0_at_once(tmp_path) -> None:
+    """A job deleted before its rollout pods ever answered (they never will): SIGTERM
+    ends the trainer's wait for them at once, with exit 0 and a stopped verdict. It was
+    ignored until the grace watchdog fired, which held the job's ports for its whole
+    grace and ended the rank with exit 1."""
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["checkpoint"]["gracePeriodSeconds"] = 60
+    spec["spec"]["rollout"]["weightsUri"] = (tmp_path / "weights").as_uri()
+    job.write_text(yaml.safe_dump(spec))
+    nobody = f"http://127.0.0.1:{free_port()}"  # the operator's rollout pods, never up
+    process = start(tmp_path, "out", env={"RLFT_ROLLOUT_URLS": nobody})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
+    seen = ""
+    while "waiting for rollout instance 0" not in seen:
+        seen += lines.get(timeout=120)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    time.sleep(0.5)  # the reader's last lines
+    output = seen + "".join(lines.get() for _ in range(lines.qsize()))
+    assert process.returncode == 0, output
+    assert time.monotonic() - sent < 20, output  # the grace is 60 s
+    assert "stopping while waiting for rollout instance 0" in output, output
+    assert "stopped before the first training step" in output, output
+    verdict = termination.read((tmp_path / "out.termination").read_text())
+    assert verdict is not None and verdict.stopped and verdict.exit_code == 0
 
 
 def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlft.trainer.rollout.engine import Completion
+from rlft.trainer.rollout.pipeline import StopWaiting, never
 from rlft.trainer.rollout.protocol import (
     GenerateRequest,
     ProtocolError,
@@ -329,13 +330,21 @@ class RolloutClient:
             self._lock.notify_all()
         return True
 
-    def wait_reachable(self, timeout_s: float, log: Callable[[str], None] | None = None) -> None:
+    def wait_reachable(
+        self,
+        timeout_s: float,
+        log: Callable[[str], None] | None = None,
+        stopping: Callable[[], bool] = never,
+    ) -> None:
         """Block until every instance's server answers /healthz at all (503 too: it may
-        have no weights yet); fail naming the first one that does not."""
+        have no weights yet); fail naming the first one that does not. StopWaiting when
+        `stopping()` turns true (SIGTERM: a deleted job's rollout pods may never come)."""
         deadline = time.monotonic() + timeout_s
         for index, instance in enumerate(self.instances):
             told = False
             while not _answers(f"{instance.url}/healthz"):
+                if stopping():
+                    raise StopWaiting(f"stopping while waiting for rollout instance {index}")
                 if time.monotonic() > deadline:
                     raise NoInstanceError(
                         f"rollout instance {index} ({instance.url}) did not answer /healthz "
@@ -347,12 +356,15 @@ class RolloutClient:
                 liveness.beat(f"waiting for rollout instance {index} to start")  # bounded
                 time.sleep(0.5)
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until every instance answers /healthz (weights loaded)."""
+    def wait_ready(self, timeout_s: float, stopping: Callable[[], bool] = never) -> None:
+        """Block until every instance answers /healthz (weights loaded); StopWaiting when
+        `stopping()` turns true."""
         deadline = time.monotonic() + timeout_s
         for instance in self.instances:
             instance.healthy = False
             while not self.probe(instance):
+                if stopping():
+                    raise StopWaiting(f"stopping while waiting for {instance.url} to be ready")
                 if time.monotonic() > deadline:
                     raise NoInstanceError(
                         f"{instance.url} did not become ready in {timeout_s:.0f} s"

@@ -46,7 +46,7 @@ class StopWaiting(Exception):
     come. The trainer checkpoints the step it finished instead of waiting out its grace."""
 
 
-def _never() -> bool:
+def never() -> bool:
     return False
 
 
@@ -231,7 +231,7 @@ class RolloutPipeline:
 
     # ---------------------------------------------------------------- consume
     def next(
-        self, trainer_version: int, stopping: Callable[[], bool] = _never
+        self, trainer_version: int, stopping: Callable[[], bool] = never
     ) -> tuple[Rollouts | None, dict[str, float]]:
         """The next step's rollouts after the staleness gate (None: nothing trainable),
         with the step's rollout statistics. StopWaiting when `stopping()` turns true
@@ -267,7 +267,7 @@ class RolloutPipeline:
         }
         return (rollouts if rollouts.completions else None), stats
 
-    def _wait_for_batch(self, stopping: Callable[[], bool] = _never) -> Produced | BaseException:
+    def _wait_for_batch(self, stopping: Callable[[], bool] = never) -> Produced | BaseException:
         """The next batch from the thread. Completions arriving meanwhile are progress
         (liveness); a wait for weights that never ship (a hung weight sync) is not."""
         seen = self.tokens()

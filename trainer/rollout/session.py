@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rlft.trainer.config.job import vllm_cpu_head_problem
-from rlft.trainer.rollout.pipeline import Produce, RolloutPipeline
+from rlft.trainer.rollout.pipeline import Produce, RolloutPipeline, never
 
 if TYPE_CHECKING:
     from rlft.trainer.config import RLFineTune
@@ -132,10 +132,12 @@ class RolloutSession:
         cursor: Cursor,
         out: Path | None,
         log: Callable[[str], None],
+        stopping: Callable[[], bool] = never,
     ) -> RolloutSession:
         """Rank 0's rollouts for `job`: `producer(engine)` sampling in process from
         `engine` (which shares `model`) or from rollout servers started here, drawing
-        prompts and seeds from `cursor`'s streams."""
+        prompts and seeds from `cursor`'s streams. StopWaiting when `stopping()` turns
+        true while the servers are awaited."""
         rollout, group_size = job.spec.rollout, job.spec.algorithm.group_size
         if not uses_servers(rollout):  # the synchronous loop, exactly
             from rlft.trainer.rollout.remote import SeededLikeAServer
@@ -150,10 +152,10 @@ class RolloutSession:
         stops = engine.stop_ids.tolist()
         urls = operator_instances()
         if urls:  # on Kubernetes: the instances the operator created, never our own
-            session = cls._with_instances(job, producer, stops, model, cursor, urls, log)
+            session = cls._with_instances(job, producer, stops, model, cursor, urls, log, stopping)
             what = "operator-created"
         else:
-            session = cls._with_servers(job, producer, stops, model, cursor, out, log)
+            session = cls._with_servers(job, producer, stops, model, cursor, out, log, stopping)
             urls = session.servers.urls
             what = f"{session.servers.engine}; {choose_engine(rollout).reason}"
         log(
@@ -164,7 +166,9 @@ class RolloutSession:
         return session
 
     @classmethod
-    def _with_instances(cls, job, producer, stop_ids, model, cursor, urls, log) -> RolloutSession:
+    def _with_instances(
+        cls, job, producer, stop_ids, model, cursor, urls, log, stopping
+    ) -> RolloutSession:
         """Rollout instances started by someone else (the operator): wait until they
         answer, load the current weights into them through the store, then sample."""
         from rlft.trainer.rollout.client import RolloutClient
@@ -180,7 +184,7 @@ class RolloutSession:
         session = cls(None)  # type: ignore[arg-type]
         try:
             session.client = RolloutClient(urls, rollout.request_timeout_seconds)
-            session.client.wait_reachable(pods_start_within(job), log)
+            session.client.wait_reachable(pods_start_within(job), log, stopping)
             store = WeightStore.at(rollout.weights_uri)
             newest = _newest_published(store, session.client)
             if newest is not None and newest > cursor.policy_version:
@@ -195,14 +199,16 @@ class RolloutSession:
                 cursor.policy_version = newest + 1
             session._connect(job, producer, stop_ids, cursor, store)
             session.publisher.publish_now(model, cursor.policy_version)
-            session.client.wait_ready(rollout.request_timeout_seconds)
+            session.client.wait_ready(rollout.request_timeout_seconds, stopping)
         except BaseException:
             session.close()
             raise
         return session
 
     @classmethod
-    def _with_servers(cls, job, producer, stop_ids, model, cursor, out, log) -> RolloutSession:
+    def _with_servers(
+        cls, job, producer, stop_ids, model, cursor, out, log, stopping
+    ) -> RolloutSession:
         from rlft.trainer.rollout.client import RolloutClient
         from rlft.trainer.rollout.local import LocalServers
         from rlft.trainer.weights.store import WeightStore, config_json, serialize
@@ -218,7 +224,7 @@ class RolloutSession:
         session = cls(None, servers=servers)  # type: ignore[arg-type]
         try:
             session.client = RolloutClient(servers.start(), rollout.request_timeout_seconds)
-            session.client.wait_ready(servers.startup_timeout_s)
+            session.client.wait_ready(servers.startup_timeout_s, stopping)
             session._connect(job, producer, stop_ids, cursor, store)
             session.publisher.mark_acked(version)  # the servers started from the store
         except BaseException:

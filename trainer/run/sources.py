@@ -24,7 +24,7 @@ from rlft.trainer.rollout.batches import (
     supervised_batch,
 )
 from rlft.trainer.rollout.engine import SamplingParams
-from rlft.trainer.rollout.pipeline import rollout_producer
+from rlft.trainer.rollout.pipeline import StopWaiting, rollout_producer
 from rlft.trainer.run.step_metrics import data_digest, rollout_metrics
 
 if TYPE_CHECKING:
@@ -175,6 +175,8 @@ class RolloutSource(_Source):
 
     def __init__(self) -> None:
         self.session = None
+        self.stopped: StopWaiting | None = None
+        """SIGTERM came while the rollout servers were awaited: the first step stops."""
 
     def start(self, run: Run) -> None:
         if run.main is None:
@@ -192,21 +194,30 @@ class RolloutSource(_Source):
             prompts_per_step=spec.trainer.prompts_per_step,
             sampling=SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens),
         )
-        self.session = RolloutSession.start(
-            run.job,
-            producer,
-            run.main.engine,
-            run.learner.engine_model,
-            run.cursor,
-            run.out,
-            run.reporter.log,
-        )
+        try:
+            self.session = RolloutSession.start(
+                run.job,
+                producer,
+                run.main.engine,
+                run.learner.engine_model,
+                run.cursor,
+                run.out,
+                run.reporter.log,
+                run.checkpoints.stopping,
+            )
+        except StopWaiting as stopped:
+            # Stopped by the first step's draw, with every rank (loop._draw): a deleted
+            # job's rollout pods may never answer, and its grace would run out waiting.
+            self.stopped = stopped
+            return
         # The session may have moved the version past ones an earlier run published.
         run.set_policy_version(run.cursor.policy_version)
         if self.session.client is not None:
             run.supervisor.watch_engines(self.session.client)
 
     def next(self, run: Run, step: int) -> Drawn:
+        if self.stopped is not None:
+            raise self.stopped
         started = time.perf_counter()
         stopping = run.checkpoints.stopping
         rollouts, flow = self.session.pipeline.next(run.cursor.policy_version, stopping)
