@@ -222,22 +222,33 @@ def test_sigterm_in_the_warm_start_stops_at_once_and_exits_0(tmp_path) -> None:
     spec["spec"]["algorithm"]["sft"] = {"steps": 4000, "batchSize": 16}
     spec["spec"]["checkpoint"] = {"gracePeriodSeconds": 60}
     job.write_text(yaml.safe_dump(spec))
-    process = start(tmp_path, "out")
+    # The reporter's line of every 200th warm-start step.
+    output, took = _sigterm_once(start(tmp_path, "out"), "[200/4000]")
+    assert took < 30, output
+    assert "[4000/4000]" not in output
+    _assert_stopped_before_the_first_step(tmp_path, output)
+
+
+def _sigterm_once(process: subprocess.Popen, marker: str) -> tuple[str, float]:
+    """SIGTERM once `marker` is in the output; (the whole output, seconds to the exit)."""
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
     seen = ""
-    while "[200/4000]" not in seen:  # the reporter's line of every 200th warm-start step
+    while marker not in seen:
         seen += lines.get(timeout=120)
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
+    took = time.monotonic() - sent
     time.sleep(0.5)  # the reader's last lines
     output = seen + "".join(lines.get() for _ in range(lines.qsize()))
     assert process.returncode == 0, output
-    assert time.monotonic() - sent < 30, output
+    return output, took
+
+
+def _assert_stopped_before_the_first_step(folder: Path, output: str) -> None:
     assert "stopped before the first training step" in output, output
-    assert "[4000/4000]" not in output
-    verdict = termination.read((tmp_path / "out.termination").read_text())
+    verdict = termination.read((folder / "out.termination").read_text())
     assert verdict is not None and verdict.stopped and verdict.exit_code == 0
 
 
@@ -364,22 +375,10 @@ def test_sigterm_while_waiting_for_the_rollout_pods_to_start_exits_0_at_once(tmp
     job.write_text(yaml.safe_dump(spec))
     nobody = f"http://127.0.0.1:{free_port()}"  # the operator's rollout pods, never up
     process = start(tmp_path, "out", env={"RLFT_ROLLOUT_URLS": nobody})
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
-    seen = ""
-    while "waiting for rollout instance 0" not in seen:
-        seen += lines.get(timeout=120)
-    sent = time.monotonic()
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
-    time.sleep(0.5)  # the reader's last lines
-    output = seen + "".join(lines.get() for _ in range(lines.qsize()))
-    assert process.returncode == 0, output
-    assert time.monotonic() - sent < 20, output  # the grace is 60 s
+    output, took = _sigterm_once(process, "waiting for rollout instance 0")
+    assert took < 20, output  # the grace is 60 s
     assert "stopping while waiting for rollout instance 0" in output, output
-    assert "stopped before the first training step" in output, output
-    verdict = termination.read((tmp_path / "out.termination").read_text())
-    assert verdict is not None and verdict.stopped and verdict.exit_code == 0
+    _assert_stopped_before_the_first_step(tmp_path, output)
 
 
 def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
