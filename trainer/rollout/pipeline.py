@@ -41,9 +41,10 @@ Produce = Callable[[random.Random, torch.Generator], Rollouts]
 
 
 class StopWaiting(Exception):
-    """SIGTERM came while the trainer waited for a batch: the rollout servers may be
-    stopping too (a suspend deletes every pod of the job at once), so the batch may never
-    come. The trainer checkpoints the step it finished instead of waiting out its grace."""
+    """SIGTERM came while the trainer waited for a batch, or for the rollout servers to
+    start: they may be stopping too (a suspend deletes every pod of the job at once), so
+    the batch may never come. The trainer checkpoints the step it finished instead of
+    waiting out its grace."""
 
 
 def never() -> bool:
