@@ -183,6 +183,14 @@ class _Run(FailureResponses):
         for pod in self.pods.values():
             if pod.active:
                 self.delete(pod)  # free the GPUs; finished and failed pods stay for their logs
+        self.unscheduled(self.st.phase or "Ended", "the job has ended: no pod of it runs")
+
+    def unscheduled(self, reason: str, message: str) -> None:
+        """Scheduled turns False once the job's pods are gone for good or suspended: a
+        Failed job showing "2 trainer pods scheduled" read as one that still ran. An
+        Unschedulable condition keeps its reason, the more telling one."""
+        if any(c.type == "Scheduled" and c.status != "False" for c in self.st.conditions):
+            set_condition(self.st, "Scheduled", "False", reason, message, self.now)
 
     def suspend(self) -> None:
         st = self.st
@@ -202,6 +210,7 @@ class _Run(FailureResponses):
         st.waiting_since = None
         for pod in self.pods.values():
             self.delete(pod)
+        self.unscheduled("Suspended", "the job is suspended: its pods are deleted")
         set_condition(st, "Ready", "False", "Suspended", "the job is suspended", self.now)
         set_condition(st, "Progressing", "False", "Suspended", "the job is suspended", self.now)
         cm = M.config_map(self.job, self.body, self.settings)

@@ -483,6 +483,7 @@ def test_suspend_and_resume():
     d = w.step()
     assert sorted(d.delete_pods) == ["tiny-grpo-rollout-0", "tiny-grpo-trainer-0"]
     assert w.status.phase == "Suspended" and w.pods == {}
+    assert _condition(w, "Scheduled") == ("False", "Suspended")
     assert w.step().create == []
     w.spec["suspend"] = False
     d = w.step()
@@ -492,6 +493,12 @@ def test_suspend_and_resume():
     w.run_all()
     w.step()
     assert w.status.phase == "Running"
+    assert _condition(w, "Scheduled") == ("True", "GangScheduled")
+
+
+def _condition(w: World, kind: str) -> tuple[str, str]:
+    (condition,) = [c for c in w.status.conditions if c.type == kind]
+    return condition.status, condition.reason
 
 
 @pytest.mark.parametrize("choice", ["auto", "never"])
@@ -517,6 +524,7 @@ def test_success_frees_the_rollout_pods():
     d = w.step()
     assert w.status.phase == "Succeeded" and d.delete_pods == ["tiny-grpo-rollout-0"]
     assert w.status.step == 12 and w.status.last_checkpoint.step == 12  # mirrored at the end
+    assert _condition(w, "Scheduled") == ("False", "Succeeded")
     assert w.step().create == []
 
 
