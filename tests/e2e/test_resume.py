@@ -381,6 +381,25 @@ def test_sigterm_while_waiting_for_the_rollout_pods_to_start_exits_0_at_once(tmp
     _assert_stopped_before_the_first_step(tmp_path, output)
 
 
+def test_an_error_after_a_trained_step_is_a_failure_to_retry_not_a_bad_job(tmp_path) -> None:
+    """A ValueError at step 4 (planted: a bug or a library's error on some batch) once
+    steps have trained is not the job's configuration: exit 1 with its traceback and a
+    verdict of 1, which the operator restarts, not exit 2, which fails the job for good
+    with the message alone. Run again, it resumes from its checkpoint and completes."""
+    write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    planted = json.dumps([{"kind": "error", "rank": 0, "at": 4}])
+    process = start(tmp_path, "out", env={"RLFT_PLANT_FAULTS": planted})
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 1, output
+    assert "Traceback" in output and "step 4 failed: planted fault" in output, output
+    verdict = termination.read((tmp_path / "out.termination").read_text())
+    assert verdict is not None and verdict.exit_code == 1 and "step 4" in verdict.message
+    again = start(tmp_path, "out")
+    output = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, output
+    assert "resum" in output.lower() and len(records(tmp_path / "out")) == STEPS, output
+
+
 def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
     """The same, with checkpoints in a real SeaweedFS S3 bucket, resumed in a new output
     folder (as a replaced pod is): the checkpoint carries metrics.jsonl's history, so the

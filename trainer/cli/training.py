@@ -37,7 +37,12 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     from rlft.trainer.data.jsonl import DataFileError
     from rlft.trainer.data.rewards import RewardError
     from rlft.trainer.model.build import ModelLoadError
-    from rlft.trainer.run.job import OutputExistsError, restarted_worker, run_job
+    from rlft.trainer.run.job import (
+        OutputExistsError,
+        StepFailedError,
+        restarted_worker,
+        run_job,
+    )
     from rlft.trainer.storage.errors import StorageError
     from rlft.trainer.telemetry.server import TelemetryServeError
 
@@ -70,6 +75,9 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
             return _failed(ExitCode.FAILURE, error, rank)
         return _failed(ExitCode.INVALID_CONFIG, error, rank)
     except (CheckpointError, StorageError, TelemetryServeError) as error:  # worth retrying
+        return _failed(ExitCode.FAILURE, error, rank)
+    except StepFailedError as error:  # worth retrying too; where it came from is kept
+        traceback.print_exception(error)
         return _failed(ExitCode.FAILURE, error, rank)
     code = summary.get("exit_code", ExitCode.OK)
     verdict = _verdict(job, summary, code, rank)

@@ -11,7 +11,10 @@ Set `RLFT_PLANT_FAULTS` to a JSON list of faults:
   its peers block in that collective: a hung rank, for its liveness probe to find. It
   hangs only in gang attempt `attempt` (default 0: the first gang the operator starts;
   `$RLFT_GANG_ATTEMPT`, the status's gangAttempt, is 0 when unset), so the restarted gang
-  runs through however far back its checkpoint is.
+  runs through however far back its checkpoint is;
+- `{"kind": "error", "rank": 0, "at": 5}`: rank `rank` raises a ValueError at step `at`
+  of the job's algorithm (where a hang would stop), as a bug or a library's error on
+  some batch would, in every gang attempt.
 
 Nothing is planted when it is unset; a malformed value is an error, not ignored.
 """
@@ -51,7 +54,13 @@ class Hang:
         return (rank, step, attempt) == (self.rank, self.at, self.attempt)
 
 
-Fault = GradScale | Hang
+@dataclass(frozen=True)
+class Error:
+    rank: int
+    at: int
+
+
+Fault = GradScale | Hang | Error
 
 
 def _parse(item: dict) -> Fault:
@@ -59,6 +68,8 @@ def _parse(item: dict) -> Fault:
         return GradScale(int(item["from"]), int(item["to"]), float(item["factor"]))
     if item["kind"] == "hang":
         return Hang(int(item["rank"]), int(item["at"]), int(item.get("attempt", 0)))
+    if item["kind"] == "error":
+        return Error(int(item["rank"]), int(item["at"]))
     raise ValueError(f"unknown kind {item['kind']!r}")
 
 
@@ -70,7 +81,7 @@ def planted_from_env(environ: dict[str, str] | None = None) -> list[Fault]:
         return [_parse(item) for item in json.loads(text)]
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(
-            f"{ENV}: expected a JSON list of grad_scale and hang faults ({error})"
+            f"{ENV}: expected a JSON list of grad_scale, hang and error faults ({error})"
         ) from None
 
 
@@ -113,3 +124,9 @@ def hang_if_planted(faults: list[Fault], rank: int, step: int) -> None:
     )
     while True:
         time.sleep(3600)
+
+
+def raise_if_planted(faults: list[Fault], rank: int, step: int) -> None:
+    """Raise the ValueError planted for this rank and step, if any."""
+    if any(isinstance(f, Error) and (f.rank, f.at) == (rank, step) for f in faults):
+        raise ValueError(f"planted fault: rank {rank} fails at step {step}")

@@ -100,6 +100,10 @@ def prepare_output(out: Path, overwrite: bool) -> None:
         ) from None
 
 
+class StepFailedError(RuntimeError):
+    """A ValueError raised after the run trained a step: not the job's configuration."""
+
+
 def run_job(
     job: RLFineTune,
     out: Path,
@@ -160,7 +164,16 @@ def run_job(
         with (out / "metrics.jsonl").open("a") if dist.is_main else nullcontext() as metrics:
             if run.main is not None:
                 run.main.metrics = metrics
-            train(run, phase)
+            trained_before = run.cursor.step
+            try:
+                train(run, phase)
+            except ValueError as error:
+                if run.cursor.step == trained_before:
+                    raise  # the first step's: may be the job's (e.g. its data), exit 2
+                # The job trained a step, so its configuration is not the cause: a bug or
+                # a fault, worth a restart from the checkpoint (exit 1, traceback kept),
+                # not a permanent failure with the message alone.
+                raise StepFailedError(f"step {run.cursor.step + 1} failed: {error}") from error
         run.checkpoints.final(run.cursor, run.learner)
         extra = phase.source.summary(run)
     except StopRequested as stop:

@@ -201,8 +201,9 @@ def train_step(run: Run, phase: Phase, step: int) -> None:
         lr = phase.learning_rate * warmup * multiplier
         run.learner.set_lr(lr, warmup * multiplier)
         drawn = _draw(run, phase, step)
-        if phase.guarded and run.learner.planted:  # a drill: a rank hung before a collective
+        if phase.guarded and run.learner.planted:  # a drill: a rank hung or failing
             faults.hang_if_planted(run.learner.planted, run.dist.rank, step)
+            faults.raise_if_planted(run.learner.planted, run.dist.rank, step)
         batch = run.dist.broadcast(STOPPED if drawn is None else drawn.batch)
         if isinstance(batch, str):
             run.checkpoints.stop_between_steps(run.cursor, run.learner)
