@@ -11,6 +11,7 @@ import pytest
 from rollout_fixtures import ThreadServer
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
+from rlft.trainer.checkpoint.manifest import MANIFEST
 from rlft.trainer.config import load_job
 from rlft.trainer.rollout.client import NoInstanceError
 from rlft.trainer.run.job import run_job
@@ -80,9 +81,17 @@ def test_a_resumed_run_goes_on_past_the_versions_its_instances_were_given(
     published = first["policy_version"]
     assert instance.server.host.policy_version == published
     capsys.readouterr()
-    again = run_job(job, tmp_path / "out", resume=2)  # step 3 again
+    # An earlier committed step than the last (a save due while the previous one still
+    # uploads waits for it: under load step 2's can be skipped, leaving 1 and 3).
+    folders = (tmp_path / "out" / "checkpoints").glob(f"step-*/{MANIFEST}")
+    committed = sorted(int(m.parent.name.removeprefix("step-")) for m in folders)
+    steps = job.spec.trainer.steps
+    assert committed[-1] == steps, committed
+    resumed = committed[-2]
+    again = run_job(job, tmp_path / "out", resume=resumed)
     out = capsys.readouterr().out
-    assert "resumed from the checkpoint of step 2" in out
+    assert f"resumed from the checkpoint of step {resumed}" in out
     assert f"continuing at version {published + 1}" in out
-    assert again["policy_version"] == published + 2  # one optimizer step after it
-    assert instance.server.host.policy_version == published + 2
+    after = published + 1 + steps - resumed  # one optimizer step each after it
+    assert again["policy_version"] == after
+    assert instance.server.host.policy_version == after
