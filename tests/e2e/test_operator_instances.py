@@ -41,8 +41,10 @@ def test_the_trainer_uses_the_instances_it_is_given(tmp_path, monkeypatch, insta
     assert summary["steps"] == 3
     out = capsys.readouterr().out
     assert f"1 rollout server(s) (operator-created) at {instance.url}" in out
-    # The instance started empty; it now serves the trainer's newest weights.
-    assert instance.server.host.policy_version == summary["policy_version"]
+    # The instance started empty; it now serves weights the trainer published. Not
+    # always the newest: a version still pending when the run closes its publisher is
+    # not shipped (under load the last one can be).
+    assert 1 <= instance.server.host.policy_version <= summary["policy_version"]
     assert not list((tmp_path / "out").glob("rollout-*.log"))  # no local servers started
 
 
@@ -94,4 +96,4 @@ def test_a_resumed_run_goes_on_past_the_versions_its_instances_were_given(
     assert f"continuing at version {published + 1}" in out
     after = published + 1 + steps - resumed  # one optimizer step each after it
     assert again["policy_version"] == after
-    assert instance.server.host.policy_version == after
+    assert published + 1 <= instance.server.host.policy_version <= after  # as above
