@@ -22,9 +22,14 @@ def test_an_output_path_that_is_a_file_is_named_with_what_to_do(tmp_path: Path) 
 def test_only_results_count_as_a_run(tmp_path: Path) -> None:
     (tmp_path / "checkpoints" / ".rlft-tmp-staging").mkdir(parents=True)
     (tmp_path / "job.yaml").write_text("x")
+    # Opened as the first step began: a run stopped (or killed) before it ended (CI of
+    # c2d524c: the rerun was refused, "already holds a run (metrics.jsonl, job.yaml)").
+    (tmp_path / "metrics.jsonl").touch()
     assert existing_run_files(tmp_path) == []
     (tmp_path / "checkpoints" / "step-000002").mkdir()
     assert existing_run_files(tmp_path) == ["checkpoints", "job.yaml"]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert existing_run_files(tmp_path) == ["metrics.jsonl", "checkpoints", "job.yaml"]
 
 
 def test_verifying_a_run_folder_instead_of_its_checkpoints_fails(tmp_path: Path, capsys) -> None:

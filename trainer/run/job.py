@@ -63,11 +63,11 @@ class OutputExistsError(Exception):
 
 
 def existing_run_files(out: Path) -> list[str]:
-    """What of a run `out` holds. Only results count: a run stopped in its warm start (or
-    refused) leaves its job.yaml and an empty checkpoints/, and running the same command
-    again must start it again, not refuse it."""
+    """What of a run `out` holds. Only results count: a run stopped in its warm start or
+    its first step (or refused) leaves its job.yaml, an empty metrics.jsonl and an empty
+    checkpoints/, and running the same command again must start it again, not refuse it."""
     bookkeeping = ("job.yaml", RUN_ID_FILE)  # what a start writes before any result
-    results = [n for n in RUN_FILES if n not in bookkeeping and (out / n).exists()]
+    results = [n for n in RUN_FILES if n not in bookkeeping and _holds_something(out / n)]
     checkpoints = out / "checkpoints"
     if checkpoints.is_dir() and any(
         not entry.name.startswith(TEMP_MARK) for entry in checkpoints.iterdir()
@@ -76,6 +76,11 @@ def existing_run_files(out: Path) -> list[str]:
     if results:  # replaced with them
         results += [n for n in bookkeeping if (out / n).exists()]
     return results
+
+
+def _holds_something(path: Path) -> bool:
+    """A folder, or a file with content (metrics.jsonl is opened before the first step)."""
+    return path.is_dir() or (path.is_file() and path.stat().st_size > 0)
 
 
 def prepare_output(out: Path, overwrite: bool) -> None:
