@@ -49,7 +49,11 @@ def write_job(folder: Path, algorithm: dict) -> Path:
 
 
 def start(
-    folder: Path, out: str, *extra: str, env: dict[str, str] | None = None
+    folder: Path,
+    out: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    start_new_session: bool = False,
 ) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(folder), OMP_NUM_THREADS="1", **(env or {}))
     # What a pod's container reports when it ends (the operator reads it).
@@ -61,6 +65,7 @@ def start(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=start_new_session,
     )
 
 
@@ -139,9 +144,8 @@ def test_resume_on_two_ranks_continues_within_float_tolerance(tmp_path) -> None:
         torch.testing.assert_close(final[name], expected[name], rtol=1e-4, atol=1e-6)
 
 
-def assert_last_checkpoint_is_an_emergency_one_of_the_last_step(out: Path) -> int:
-    """`rlft checkpoints list`'s newest row: the last recorded step, committed, emergency;
-    returns that step."""
+def checkpoint_rows(out: Path) -> list[list[str]]:
+    """`rlft checkpoints list`'s rows (step, committed, ..., kind), oldest first."""
     listing = subprocess.run(
         [
             sys.executable,
@@ -155,9 +159,15 @@ def assert_last_checkpoint_is_an_emergency_one_of_the_last_step(out: Path) -> in
         text=True,
     )
     assert listing.returncode == 0, listing.stderr
+    return [line.split() for line in listing.stdout.splitlines()[1:]]
+
+
+def assert_last_checkpoint_is_an_emergency_one_of_the_last_step(out: Path) -> int:
+    """`rlft checkpoints list`'s newest row: the last recorded step, committed, emergency;
+    returns that step."""
     steps = len((out / "metrics.jsonl").read_text().splitlines())
-    rows = [line.split() for line in listing.stdout.splitlines()[1:]]
-    assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", listing.stdout
+    rows = checkpoint_rows(out)
+    assert [str(steps), "yes"] == rows[-1][:2] and rows[-1][-1] == "emergency", rows
     return steps
 
 

@@ -1,4 +1,5 @@
-"""SIGTERM (preemption, node drain, suspend): checkpoint, then exit 0 in the grace period.
+"""SIGTERM (preemption, node drain, suspend) or Ctrl-C: checkpoint, then exit 0 in the
+grace period.
 
 The handler only records the request; the training loop notices it at the end of the
 step (`Checkpointer.poll(step, stop.requested)` shares it with every rank), writes an
@@ -6,6 +7,11 @@ emergency checkpoint synchronously and exits 0. A watchdog started by the signal
 the process with a retryable failure code if the grace period runs out first, so the
 pod never outlives `terminationGracePeriodSeconds` in a half-written state (the commit
 is the manifest, so an unfinished save is simply not there).
+
+Ctrl-C (SIGINT) is a local user's SIGTERM: the run stops after the step in hand with its
+checkpoint, and `rlft train` again resumes from it. A second Ctrl-C stops at once without
+one (KeyboardInterrupt): a step that hangs, or a user who cannot wait, is not held for
+the grace period.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ RESERVE_MAX_SECONDS = 5.0
 
 
 class GracefulStop:
-    """Turns SIGTERM into a flag plus a deadline."""
+    """Turns SIGTERM or a first Ctrl-C into a flag plus a deadline."""
 
     def __init__(self, grace_seconds: float, margin_seconds: float = 1.0):
         if grace_seconds <= margin_seconds:
@@ -38,7 +44,7 @@ class GracefulStop:
         self._previous = None
         self._watchdog: threading.Timer | None = None
 
-    def install(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> GracefulStop:
+    def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> GracefulStop:
         """Install the handler (from the main thread)."""
         self._signals = signals
         self._previous = {s: signal.signal(s, self._handle) for s in signals}
@@ -69,15 +75,24 @@ class GracefulStop:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
+            if signum == signal.SIGINT:  # the second Ctrl-C: now, without the checkpoint
+                raise KeyboardInterrupt
             return
         self.requested = True
         self.received_at = time.monotonic()
-        log.warning(
-            "received signal %d: emergency checkpoint at the end of this step, then exit "
-            "(grace %.0fs)",
-            signum,
-            self.grace_seconds,
-        )
+        if signum == signal.SIGINT:
+            log.warning(
+                "Ctrl-C: emergency checkpoint at the end of this step, then exit (grace "
+                "%.0fs); Ctrl-C again stops at once, without it",
+                self.grace_seconds,
+            )
+        else:
+            log.warning(
+                "received signal %d: emergency checkpoint at the end of this step, then "
+                "exit (grace %.0fs)",
+                signum,
+                self.grace_seconds,
+            )
         self._watchdog = threading.Timer(self.grace_seconds - self.margin_seconds, self._expire)
         self._watchdog.daemon = True
         self._watchdog.start()

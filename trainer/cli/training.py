@@ -16,6 +16,10 @@ from rlft.trainer.config import RLFineTune
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.telemetry import liveness
 
+INTERRUPTED = 130
+"""`rlft train`'s exit code after a second Ctrl-C (the shell's for SIGINT): stopped at once,
+without the emergency checkpoint the first one asks for."""
+
 WORKER = "rlft.trainer.cli.main"
 """What `--nproc N` has torchrun start: `rlft train` itself, which joins the group."""
 
@@ -176,7 +180,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         # every trainer pod): join the group it described, whatever --nproc says.
         return _run_as_rank(job, args)
     if args.nproc == 1:
-        return _run(job, args)
+        try:
+            return _run(job, args)
+        except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints)
+            print(
+                "rlft: interrupted: the step in hand is lost; the newest committed "
+                "checkpoint stays the one `rlft train` resumes from",
+                file=sys.stderr,
+            )
+            return INTERRUPTED
     from rlft.trainer.distributed.launch import run_workers
 
     out = _out(job, args)

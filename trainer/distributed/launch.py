@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 
 
 def torchrun_command(nproc: int, module: str, args: list[str], log_dir: str) -> list[str]:
@@ -48,10 +52,27 @@ def run_workers(
 ) -> int:
     """Run the module on `nproc` local ranks (with `env` added to their environment);
     returns torchrun's exit code."""
-    with _log_dir() as logs:
+    with _log_dir() as logs, _deaf_to_ctrl_c():
         command = torchrun_command(nproc, module, args, logs)
         environment = worker_env(nproc) | (env or {})
         return subprocess.run(command, env=environment, timeout=timeout_s).returncode
+
+
+@contextlib.contextmanager
+def _deaf_to_ctrl_c() -> Iterator[None]:
+    """Ctrl-C reaches torchrun too (one foreground process group), which passes it to its
+    workers (each in a session of its own) for their emergency checkpoint: this process
+    waits for it to finish. Left to raise here, `subprocess.run` would kill torchrun a
+    quarter of a second later, mid-checkpoint, with its workers orphaned. A handler, not
+    SIG_IGN, which torchrun would inherit through exec."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class WorkersFailed(RuntimeError):

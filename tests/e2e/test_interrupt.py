@@ -1,0 +1,129 @@
+"""Ctrl-C on a local `rlft train` is a user's SIGTERM: the step in hand finishes, its
+emergency checkpoint commits, the run exits 0, and `rlft train` again resumes from it.
+A second Ctrl-C stops at once without one. The signal is sent as a terminal sends it: to
+the foreground process group, which with `--nproc` holds `rlft train` and torchrun's
+agent but not the workers (torchrun starts each in a session of its own)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import yaml
+from processes import kill_tree
+from test_resume import (
+    assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
+    checkpoint_rows,
+    start,
+    wait_for_step,
+    write_job,
+)
+
+from rlft.trainer.learner import faults
+from rlft.trainer.storage.backends import open_storage
+
+
+def _long_job(folder: Path, interval: int = 1000) -> None:
+    job = write_job(folder, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = 400
+    spec["spec"]["checkpoint"] = {"intervalSteps": interval, "gracePeriodSeconds": 60}
+    job.write_text(yaml.safe_dump(spec))
+
+
+def _ctrl_c(process: subprocess.Popen) -> None:
+    """What a terminal does: SIGINT to the foreground process group (the test started the
+    run in a session of its own, so that group is the run's alone)."""
+    os.killpg(process.pid, signal.SIGINT)
+
+
+class _Output:
+    """The process's output, read on a thread so a test can wait for a line."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.text = ""
+        threading.Thread(
+            target=lambda: [self.lines.put(x) for x in process.stdout], daemon=True
+        ).start()
+
+    def wait_for(self, marker: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while marker not in self.text:
+            self.text += self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+
+    def rest(self) -> str:
+        time.sleep(0.5)  # the reader's last lines
+        while not self.lines.empty():
+            self.text += self.lines.get()
+        return self.text
+
+
+def test_ctrl_c_checkpoints_the_step_in_hand_and_the_next_run_resumes_from_it(tmp_path):
+    _long_job(tmp_path)
+    process = start(tmp_path, "out", start_new_session=True)
+    try:
+        wait_for_step(tmp_path / "out", 3, process)
+        sent = time.monotonic()
+        _ctrl_c(process)
+        output = process.communicate(timeout=60)[0]
+        took = time.monotonic() - sent
+    finally:
+        kill_tree(process)
+    assert process.returncode == 0, output
+    assert took < 30, output
+    assert "Ctrl-C: emergency checkpoint" in output and "Traceback" not in output, output
+    step = assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
+
+    again = start(tmp_path, "out", "--max-steps", str(step + 1))
+    output = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, output
+    assert f"resumed from the checkpoint of step {step}" in output, output
+
+
+def test_a_second_ctrl_c_stops_a_hung_step_at_once_without_a_checkpoint(tmp_path):
+    """The step in hand never ends (a planted hang): the first Ctrl-C waits for it, the
+    second ends the run at once with 130, and the scheduled checkpoint stays the latest
+    (the watchdog would have waited out the 60 s grace and exited 1)."""
+    _long_job(tmp_path, interval=2)
+    hang = '[{"kind": "hang", "rank": 0, "at": 4}]'
+    process = start(tmp_path, "out", env={faults.ENV: hang}, start_new_session=True)
+    output = _Output(process)
+    try:
+        checkpoints = open_storage(str(tmp_path / "out" / "checkpoints"))
+        output.wait_for("planted fault: rank 0 hangs")
+        wait_for_step(tmp_path / "out", 3, process, checkpoints)
+        _ctrl_c(process)
+        output.wait_for("Ctrl-C again stops at once")
+        sent = time.monotonic()
+        _ctrl_c(process)
+        process.wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        kill_tree(process)
+    text = output.rest()
+    assert process.returncode == 130, text
+    assert took < 15, text
+    assert "rlft: interrupted" in text, text
+    rows = checkpoint_rows(tmp_path / "out")
+    assert rows[-1][0] == "2" and rows[-1][-1] == "latest", rows  # not an emergency one
+
+
+def test_ctrl_c_on_several_ranks_checkpoints_and_exits_0(tmp_path):
+    """`rlft train --nproc 2`: torchrun passes the Ctrl-C to its workers, which checkpoint;
+    `rlft train` waits for them (it used to raise, and kill torchrun mid-checkpoint)."""
+    _long_job(tmp_path)
+    process = start(tmp_path, "out", "--nproc", "2", start_new_session=True)
+    try:
+        wait_for_step(tmp_path / "out", 3, process)
+        _ctrl_c(process)
+        output = process.communicate(timeout=120)[0]
+    finally:
+        kill_tree(process)
+    assert process.returncode == 0, output
+    assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
