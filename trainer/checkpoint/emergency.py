@@ -46,7 +46,7 @@ class GracefulStop:
 
     def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> GracefulStop:
         """Install the handler (from the main thread)."""
-        self._signals = signals
+        self.signals = signals
         self._previous = {s: signal.signal(s, self._handle) for s in signals}
         return self
 

@@ -30,6 +30,7 @@ from rlft.trainer.checkpoint.errors import LocationTakenError
 from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
+from rlft.trainer.distributed.peer_stop import PeerStop
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.storage.retry import with_retries
 
@@ -80,6 +81,10 @@ class Checkpointing:
         self.own_commits: set[int] = set()
         """Steps this run committed since `timeline_base` (rank 0's saver reports them)."""
         self.stop = GracefulStop(spec.grace_period_seconds).install()
+        self.peers = PeerStop.of(dist)
+        """The group's shared stop flag: rank 0 polls it while it waits alone."""
+        if self.peers is not None and not dist.is_main:
+            self.peers.watch(self.stop.signals)
         self.retry_s = spec.upload_retry_minutes * 60
         """How long reads the store refuses are retried (resume, rollback, the scan)."""
         job_uid = os.environ.get(JOB_UID_ENV) or None
@@ -175,8 +180,11 @@ class Checkpointing:
         return last if last is not None else self.resumed_step
 
     def stopping(self) -> bool:
-        """SIGTERM arrived (this rank's own signal)."""
-        return self.stop.requested
+        """SIGTERM arrived: this rank's own, or on rank 0 (which alone waits for rollouts
+        while its peers wait for it in a collective, deaf to their own) any rank's."""
+        if self.stop.requested:
+            return True
+        return self.peers is not None and self.dist.is_main and self.peers.requested()
 
     def resume(self, which: str | int, learner) -> Cursor | None:
         """Restore the newest checkpoint `which` (from `choice`: the same on every rank)
@@ -302,7 +310,7 @@ class Checkpointing:
         decision = self.checkpointer.poll(cursor.step, self.stop.requested)
         if not decision.save:
             return
-        self._save(cursor, learner, decision.stop)
+        self._save(cursor, learner, wait=decision.stop, emergency=decision.stop)
         if decision.stop:
             self.close()
             raise StopRequested(cursor.step, self.last_step)
@@ -314,7 +322,7 @@ class Checkpointing:
         StopRequested. Every rank calls this (the loop broadcast the stop)."""
         self.checkpointer.wait()
         if cursor.step not in (self.last_step, 0):
-            self._save(cursor, learner, wait=True)
+            self._save(cursor, learner, wait=True, emergency=True)
         self.close()
         raise StopRequested(cursor.step, self.last_step)
 
@@ -332,8 +340,10 @@ class Checkpointing:
                 f"newest committed checkpoint is step {self.last_step}"
             )
 
-    def _save(self, cursor: Cursor, learner, wait: bool) -> bool:
-        """Checkpoint the step; with `wait`, whether it committed."""
+    def _save(self, cursor: Cursor, learner, wait: bool, emergency: bool = False) -> bool:
+        """Checkpoint the step; with `wait`, whether it committed. `emergency`: on a stop
+        signal (any rank's: the manifest says so even where rank 0, which writes it, was
+        not the one signalled)."""
         return self.checkpointer.save(
             cursor.step,
             learner.models.policy,
@@ -347,7 +357,7 @@ class Checkpointing:
             healthy=self.supervisor.healthy(),
             modules=_modules(learner),
             wait=wait,
-            emergency=wait and self.stop.requested,
+            emergency=emergency,
             retry_seconds=self.stop.remaining() if self.stop.requested else None,
         )
 
@@ -359,6 +369,8 @@ class Checkpointing:
 
     def close(self) -> None:
         self.checkpointer.close()
+        if self.peers is not None:
+            self.peers.close()
         self.stop.uninstall()
 
 

@@ -1,0 +1,78 @@
+"""SIGTERM to a rank other than 0 while rank 0 waits for rollouts that do not come: the
+rank waits for rank 0 in a collective, where its own handler cannot run. Its signal
+reaches rank 0 through the process group's store, rank 0 stops waiting, and both ranks
+checkpoint the step they finished, inside the grace period. Before, the signalled rank
+learned of its SIGTERM only when rank 0's wait ended, and its watchdog ended it at the
+grace with no checkpoint (a preempted pod of a gang, the rollout pods slow)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import yaml
+from processes import descendants, kill_tree
+from test_resume import (
+    assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
+    start,
+    wait_for_step,
+    write_job,
+)
+
+from rlft.trainer.checkpoint.manifest import LATEST
+
+
+def _processes(root: int, module: str) -> list[int]:
+    return [
+        pid
+        for pid in descendants(root)
+        if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+
+
+def _rank(pid: int) -> int | None:
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"RANK="):
+            return int(entry[5:])
+    return None
+
+
+def test_sigterm_to_rank_1_while_rank_0_waits_for_rollouts_checkpoints_at_once(tmp_path):
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = 400
+    spec["spec"]["rollout"] |= {"local": "servers", "instances": 1, "maxStaleness": 0}
+    spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 30}
+    job.write_text(yaml.safe_dump(spec))
+    process = start(tmp_path, "out", "--nproc", "2")
+    servers: list[int] = []
+    try:
+        wait_for_step(tmp_path / "out", 3, process)
+        servers = _processes(process.pid, "rlft.trainer.rollout.server")
+        workers = _processes(process.pid, "rlft.trainer.cli.main")
+        rank_1 = [pid for pid in workers if _rank(pid) == 1]
+        assert len(servers) == 1 and len(rank_1) == 1, (servers, workers)
+        os.kill(servers[0], signal.SIGSTOP)  # rank 0 waits for a batch that never comes
+        time.sleep(1.0)  # the request of the next batch is out, or will be
+        sent = time.monotonic()
+        os.kill(rank_1[0], signal.SIGTERM)  # its pod preempted, rank 0's not
+        checkpoints = tmp_path / "out" / "checkpoints"
+        while not (checkpoints / LATEST).exists() and time.monotonic() - sent < 40:
+            assert process.poll() is None or process.returncode == 0, process.stdout.read()
+            time.sleep(0.2)
+        committed_after = time.monotonic() - sent
+        os.kill(servers[0], signal.SIGCONT)
+        output = process.communicate(timeout=90)[0]
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert committed_after < 15, (committed_after, output)
+    assert process.returncode == 0, output
+    assert "stopping while waiting for rollouts; checkpointing step" in output, output
+    assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
