@@ -13,13 +13,12 @@ import signal
 import time
 from pathlib import Path
 
-import yaml
 from processes import descendants, kill_tree
 from test_resume import (
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
     start,
     wait_for_step,
-    write_job,
+    write_long_job_on_a_rollout_server,
 )
 
 from rlft.trainer.checkpoint.manifest import LATEST
@@ -41,12 +40,7 @@ def _rank(pid: int) -> int | None:
 
 
 def test_sigterm_to_rank_1_while_rank_0_waits_for_rollouts_checkpoints_at_once(tmp_path):
-    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
-    spec = yaml.safe_load(job.read_text())
-    spec["spec"]["trainer"]["steps"] = 400
-    spec["spec"]["rollout"] |= {"local": "servers", "instances": 1, "maxStaleness": 0}
-    spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 30}
-    job.write_text(yaml.safe_dump(spec))
+    write_long_job_on_a_rollout_server(tmp_path)
     process = start(tmp_path, "out", "--nproc", "2")
     servers: list[int] = []
     try:

@@ -327,6 +327,17 @@ def _wait_for_failed_checkpoint(url: str, process: subprocess.Popen) -> dict:
     raise AssertionError("no failed checkpoint on /metrics")
 
 
+def write_long_job_on_a_rollout_server(folder: Path) -> None:
+    """A job longer than any test waits for, sampling from one local rollout server, with
+    no periodic checkpoint and a 30 s grace."""
+    job = write_job(folder, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = 400
+    spec["spec"]["rollout"] |= {"local": "servers", "instances": 1, "maxStaleness": 0}
+    spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 30}
+    job.write_text(yaml.safe_dump(spec))
+
+
 def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     tmp_path,
 ) -> None:
@@ -334,12 +345,7 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     waits for a batch from a rollout server that will not answer (here: stopped with
     SIGSTOP). The trainer stops waiting, checkpoints the step it finished and exits 0,
     well inside its grace period, instead of being killed at its end with no checkpoint."""
-    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
-    spec = yaml.safe_load(job.read_text())
-    spec["spec"]["trainer"]["steps"] = 400
-    spec["spec"]["rollout"] |= {"local": "servers", "instances": 1, "maxStaleness": 0}
-    spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 30}
-    job.write_text(yaml.safe_dump(spec))
+    write_long_job_on_a_rollout_server(tmp_path)
     process = start(tmp_path, "out")
     servers: list[int] = []
     try:
