@@ -19,33 +19,37 @@ import contextlib
 import signal
 import socket
 import threading
+import uuid
 
 KEY = "rlft/stop-requested"
-"""Set in the process group's store by the first rank that got a stop signal."""
+"""Set in the process group's store by the first rank that got a stop signal (with the
+group's own suffix: a store torchrun's agent shares keeps it past the group)."""
 
 
 class PeerStop:
     """The process group's shared stop flag: set by any rank's signal, read by rank 0."""
 
-    def __init__(self, store, rank: int):
-        self._store, self._rank = store, rank
+    def __init__(self, store, rank: int, key: str = KEY):
+        self._store, self._rank, self._key = store, rank, key
         self._signals: frozenset[int] = frozenset()
         self._writer: socket.socket | None = None
         self._previous_fd = -1
 
     @classmethod
     def of(cls, dist) -> PeerStop | None:
-        """The flag of `dist`'s process group; None in a single process."""
+        """The flag of `dist`'s process group; None in a single process. Collective: a
+        suffix of rank 0's makes the key this group's alone."""
         if not dist.active:
             return None
         from torch.distributed.distributed_c10d import _get_default_store
 
-        return cls(_get_default_store(), dist.rank)
+        suffix = dist.broadcast(uuid.uuid4().hex if dist.is_main else None)
+        return cls(_get_default_store(), dist.rank, f"{KEY}/{suffix}")
 
     def requested(self) -> bool:
         """Whether a rank got a stop signal (rank 0's waits poll this; one store call)."""
         try:
-            return bool(self._store.check([KEY]))
+            return bool(self._store.check([self._key]))
         except Exception:  # the store unreachable: the collectives will say why
             return False
 
@@ -65,7 +69,7 @@ class PeerStop:
             while data := _receive(reader):
                 if self._signals.intersection(data):
                     with contextlib.suppress(Exception):
-                        self._store.set(KEY, str(self._rank))
+                        self._store.set(self._key, str(self._rank))
 
     def close(self) -> None:
         """Stop watching (the reader ends at the writer's close); idempotent."""
