@@ -24,16 +24,20 @@ from test_resume import (
 from rlft.trainer.checkpoint.manifest import LATEST
 
 
+def _proc(pid: int, name: str) -> bytes:
+    """/proc/PID/NAME; empty for a process gone since it was listed."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
 def _processes(root: int, module: str) -> list[int]:
-    return [
-        pid
-        for pid in descendants(root)
-        if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    ]
+    return [pid for pid in descendants(root) if module.encode() in _proc(pid, "cmdline")]
 
 
 def _rank(pid: int) -> int | None:
-    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+    for entry in _proc(pid, "environ").split(b"\0"):
         if entry.startswith(b"RANK="):
             return int(entry[5:])
     return None

@@ -145,7 +145,8 @@ def test_resume_on_two_ranks_continues_within_float_tolerance(tmp_path) -> None:
 
 
 def checkpoint_rows(out: Path) -> list[list[str]]:
-    """`rlft checkpoints list`'s rows (step, committed, ..., kind), oldest first."""
+    """`rlft checkpoints list`'s rows (step, healthy, ranks, MB, created, notes such as
+    latest and emergency), oldest first."""
     listing = subprocess.run(
         [
             sys.executable,
