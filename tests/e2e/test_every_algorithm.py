@@ -134,7 +134,10 @@ def test_moe_gspo_trains_and_reports_expert_load(tmp_path, family) -> None:
 
 def test_verify_passes_on_the_example_and_catches_a_planted_bug(tmp_path) -> None:
     example = str(REPO_ROOT / "examples" / "tiny-grpo.yaml")
-    good = rlft("verify", example, "--world-size", "2", "--micro-batches", "4", cwd=tmp_path)
+    # float64's rounding (1e-15), far under the default tolerance: a float32 step left in
+    # the float64 model would show here as 1e-8.
+    args = ("--world-size", "2", "--micro-batches", "4", "--tolerance", "1e-12")
+    good = rlft("verify", example, *args, cwd=tmp_path)
     assert good.returncode == 0, good.stdout + good.stderr[:6000]
     assert "PASS" in good.stdout and "layer 0 self_attn" in good.stdout
     bad = rlft(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -161,7 +162,37 @@ def build_critic(policy: PreTrainedModel) -> PreTrainedModel:
 
 def to_float64(model: PreTrainedModel) -> PreTrainedModel:
     """The model in float64 (for exact gradient checks). Fused expert kernels have no
-    float64 version, so MoE models switch to the per-expert loop."""
+    float64 version, so MoE models switch to the per-expert loop; RMS norms compute in
+    float64 too (`float64_rms_norms`)."""
     if expert_count(model.config):
         model.set_experts_implementation("eager")
-    return model.to(torch.float64)
+    return float64_rms_norms(model.to(torch.float64))
+
+
+def _rms_norm_in_input_dtype(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def float64_rms_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Every RMS norm of `model` computing in its input's dtype. transformers' RMS norms
+    compute in float32 whatever the model's dtype (an upcast for bfloat16), which in a
+    float64 model rounds each normalised activation, and each gradient coming back
+    through it, to float32: two rows sharing a prompt then get their summed gradient
+    rounded once where separate rows had theirs rounded each, and float64 gradient checks
+    differed by 1e-8 instead of 1e-16. A norm is switched only where, on a test input,
+    it gives what the original gives (to float32's rounding): a family whose norm differs
+    (an offset weight, another epsilon's name) keeps its own."""
+    for module in model.modules():
+        if not type(module).__name__.endswith("RMSNorm"):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or not hasattr(module, "variance_epsilon"):
+            continue
+        exact = types.MethodType(_rms_norm_in_input_dtype, module)
+        x = torch.randn(4, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            same = torch.allclose(exact(x), module(x), rtol=1e-5, atol=1e-6)
+        if same:
+            module.forward = exact
+    return model
