@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_jobs import float64_model
 
-from rlft.trainer.model.build import float64_rms_norms
+from rlft.trainer.model.build import float32_norms, float64_rms_norms
 
 
 def float64_reference(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -21,6 +21,7 @@ def test_every_rms_norm_of_a_float64_model_computes_in_float64(family):
     model = float64_model(family, 40)
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) >= 5  # two per layer and the final one (Qwen3 adds q/k norms)
+    assert float32_norms(model) == []
     x = torch.randn(3, 7, model.config.hidden_size, dtype=torch.float64)
     for norm in norms:
         if norm.weight.shape[-1] != x.shape[-1]:
@@ -62,4 +63,5 @@ def test_a_norm_that_is_not_the_plain_rms_norm_keeps_its_own_forward():
     before = model(x)
     float64_rms_norms(model)
     assert "forward" not in vars(model[0])
+    assert float32_norms(model) == ["0"]  # what `rlft verify` names in its first line
     assert torch.equal(model(x), before)

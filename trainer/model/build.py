@@ -196,3 +196,13 @@ def float64_rms_norms(model: torch.nn.Module) -> torch.nn.Module:
         if same:
             module.forward = exact
     return model
+
+
+def float32_norms(model: torch.nn.Module) -> list[str]:
+    """The RMS norms `float64_rms_norms` left with their own forward (which may round to
+    float32 in a float64 model)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("RMSNorm") and "forward" not in vars(module)
+    ]
