@@ -25,7 +25,7 @@ def test_every_rms_norm_of_a_float64_model_computes_in_float64(family):
     x = torch.randn(3, 7, model.config.hidden_size, dtype=torch.float64)
     for norm in norms:
         if norm.weight.shape[-1] != x.shape[-1]:
-            continue  # Qwen3's per-head q/k norms: checked through the gradient below
+            continue  # Qwen3's per-head q/k norms: test_shared_prefix's gradients cover them
         torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
         got = norm(x)
         assert got.dtype == torch.float64
@@ -55,6 +55,15 @@ class OffsetRMSNorm(torch.nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return ((1.0 + self.weight.float()) * h).to(x.dtype)
+
+
+def test_switching_the_norms_leaves_the_callers_random_stream_alone():
+    model = float64_model("llama", 40)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    float64_rms_norms(model)  # probes every norm again
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_a_norm_that_is_not_the_plain_rms_norm_keeps_its_own_forward():

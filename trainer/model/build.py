@@ -190,7 +190,11 @@ def float64_rms_norms(model: torch.nn.Module) -> torch.nn.Module:
         if weight is None or not hasattr(module, "variance_epsilon"):
             continue
         exact = types.MethodType(_rms_norm_in_input_dtype, module)
-        x = torch.randn(4, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+        # A generator of its own: the caller's random streams stay where they were.
+        probe = torch.Generator(device=weight.device).manual_seed(0)
+        x = torch.randn(
+            4, weight.shape[-1], dtype=weight.dtype, device=weight.device, generator=probe
+        )
         with torch.no_grad():
             same = torch.allclose(exact(x), module(x), rtol=1e-5, atol=1e-6)
         if same:
