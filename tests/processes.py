@@ -42,6 +42,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def read_proc(pid: int, name: str) -> bytes:
+    """/proc/PID/NAME; empty for a process gone since it was listed."""
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def descendants_running(root: int, module: str) -> list[int]:
+    """The descendants of `root` whose command line names `module`."""
+    return [pid for pid in descendants(root) if module.encode() in read_proc(pid, "cmdline")]
+
+
 def kill_tree(process: subprocess.Popen) -> None:
     """SIGKILL `process` and all its descendants, by process id; reaps `process`."""
     for pid in [*descendants(process.pid), process.pid]:

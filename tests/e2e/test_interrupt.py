@@ -12,28 +12,18 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
-import yaml
 from processes import kill_tree
 from test_resume import (
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
     checkpoint_rows,
     start,
     wait_for_step,
-    write_job,
+    write_long_job,
 )
 
 from rlft.trainer.learner import faults
 from rlft.trainer.storage.backends import open_storage
-
-
-def _long_job(folder: Path, interval: int = 1000) -> None:
-    job = write_job(folder, {"name": "grpo", "groupSize": 4})
-    spec = yaml.safe_load(job.read_text())
-    spec["spec"]["trainer"]["steps"] = 400
-    spec["spec"]["checkpoint"] = {"intervalSteps": interval, "gracePeriodSeconds": 60}
-    job.write_text(yaml.safe_dump(spec))
 
 
 def _ctrl_c(process: subprocess.Popen) -> None:
@@ -65,7 +55,7 @@ class _Output:
 
 
 def test_ctrl_c_checkpoints_the_step_in_hand_and_the_next_run_resumes_from_it(tmp_path):
-    _long_job(tmp_path)
+    write_long_job(tmp_path)
     process = start(tmp_path, "out", start_new_session=True)
     try:
         wait_for_step(tmp_path / "out", 3, process)
@@ -90,7 +80,7 @@ def test_a_second_ctrl_c_stops_a_hung_step_at_once_without_a_checkpoint(tmp_path
     """The step in hand never ends (a planted hang): the first Ctrl-C waits for it, the
     second ends the run at once with 130, and the scheduled checkpoint stays the latest
     (the watchdog would have waited out the 60 s grace and exited 1)."""
-    _long_job(tmp_path, interval=2)
+    write_long_job(tmp_path, interval=2)
     hang = '[{"kind": "hang", "rank": 0, "at": 4}]'
     process = start(tmp_path, "out", env={faults.ENV: hang}, start_new_session=True)
     output = _Output(process)
@@ -117,7 +107,7 @@ def test_a_second_ctrl_c_stops_a_hung_step_at_once_without_a_checkpoint(tmp_path
 def test_ctrl_c_on_several_ranks_checkpoints_and_exits_0(tmp_path):
     """`rlft train --nproc 2`: torchrun passes the Ctrl-C to its workers, which checkpoint;
     `rlft train` waits for them (it used to raise, and kill torchrun mid-checkpoint)."""
-    _long_job(tmp_path)
+    write_long_job(tmp_path)
     process = start(tmp_path, "out", "--nproc", "2", start_new_session=True)
     try:
         wait_for_step(tmp_path / "out", 3, process)

@@ -11,46 +11,33 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
-from processes import descendants, kill_tree
+from processes import descendants_running, kill_tree, read_proc
 from test_resume import (
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
     start,
     wait_for_step,
-    write_long_job_on_a_rollout_server,
+    write_long_job,
 )
 
 from rlft.trainer.checkpoint.manifest import LATEST
 
 
-def _proc(pid: int, name: str) -> bytes:
-    """/proc/PID/NAME; empty for a process gone since it was listed."""
-    try:
-        return Path(f"/proc/{pid}/{name}").read_bytes()
-    except OSError:
-        return b""
-
-
-def _processes(root: int, module: str) -> list[int]:
-    return [pid for pid in descendants(root) if module.encode() in _proc(pid, "cmdline")]
-
-
 def _rank(pid: int) -> int | None:
-    for entry in _proc(pid, "environ").split(b"\0"):
+    for entry in read_proc(pid, "environ").split(b"\0"):
         if entry.startswith(b"RANK="):
             return int(entry[5:])
     return None
 
 
 def test_sigterm_to_rank_1_while_rank_0_waits_for_rollouts_checkpoints_at_once(tmp_path):
-    write_long_job_on_a_rollout_server(tmp_path)
+    write_long_job(tmp_path, grace=30, rollout_server=True)
     process = start(tmp_path, "out", "--nproc", "2")
     servers: list[int] = []
     try:
         wait_for_step(tmp_path / "out", 3, process)
-        servers = _processes(process.pid, "rlft.trainer.rollout.server")
-        workers = _processes(process.pid, "rlft.trainer.cli.main")
+        servers = descendants_running(process.pid, "rlft.trainer.rollout.server")
+        workers = descendants_running(process.pid, "rlft.trainer.cli.main")
         rank_1 = [pid for pid in workers if _rank(pid) == 1]
         assert len(servers) == 1 and len(rank_1) == 1, (servers, workers)
         os.kill(servers[0], signal.SIGSTOP)  # rank 0 waits for a batch that never comes

@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 from checkpoint_fixtures import s3_options
-from processes import descendants, kill_tree, private_tmp
+from processes import descendants_running, kill_tree, private_tmp
 from prometheus_fixtures import free_port
 from s3_proxy import S3Proxy
 from safetensors.torch import load_file
@@ -328,14 +328,18 @@ def _wait_for_failed_checkpoint(url: str, process: subprocess.Popen) -> dict:
     raise AssertionError("no failed checkpoint on /metrics")
 
 
-def write_long_job_on_a_rollout_server(folder: Path) -> None:
-    """A job longer than any test waits for, sampling from one local rollout server, with
-    no periodic checkpoint and a 30 s grace."""
+def write_long_job(
+    folder: Path, *, interval: int = 1000, grace: int = 60, rollout_server: bool = False
+) -> None:
+    """A GRPO job longer than any test waits for (400 steps), checkpointing every
+    `interval` steps (by default never), with a grace of `grace` seconds; with
+    `rollout_server`, sampling from one local rollout server instead of in process."""
     job = write_job(folder, {"name": "grpo", "groupSize": 4})
     spec = yaml.safe_load(job.read_text())
     spec["spec"]["trainer"]["steps"] = 400
-    spec["spec"]["rollout"] |= {"local": "servers", "instances": 1, "maxStaleness": 0}
-    spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 30}
+    if rollout_server:
+        spec["spec"]["rollout"] |= {"local": "servers", "instances": 1, "maxStaleness": 0}
+    spec["spec"]["checkpoint"] = {"intervalSteps": interval, "gracePeriodSeconds": grace}
     job.write_text(yaml.safe_dump(spec))
 
 
@@ -346,16 +350,12 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     waits for a batch from a rollout server that will not answer (here: stopped with
     SIGSTOP). The trainer stops waiting, checkpoints the step it finished and exits 0,
     well inside its grace period, instead of being killed at its end with no checkpoint."""
-    write_long_job_on_a_rollout_server(tmp_path)
+    write_long_job(tmp_path, grace=30, rollout_server=True)
     process = start(tmp_path, "out")
     servers: list[int] = []
     try:
         wait_for_step(tmp_path / "out", 3, process)
-        servers = [
-            pid
-            for pid in descendants(process.pid)
-            if b"rlft.trainer.rollout.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
+        servers = descendants_running(process.pid, "rlft.trainer.rollout.server")
         assert len(servers) == 1, servers
         os.kill(servers[0], signal.SIGSTOP)
         time.sleep(1.0)  # the request of the next batch is out, or will be

@@ -80,19 +80,13 @@ class GracefulStop:
             return
         self.requested = True
         self.received_at = time.monotonic()
-        if signum == signal.SIGINT:
-            log.warning(
-                "Ctrl-C: emergency checkpoint at the end of this step, then exit (grace "
-                "%.0fs); Ctrl-C again stops at once, without it",
-                self.grace_seconds,
-            )
-        else:
-            log.warning(
-                "received signal %d: emergency checkpoint at the end of this step, then "
-                "exit (grace %.0fs)",
-                signum,
-                self.grace_seconds,
-            )
+        ctrl_c = signum == signal.SIGINT
+        log.warning(
+            "%s: emergency checkpoint at the end of this step, then exit (grace %.0fs)%s",
+            "Ctrl-C" if ctrl_c else f"received signal {signum}",
+            self.grace_seconds,
+            "; Ctrl-C again stops at once, without it" if ctrl_c else "",
+        )
         self._watchdog = threading.Timer(self.grace_seconds - self.margin_seconds, self._expire)
         self._watchdog.daemon = True
         self._watchdog.start()

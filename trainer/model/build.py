@@ -183,18 +183,15 @@ def float64_rms_norms(model: torch.nn.Module) -> torch.nn.Module:
     differed by 1e-8 instead of 1e-16. A norm is switched only where, on a test input,
     it gives what the original gives (to float32's rounding): a family whose norm differs
     (an offset weight, another epsilon's name) keeps its own."""
-    for module in model.modules():
-        if not type(module).__name__.endswith("RMSNorm"):
-            continue
+    # A generator of its own: the caller's random streams stay where they were.
+    probe = torch.Generator().manual_seed(0)
+    for _, module in _rms_norms(model):
         weight = getattr(module, "weight", None)
         if weight is None or not hasattr(module, "variance_epsilon"):
             continue
         exact = types.MethodType(_rms_norm_in_input_dtype, module)
-        # A generator of its own: the caller's random streams stay where they were.
-        probe = torch.Generator(device=weight.device).manual_seed(0)
-        x = torch.randn(
-            4, weight.shape[-1], dtype=weight.dtype, device=weight.device, generator=probe
-        )
+        x = torch.randn(4, weight.shape[-1], dtype=weight.dtype, generator=probe)
+        x = x.to(weight.device)
         with torch.no_grad():
             same = torch.allclose(exact(x), module(x), rtol=1e-5, atol=1e-6)
         if same:
@@ -205,8 +202,9 @@ def float64_rms_norms(model: torch.nn.Module) -> torch.nn.Module:
 def float32_norms(model: torch.nn.Module) -> list[str]:
     """The RMS norms `float64_rms_norms` left with their own forward (which may round to
     float32 in a float64 model)."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if type(module).__name__.endswith("RMSNorm") and "forward" not in vars(module)
-    ]
+    return [name for name, module in _rms_norms(model) if "forward" not in vars(module)]
+
+
+def _rms_norms(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
+    """(name, module) of every RMS norm (transformers names each family's `…RMSNorm`)."""
+    return ((n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm"))
