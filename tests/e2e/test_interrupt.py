@@ -1,8 +1,9 @@
 """Ctrl-C on a local `rlft train` is a user's SIGTERM: the step in hand finishes, its
 emergency checkpoint commits, the run exits 0, and `rlft train` again resumes from it.
 A second Ctrl-C stops at once without one. The signal is sent as a terminal sends it: to
-the foreground process group, which with `--nproc` holds `rlft train` and torchrun's
-agent but not the workers (torchrun starts each in a session of its own)."""
+the foreground process group, which with `--nproc` holds `rlft train` alone (torchrun runs
+in a group of its own, and each of its workers in a session of its own): `rlft train`
+passes it on to the workers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import subprocess
 import threading
 import time
 
-from processes import kill_tree
+import pytest
+from processes import descendants_running, kill_tree, read_proc
 from test_resume import (
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
     checkpoint_rows,
@@ -104,16 +106,60 @@ def test_a_second_ctrl_c_stops_a_hung_step_at_once_without_a_checkpoint(tmp_path
     assert rows[-1][0] == "2" and rows[-1][-1] == "latest", rows  # not an emergency one
 
 
-def test_ctrl_c_on_several_ranks_checkpoints_and_exits_0(tmp_path):
-    """`rlft train --nproc 2`: torchrun passes the Ctrl-C to its workers, which checkpoint;
-    `rlft train` waits for them (it used to raise, and kill torchrun mid-checkpoint)."""
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_a_stop_on_several_ranks_checkpoints_and_exits_0(tmp_path, stop):
+    """`rlft train --nproc 2`: a Ctrl-C, or a SIGTERM to `rlft train` alone (`timeout`,
+    a service manager), reaches the workers, which checkpoint, and torchrun ends with
+    them, without a traceback of its own. `rlft train` waits for them: it used to raise on
+    Ctrl-C and kill torchrun mid-checkpoint, and to die of a SIGTERM, its ranks running on."""
     write_long_job(tmp_path)
     process = start(tmp_path, "out", "--nproc", "2", start_new_session=True)
     try:
         wait_for_step(tmp_path / "out", 3, process)
-        _ctrl_c(process)
+        if stop == "ctrl-c":
+            _ctrl_c(process)
+        else:
+            process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=120)[0]
     finally:
         kill_tree(process)
     assert process.returncode == 0, output
+    assert "Traceback" not in output, output  # torchrun's own, when it had the signal
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
+
+
+def test_a_second_ctrl_c_on_several_ranks_stops_them_at_once(tmp_path):
+    """`rlft train --nproc 2` with rank 0 hung (rank 1 blocked in the step's collective):
+    the first Ctrl-C waits for the step, the second stops both ranks at once. torchrun
+    passes on only the first, and would have waited 30 s before killing them."""
+    write_long_job(tmp_path, interval=2)
+    hang = '[{"kind": "hang", "rank": 0, "at": 4}]'
+    process = start(tmp_path, "out", "--nproc", "2", env={faults.ENV: hang}, start_new_session=True)
+    output = _Output(process)
+    try:
+        checkpoints = open_storage(str(tmp_path / "out" / "checkpoints"))
+        output.wait_for("planted fault: rank 0 hangs")
+        wait_for_step(tmp_path / "out", 3, process, checkpoints)
+        _ctrl_c(process)
+        output.wait_for("Ctrl-C again stops at once")
+        agent = descendants_running(process.pid, "torch.distributed.run")
+        ranks = [
+            pid
+            for pid in descendants_running(process.pid, "rlft.trainer.cli.main")
+            if pid not in agent
+        ]
+        assert len(ranks) == 2, ranks
+        sent = time.monotonic()
+        _ctrl_c(process)
+        process.wait(timeout=40)
+        took = time.monotonic() - sent
+        ranks_left = [pid for pid in ranks if read_proc(pid, "cmdline")]
+    finally:
+        kill_tree(process)
+    text = output.rest()
+    assert process.returncode == 130, text
+    assert took < 15, text
+    assert not ranks_left, (ranks_left, text)
+    assert "rlft: interrupted" in text, text
+    rows = checkpoint_rows(tmp_path / "out")
+    assert rows[-1][0] == "2" and rows[-1][-1] == "latest", rows  # not an emergency one

@@ -179,16 +179,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         # A rank of a job whose ranks torchrun started (on Kubernetes: every worker of
         # every trainer pod): join the group it described, whatever --nproc says.
         return _run_as_rank(job, args)
-    if args.nproc == 1:
-        try:
-            return _run(job, args)
-        except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints)
-            print(
-                "rlft: interrupted: the step in hand is lost; the newest committed "
-                "checkpoint stays the one `rlft train` resumes from",
-                file=sys.stderr,
-            )
-            return INTERRUPTED
+    try:
+        return _run(job, args) if args.nproc == 1 else _run_local_ranks(job, args)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints)
+        print(
+            "rlft: interrupted: the step in hand is lost; the newest committed "
+            "checkpoint stays the one `rlft train` resumes from",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
+
+
+def _run_local_ranks(job: RLFineTune, args: argparse.Namespace) -> int:
+    """`rlft train --nproc N`: torchrun starts N ranks of this command on this machine."""
     from rlft.trainer.distributed.launch import run_workers
 
     out = _out(job, args)
@@ -202,7 +205,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="rlft-verdicts-") as folder:
         # The ranks' verdicts: torchrun's agent exits 1 whatever its workers returned.
         log = os.environ.get(termination.ENV) or str(Path(folder) / "termination-log")
-        code = run_workers(args.nproc, WORKER, forwarded, env={termination.ENV: log})
+        code = run_workers(
+            args.nproc,
+            WORKER,
+            forwarded,
+            env={termination.ENV: log},
+            grace_s=job.spec.checkpoint.grace_period_seconds,
+        )
         written = Path(log).read_text() if Path(log).is_file() else ""
     return ranks_exit_code(code, termination.read(written))
 
@@ -240,6 +249,10 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
     try:
         code = _run(job, args, dist)
+    except KeyboardInterrupt:
+        # `rlft train --nproc` passed on a second Ctrl-C: stop now, without a traceback
+        # per rank; `rlft train` says what it means once.
+        exit_worker(INTERRUPTED)
     except BaseException as error:
         # No goodbye barrier: the other ranks may be waiting in a collective this rank
         # will never join. Ending the process breaks their connections, and torchrun

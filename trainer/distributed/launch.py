@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from pathlib import Path
 
 
-def torchrun_command(nproc: int, module: str, args: list[str], log_dir: str) -> list[str]:
+def torchrun_command(
+    nproc: int, module: str, args: list[str], log_dir: str, grace_s: float | None = None
+) -> list[str]:
+    """torchrun starting `module` on `nproc` local ranks. `grace_s`: how long the agent
+    waits for its workers after passing them a signal before it kills them (its own
+    default is 30 s): a job's emergency checkpoint gets its whole grace period."""
+    shutdown = [] if grace_s is None else [f"--shutdown-timeout={math.ceil(grace_s)}"]
     return [
         sys.executable,
         "-m",
@@ -21,6 +28,7 @@ def torchrun_command(nproc: int, module: str, args: list[str], log_dir: str) -> 
         f"--nproc-per-node={nproc}",
         # Without one, torchrun leaves a torchelastic_* folder in /tmp per launch.
         f"--log-dir={log_dir}",
+        *shutdown,
         "-m",
         module,
         *args,
@@ -49,30 +57,96 @@ def run_workers(
     args: list[str],
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
+    grace_s: float | None = None,
 ) -> int:
-    """Run the module on `nproc` local ranks (with `env` added to their environment);
-    returns torchrun's exit code."""
-    with _log_dir() as logs, _deaf_to_ctrl_c():
-        command = torchrun_command(nproc, module, args, logs)
+    """Run the module on `nproc` local ranks (with `env` added to their environment, and
+    `grace_s` to stop on a signal); returns torchrun's exit code. Raises KeyboardInterrupt
+    once torchrun has exited if Ctrl-C came twice (the workers were stopped at once,
+    without their checkpoint)."""
+    with _log_dir() as logs, _SignalRelay() as relay:
+        command = torchrun_command(nproc, module, args, logs, grace_s)
         environment = worker_env(nproc) | (env or {})
-        return subprocess.run(command, env=environment, timeout=timeout_s).returncode
+        # A process group of its own: a terminal's Ctrl-C reaches this process alone,
+        # which passes it on (_SignalRelay).
+        relay.agent = subprocess.Popen(command, env=environment, process_group=0)
+        try:
+            code = relay.agent.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            relay.agent.kill()
+            relay.agent.wait()
+            raise
+    if relay.ctrl_c >= 2:
+        raise KeyboardInterrupt
+    return code
 
 
-@contextlib.contextmanager
-def _deaf_to_ctrl_c() -> Iterator[None]:
-    """Ctrl-C reaches torchrun too (one foreground process group), which passes it to its
-    workers (each in a session of its own) for their emergency checkpoint: this process
-    waits for it to finish. Left to raise here, `subprocess.run` would kill torchrun a
-    quarter of a second later, mid-checkpoint, with its workers orphaned. A handler, not
-    SIG_IGN, which torchrun would inherit through exec."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+KILL_AFTER_SECONDS = 5.0
+"""After a second Ctrl-C, how long a worker has to stop before it is killed: a rank blocked
+in a collective (its peer hung) runs no Python signal handler until the call returns."""
+
+
+class _SignalRelay:
+    """Passes Ctrl-C and SIGTERM from `rlft train --nproc` to torchrun's workers (each in a
+    session of its own), not to torchrun: its agent would forward the first and then,
+    with its workers already stopped, end in a traceback of its own, and it does not pass
+    on a second Ctrl-C at all. So the first Ctrl-C or SIGTERM goes to the workers, which
+    checkpoint the step in hand and exit 0, and torchrun with them. A second Ctrl-C goes
+    to them too and stops them at once; KILL_AFTER_SECONDS later what is left of them is
+    killed. Before torchrun has started workers, the signal goes to torchrun itself."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.agent: subprocess.Popen | None = None
+        self.ctrl_c = 0
+        self._previous: dict[int, object] = {}
+        self._kill: threading.Timer | None = None
+
+    def __enter__(self) -> _SignalRelay:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        if self._kill is not None:
+            self._kill.cancel()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.agent is None:
+            raise KeyboardInterrupt  # nothing started yet
+        if signum == signal.SIGINT:
+            self.ctrl_c += 1
+        workers = child_pids(self.agent.pid)
+        if not workers:
+            with contextlib.suppress(ProcessLookupError):
+                self.agent.send_signal(signum)
+            return
+        _signal_groups(workers, signum)
+        if self.ctrl_c == 2 and self._kill is None:
+            self._kill = threading.Timer(
+                KILL_AFTER_SECONDS, _signal_groups, (workers, signal.SIGKILL)
+            )
+            self._kill.daemon = True
+            self._kill.start()
+
+
+def _signal_groups(leaders: list[int], signum: int) -> None:
+    """Signal the process groups torchrun's workers lead (a group gone is skipped)."""
+    for pid in leaders:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signum)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of a process (Linux's /proc/PID/task/*/children); none once it
+    has exited."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(child) for child in (task / "children").read_text().split()]
+    return children
 
 
 class WorkersFailed(RuntimeError):

@@ -1,0 +1,17 @@
+"""`rlft train --nproc`'s torchrun command line."""
+
+from __future__ import annotations
+
+from rlft.trainer.distributed.launch import torchrun_command
+
+
+def test_torchrun_waits_the_jobs_grace_for_its_workers_before_killing_them():
+    """Its own default is 30 s: an emergency checkpoint with a longer grace was cut off."""
+    command = torchrun_command(2, "rlft.trainer.cli.main", ["train"], "/tmp/logs", 45.2)
+    assert "--shutdown-timeout=46" in command
+    assert command.index("--shutdown-timeout=46") < command.index("-m", 3)  # torchrun's own
+
+
+def test_without_a_grace_torchrun_keeps_its_default():
+    command = torchrun_command(2, "rlft.trainer.cli.main", ["train"], "/tmp/logs")
+    assert not any(part.startswith("--shutdown-timeout") for part in command)
