@@ -4,7 +4,8 @@ Kinds (seen as → response):
 
 - OOMKilled: container terminated with reason OOMKilled → recreate the pod, with backoff.
 - Evicted: pod Failed with reason Evicted → recreate the pod, with backoff.
-- Preempted: DisruptionTarget PreemptionByScheduler, reason Preempting → recreate, backoff.
+- Preempted: DisruptionTarget PreemptionByScheduler, reason Preempting, or Kueue's
+  TerminationTarget (its workload stopped) → recreate, backoff.
 - NodeLost: phase Unknown, reason NodeLost/NodeShutdown, taint-manager deletion →
   recreate, with backoff.
 - RendezvousTimeout: a rendezvous / NCCL / gloo timeout in the termination message →
@@ -30,6 +31,11 @@ A retryable failure of a trainer pod restarts the whole trainer gang (reconcile.
 other ranks cannot go on without it. Restarts are counted per failure inside a sliding
 window (restartPolicy.windowMinutes); one more than maxRestarts fails the job. The n-th
 restart in the window waits backoffSeconds × 2^(n-1), capped at MAX_BACKOFF_SECONDS.
+A disruption (the cluster took the pod: Preempted, NodeLost, an Eviction API eviction
+such as a drain) is not counted unless restartPolicy.countDisruptions says so, as
+Kubernetes Jobs' podFailurePolicy recommends for DisruptionTarget; it waits
+backoffSeconds. A kubelet's eviction for node pressure is counted: the pod may be its
+cause.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from rlft.operator.observe import PodView
+from rlft.operator.observe import KUEUE_STOP, PodView
 from rlft.trainer.exit_codes import ExitCode
 
 MAX_BACKOFF_SECONDS = 3600.0
@@ -95,6 +101,9 @@ class Failure:
     permanent: bool = False
     group: bool = False
     """The whole trainer gang must restart (not only this pod)."""
+    disruption: bool = False
+    """The cluster took the pod (preempted, drained, its node lost): by default not
+    counted against restartPolicy."""
 
 
 def classify(pod: PodView) -> Failure | None:
@@ -123,19 +132,19 @@ def classify(pod: PodView) -> Failure | None:
     if pod.phase in ("Pending", "Running") and pod.exit_code is None and not pod.disruption:
         return None
     if pod.on_lost_node:
-        return failure(NODE_LOST)  # its status is stale: nobody runs it any more
+        # Its status is stale: nobody runs it any more.
+        return failure(NODE_LOST, disruption=True)
     if pod.phase == "Running" and pod.exit_code is None:
         return None  # a disruption announced, not happened yet: the pod is still up
-    if pod.reason == "Evicted" or pod.disruption == "EvictionByEvictionAPI":
+    kind = disruption_kind(pod.disruption)
+    if kind is not None:
+        return failure(kind, disruption=True)
+    if pod.reason == "Evicted":  # the kubelet's, for node pressure: counted
         return failure(EVICTED)
-    if pod.reason in ("Preempting", "Preempted") or pod.disruption in _PREEMPTION:
-        return failure(PREEMPTED)
-    if (
-        pod.phase == "Unknown"
-        or pod.reason in ("NodeLost", "NodeShutdown", "Terminated")
-        or pod.disruption in _NODE_LOSS
-    ):
-        return failure(NODE_LOST)
+    if pod.reason in ("Preempting", "Preempted"):
+        return failure(PREEMPTED, disruption=True)
+    if pod.phase == "Unknown" or pod.reason in ("NodeLost", "NodeShutdown", "Terminated"):
+        return failure(NODE_LOST, disruption=True)
     if pod.terminated_reason == "OOMKilled":
         return failure(OOM)
     if verdict is not None and verdict.stalled and pod.role == "trainer":
@@ -153,6 +162,18 @@ def classify(pod: PodView) -> Failure | None:
         return failure(RENDEZVOUS, group=pod.role == "trainer")
     if pod.phase == "Failed" or pod.exit_code is not None:
         return failure(ERROR)
+    return None
+
+
+def disruption_kind(reason: str) -> str | None:
+    """The failure kind of a DisruptionTarget (or Kueue TerminationTarget) reason; None
+    for one that is not the cluster's doing (TerminationByKubelet: node pressure)."""
+    if reason == "EvictionByEvictionAPI":
+        return EVICTED
+    if reason in _PREEMPTION or reason.startswith(f"{KUEUE_STOP}/"):
+        return PREEMPTED
+    if reason in _NODE_LOSS:
+        return NODE_LOST
     return None
 
 

@@ -13,6 +13,12 @@ from rlft.operator import names as N
 from rlft.trainer.termination import Verdict
 from rlft.trainer.termination import read as read_verdict
 
+KUEUE_STOP = "TerminationTarget"
+"""The condition Kueue sets on each pod of a workload it stops (evicted for a
+preemption, past its PodsReady timeout, deleted) before deleting it; its reason is
+StoppedByKueue in older releases, the stop's (WorkloadEvictedDueToPreempted, …) in newer
+ones. Reported as the disruption `TerminationTarget/<reason>`."""
+
 
 @dataclass(frozen=True)
 class PodView:
@@ -49,7 +55,8 @@ class PodView:
     """ErrImagePull, ImagePullBackOff, InvalidImageName, CreateContainerConfigError, …"""
     waiting_message: str = ""
     disruption: str = ""
-    """Reason of a DisruptionTarget=True condition (PreemptionByScheduler, …)."""
+    """Reason of a DisruptionTarget=True condition (PreemptionByScheduler, …), or
+    `TerminationTarget/<reason>` for Kueue's TerminationTarget=True."""
     unschedulable: str = ""
     """Message of PodScheduled=False (why the scheduler cannot place it)."""
     ready: bool | None = None
@@ -80,6 +87,19 @@ def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return None
 
 
+def _disruption(pod: dict[str, Any]) -> str:
+    """Why the cluster is taking the pod: DisruptionTarget's reason, else
+    `TerminationTarget/<reason>` (Kueue sets that condition, not DisruptionTarget, on each
+    pod of a workload it stops, before deleting them)."""
+    cond = _condition(pod, "DisruptionTarget")
+    if cond is not None and cond.get("status") == "True":
+        return cond.get("reason") or "DisruptionTarget"
+    cond = _condition(pod, KUEUE_STOP)
+    if cond is not None and cond.get("status") == "True":
+        return f"{KUEUE_STOP}/{cond.get('reason') or 'Stopped'}"
+    return ""
+
+
 def pod_view(pod: dict[str, Any]) -> PodView | None:
     """The view of a raw pod, or None if it is not one of ours (no role/index labels)."""
     meta = pod.get("metadata", {})
@@ -102,10 +122,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
     unschedulable = ""
     if scheduled_cond is not None and scheduled_cond.get("status") == "False":
         unschedulable = scheduled_cond.get("message") or scheduled_cond.get("reason") or ""
-    disruption_cond = _condition(pod, "DisruptionTarget")
-    disruption = ""
-    if disruption_cond is not None and disruption_cond.get("status") == "True":
-        disruption = disruption_cond.get("reason") or "DisruptionTarget"
+    disruption = _disruption(pod)
     ready_cond = _condition(pod, "Ready")
     ready = None if ready_cond is None else ready_cond.get("status") == "True"
     exit_code, terminated_reason, message, finished_at = None, "", "", None

@@ -184,13 +184,24 @@ class FailureResponses:
             st.phase, st.message = "Restarting", "waiting for the trainer gang to be placed"
             self.restart_gang()
             return
-        budget = P.ask_restart(
-            [t for t in (parse_time(x) for x in st.restart_history) if t is not None],
-            self.now,
-            max_restarts=self.spec.restart_policy.max_restarts,
-            window_minutes=self.spec.restart_policy.window_minutes,
-            backoff=self.spec.restart_policy.backoff_seconds,
-        )
+        policy = self.spec.restart_policy
+        history = [t for t in (parse_time(x) for x in st.restart_history) if t is not None]
+        if f.disruption and not policy.count_disruptions:
+            budget = P.Budget(
+                allowed=True,
+                history=P.in_window(history, self.now, policy.window_minutes),
+                delay=policy.backoff_seconds,
+            )
+            counted = "a disruption, not counted against restartPolicy"
+        else:
+            budget = P.ask_restart(
+                history,
+                self.now,
+                max_restarts=policy.max_restarts,
+                window_minutes=policy.window_minutes,
+                backoff=policy.backoff_seconds,
+            )
+            counted = f"restart {len(budget.history)} of {policy.max_restarts} in the window"
         if not budget.allowed:
             limit = self.spec.restart_policy.max_restarts
             window = self.spec.restart_policy.window_minutes
@@ -221,10 +232,7 @@ class FailureResponses:
             if instance
             else f"pod {f.pod}"
         )
-        action = (
-            f"restart {scope} in {budget.delay:g} s (restart {len(budget.history)} of "
-            f"{self.spec.restart_policy.max_restarts} in the window)"
-        )
+        action = f"restart {scope} in {budget.delay:g} s ({counted})"
         self.record(f, action)
         self.event("Warning", "Restarting", f"{what}: {action}")
         if f.role == N.ROLE_TRAINER:
@@ -357,18 +365,28 @@ class FailureResponses:
             f"{p.name}/{u}" for u, p in trainers.items()
             if p.running and u not in known and u not in self.handled
         ]  # fmt: skip
+        seen = dict(entry.split("/", 1) for entry in st.gang_disruptions)
+        seen |= {u: p.disruption for u, p in trainers.items() if p.disruption}
+        st.gang_disruptions = [
+            f"{u}/{reason}" for u, reason in seen.items()
+            if u in {gang_uid(entry) for entry in st.gang_pods}
+        ]  # fmt: skip
         if not gone or st.phase not in ("Running", "Restarting"):
             return
         name, _, uid = gone[0].rpartition("/")
+        # Seen being taken by the cluster before it vanished (its end unseen): that.
+        kind = P.disruption_kind(seen.get(uid, ""))
         self.respond(
             P.Failure(
-                kind=P.ERROR,
+                kind=kind or P.ERROR,
                 pod=name,
                 uid=uid,
                 role=N.ROLE_TRAINER,
-                message=f"trainer pod {name} of the running gang is gone (deleted, evicted "
-                "or its node lost)",
+                message=f"trainer pod {name} of the running gang is gone ("
+                + (f"{seen[uid]}" if kind else "deleted, evicted or its node lost")
+                + ")",
                 group=True,
+                disruption=kind is not None,
             )
         )
 

@@ -147,6 +147,10 @@ class RLFineTuneStatus(_Status):
     gang_pods: list[str] = Field(default_factory=list)
     """`name/uid` of the current trainer gang's pods once seen running: one that vanishes
     (deleted, evicted, its node lost) breaks the others, so the gang restarts."""
+    gang_disruptions: list[str] = Field(default_factory=list)
+    """`uid/reason` of the current gang's pods seen with a disruption condition (a
+    preemption, a drain): one that vanishes before its end is seen is still judged a
+    disruption, not counted against restartPolicy."""
     waiting_since: str | None = None
     """When the operator started waiting for the trainer gang to be scheduled."""
     resume: str = "auto"

@@ -43,6 +43,8 @@ from kube_api import Api, ApiError  # noqa: E402
 from probes import ContainerProbes, event_body, probe_specs  # noqa: E402
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+KUBELET_CONDITIONS = ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+"""The pod conditions a kubelet writes; it keeps the others."""
 HEARTBEAT_S = 1.0
 SYNC_S = 0.2
 BACKOFF_S = (1, 2, 4, 8)
@@ -573,6 +575,13 @@ class Kubelet:
                 {"type": "Initialized", "status": "True"},
                 {"type": "ContainersReady", "status": ready},
                 {"type": "Ready", "status": ready},
+                # Conditions others own (DisruptionTarget, Kueue's TerminationTarget) are
+                # kept, as a real kubelet keeps them: its status is not theirs to drop.
+                *(
+                    c
+                    for c in (pod.get("status") or {}).get("conditions") or []
+                    if c.get("type") not in KUBELET_CONDITIONS
+                ),
             ],
             "containerStatuses": statuses,
         }

@@ -21,6 +21,7 @@ from faults import (
     start_oom,
     worker_of,
 )
+from kube_api import core_path
 from s3_proxy import S3Proxy
 from testcluster import wait_for
 
@@ -85,17 +86,21 @@ def test_a_trainer_rank_killed_mid_step_resumes_from_the_last_checkpoint(
     print(f"recovered {time.monotonic() - killed_at:.1f} s after the kill; resumed at {resumed}")
 
 
-@pytest.mark.parametrize("deleted", [0, 1], ids=["rendezvous-host", "peer"])
+@pytest.mark.parametrize(
+    ("deleted", "evicted"), [(0, False), (1, True)], ids=["rendezvous-host", "peer-evicted"]
+)
 def test_a_preempted_trainer_pod_checkpoints_in_its_grace_and_the_job_resumes_from_it(
-    cluster, seaweed, reference, deleted
+    cluster, seaweed, reference, deleted, evicted
 ):
-    """`kubectl delete pod` of one trainer pod mid-run (what a preemption or a drain
-    does): the kubelet sends SIGTERM, every rank writes the emergency checkpoint inside
+    """One trainer pod deleted mid-run, by `kubectl delete pod` or evicted through the
+    Eviction API as a drain does (the DisruptionTarget condition, then the same graceful
+    delete): the kubelet sends SIGTERM, every rank writes the emergency checkpoint inside
     the grace and stops; the operator restarts the gang, which resumes from that
-    checkpoint, and the job completes. Deleting the peer (trainer-1) is the hard case:
-    the rendezvous host's torchrun agent would wait in its exit barrier for the SIGTERMed
-    agent, holding its pod's name past the whole grace; the old pods must be gone well
-    within it."""
+    checkpoint, and the job completes. The eviction is a disruption, not counted against
+    restartPolicy; a plain delete is counted. Deleting the peer (trainer-1) is the hard
+    case: the rendezvous host's torchrun agent would wait in its exit barrier for the
+    SIGTERMed agent, holding its pod's name past the whole grace; the old pods must be
+    gone well within it."""
     bucket, name = f"faults-preempt-{deleted}", f"preempted-{deleted}"
     seaweed.create_bucket(bucket)
     job = faulty_job(name, bucket, steps=24)
@@ -112,7 +117,12 @@ def test_a_preempted_trainer_pod_checkpoints_in_its_grace_and_the_job_resumes_fr
     wait_for(lambda: (stepping() or 0) >= 3, "a few RL steps", timeout=300, every=0.5)
     first_folders = [cluster.pod_folder(NS, p) for p in pods]  # rank 0 may be either
     deleted_at = time.monotonic()
-    cluster.kubectl("delete", "pod", pods[deleted], "-n", NS, "--wait=false")
+    if evicted:
+        eviction = {"apiVersion": "policy/v1", "kind": "Eviction"}
+        eviction["metadata"] = {"name": pods[deleted], "namespace": NS}
+        cluster.api.request("POST", core_path("pods", NS, pods[deleted]) + "/eviction", eviction)
+    else:
+        cluster.kubectl("delete", "pod", pods[deleted], "-n", NS, "--wait=false")
 
     def old_pods_gone() -> bool:
         current = {(cluster.pod(NS, p) or {}).get("metadata", {}).get("uid") for p in pods}
@@ -124,6 +134,13 @@ def test_a_preempted_trainer_pod_checkpoints_in_its_grace_and_the_job_resumes_fr
     done = wait_for(lambda: finished(cluster, name), f"{name} to finish", timeout=600, every=2)
     status = done["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert status["restarts"] == 1, json.dumps(status, indent=1)
+    if evicted:
+        assert status["lastFailure"]["reason"] == "Evicted", json.dumps(status, indent=1)
+        assert "not counted against restartPolicy" in status["lastFailure"]["action"]
+        assert not status.get("restartHistory"), json.dumps(status, indent=1)
+    else:
+        assert len(status["restartHistory"]) == 1, json.dumps(status, indent=1)
     first_logs = "".join((f / "main.log").read_text(errors="replace") for f in first_folders)
     stopped = first_logs.split("stopped after the emergency checkpoint of step ")
     assert len(stopped) > 1, first_logs[-3000:]

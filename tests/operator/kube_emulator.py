@@ -22,6 +22,8 @@ serves the resource endpoints itself, with the semantics kopf and kubectl rely o
   fieldValidation, CEL rules: see crd_validation.py); server-side printing (Table) with the
   CRD's printer columns, so `kubectl get` shows them;
 - `v1/namespaces` in discovery, `groupVersion: v1` for the core group;
+- the Eviction subresource of pods (what `kubectl drain` uses): the DisruptionTarget
+  condition, then a graceful delete (no PodDisruptionBudget is checked);
 - ResourceQuota admission of creates (quota.py): a create over a namespace's quota is
   refused 403 Forbidden with the real message (`pods "x" is forbidden: exceeded quota:
   …`), before the AlreadyExists check, as admission runs before storage.
@@ -426,6 +428,9 @@ class Emulator(kmock.KubernetesEmulator):
     async def _serve(self, raw: aiohttp.web.BaseRequest, rt: ResourceType, route: Route) -> Any:
         q = raw.query
         method = raw.method
+        if route.sub == "eviction" and rt.kind == "Pod" and method == "POST" and route.name:
+            body = json.loads(await raw.text() or "{}")
+            return self._json(self._evict(rt, route, body, q), 201)
         if route.sub not in (None, "status"):
             raise ApiStatus(404, "NotFound", f"subresource {route.sub!r} is not served")
         if method == "GET" and q.get("watch") in ("true", "1"):
@@ -879,6 +884,31 @@ class Emulator(kmock.KubernetesEmulator):
     ) -> tuple[dict[str, Any], list[str]]:
         old = self._get(rt, route.namespace, route.name or "")
         return self._update(rt, route, old, body, validation)
+
+    def _evict(self, rt: ResourceType, route: Route, body: Any, q: Any) -> dict[str, Any]:
+        """POST pods/NAME/eviction (what `kubectl drain` sends for each pod): as the real
+        server with no PodDisruptionBudget in the way, the DisruptionTarget condition
+        (reason EvictionByEvictionAPI), then a graceful delete with the Eviction's
+        deleteOptions."""
+        key = (*rt.key, route.namespace, route.name)
+        obj = copy.deepcopy(self._get(rt, route.namespace, route.name))
+        conditions = obj.setdefault("status", {}).setdefault("conditions", [])
+        conditions[:] = [c for c in conditions if c.get("type") != "DisruptionTarget"]
+        conditions.append(
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "EvictionByEvictionAPI",
+                "message": "Eviction API: evicting",
+                "lastTransitionTime": _now(),
+            }
+        )
+        self._bump(obj)
+        self.store[key] = obj
+        self._emit(rt, "MODIFIED", obj)
+        options = (body or {}).get("deleteOptions") if isinstance(body, dict) else None
+        self._write_delete(rt, route.namespace, route.name, options, q)
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}
 
     def _write_delete(
         self, rt: ResourceType, namespace: str | None, name: str, body: Any, q: Any

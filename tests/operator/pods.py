@@ -59,8 +59,10 @@ def raw_pod(
     if pod_reason:
         status["reason"] = pod_reason
     if disruption:
+        # Kueue marks the pods of a workload it stops with a condition of its own.
+        kind, _, reason = disruption.rpartition("/")
         status["conditions"].append(
-            {"type": "DisruptionTarget", "status": "True", "reason": disruption}
+            {"type": kind or "DisruptionTarget", "status": "True", "reason": reason}
         )
     state: dict[str, Any] = {}
     if exit_code is not None:

@@ -29,6 +29,7 @@ from rlft.operator import gang as G
 from rlft.operator import manifests as M
 from rlft.operator import names as N
 from rlft.operator.kube import ApiError, Connection, Kube
+from rlft.operator.observe import KUEUE_STOP
 from rlft.trainer.config import JobFileError, parse_job
 from rlft.trainer.config.gang import GangSpec
 
@@ -186,6 +187,17 @@ def test_kueue_names_are_kueues_own():
     # The documented use: the queue and group name as labels, the count as an annotation.
     text = (DATA / "kueue-constants.go.txt").read_text()
     assert '"pod-group-name" label, and the "pod-group-total-count" annotation' in text
+
+
+def test_kueues_stop_condition_is_kueues_own():
+    """The condition Kueue sets on each pod of a workload it stops, then deletes it: the
+    operator reads it as a disruption (not counted against restartPolicy)."""
+    go = _go_constants("kueue-pod-controller.go.txt")
+    assert go["ConditionTypeTerminationTarget"] == KUEUE_STOP
+    text = (DATA / "kueue-pod-controller.go.txt").read_text()
+    condition = "Type:   ConditionTypeTerminationTarget,\n\t\t\t\t\t\tStatus: corev1.ConditionTrue"
+    assert condition in text
+    assert text.index("c.Status().Patch(ctx, pCopy") < text.index("c.Delete(ctx, podInGroup")
 
 
 def test_volcano_names_are_volcanos_own():

@@ -743,7 +743,111 @@ def test_a_preempted_or_evicted_trainer_pod_is_judged_while_it_is_being_deleted(
     )
     d = w.step()
     assert w.status.last_failure.reason == kind and w.status.restarts == 1
+    assert w.status.restart_history == []  # a disruption: not counted
     assert d.delete_pods == ["tiny-grpo-trainer-0"]  # the other is already going
+
+
+def _restart_after(w: World, name: str, **failed: Any) -> float:
+    """Fail `name` as given, and return how long the operator waited to recreate it."""
+    w.run_all()
+    w.step()
+    w.set(name, **failed)
+    w.step()
+    if failed.get("deleting"):
+        del w.pods[name]  # judged, its end seen: the API server removes it
+    start = w.now
+    while name not in w.pods:
+        assert w.status.phase != "Failed", w.status.last_failure
+        w.tick(1)
+        w.step()
+    return (w.now - start).total_seconds()
+
+
+DISRUPTIONS = [
+    ("PreemptionByScheduler", P.PREEMPTED),
+    ("EvictionByEvictionAPI", P.EVICTED),
+    ("TerminationTarget/StoppedByKueue", P.PREEMPTED),  # Kueue's, older releases
+    ("TerminationTarget/WorkloadEvictedDueToPreempted", P.PREEMPTED),  # newer
+    ("DeletionByTaintManager", P.NODE_LOST),
+]
+
+
+@pytest.mark.parametrize(("disruption", "kind"), DISRUPTIONS)
+def test_disruptions_are_not_counted_against_max_restarts(disruption, kind):
+    """A job on preemptible capacity is preempted (drained, its node lost, its Kueue
+    workload evicted) more often than maxRestarts in the window: it restarts each time,
+    after backoffSeconds (not doubled), and is never failed for it."""
+    w = _world()
+    w.step()
+    taken = {"phase": "Failed", "exit_code": 0, "deleting": True, "disruption": disruption}
+    waits = [
+        _restart_after(w, "tiny-grpo-trainer-0", **taken)
+        for _ in range(RESTARTS["maxRestarts"] + 2)
+    ]
+    assert waits == [10] * (RESTARTS["maxRestarts"] + 2)
+    assert w.status.phase != "Failed" and w.status.restart_history == []
+    assert w.status.restarts == RESTARTS["maxRestarts"] + 2
+    assert w.status.last_failure.reason == kind
+    assert "a disruption, not counted against restartPolicy" in w.status.last_failure.action
+
+
+def test_disruptions_are_counted_when_the_restart_policy_says_so():
+    w = World(spec={"restartPolicy": {**RESTARTS, "countDisruptions": True}})
+    w.step()
+    taken = {"phase": "Failed", "exit_code": 0, "deleting": True}
+    waits = [
+        _restart_after(w, "tiny-grpo-trainer-0", **taken, disruption="PreemptionByScheduler")
+        for _ in range(RESTARTS["maxRestarts"])
+    ]
+    assert waits == [10, 20, 40]
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-0", **taken, disruption="PreemptionByScheduler")
+    w.step()
+    assert w.status.phase == "Failed" and w.status.last_failure.reason == "TooManyRestarts"
+
+
+def test_a_kubelet_eviction_for_node_pressure_is_counted():
+    """The pod itself may have filled the node's disk or memory: not a disruption."""
+    w = _world()
+    w.step()
+    _restart_after(
+        w,
+        "tiny-grpo-trainer-0",
+        phase="Failed",
+        pod_reason="Evicted",
+        disruption="TerminationByKubelet",
+    )
+    assert w.status.last_failure.reason == P.EVICTED and len(w.status.restart_history) == 1
+
+
+@pytest.mark.parametrize("seen_taken", [True, False])
+def test_a_trainer_pod_gone_before_its_end_was_seen(seen_taken):
+    """A preempted pod's object goes as soon as its container ends, so the operator may
+    never see it ended: seen with the scheduler's DisruptionTarget while it ran its
+    grace, it is a preemption (not counted); seen only running, it is an error."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    if seen_taken:
+        w.set(
+            "tiny-grpo-trainer-1",
+            phase="Running",
+            deleting=True,
+            disruption="PreemptionByScheduler",
+        )
+        w.step()
+    del w.pods["tiny-grpo-trainer-1"]
+    d = w.step()
+    assert d.delete_pods == ["tiny-grpo-trainer-0"]  # the gang restarts
+    failure = w.status.last_failure
+    if seen_taken:
+        assert failure.reason == P.PREEMPTED and w.status.restart_history == []
+        assert "PreemptionByScheduler" in failure.message
+    else:
+        assert failure.reason == P.ERROR and len(w.status.restart_history) == 1
+    assert w.status.gang_disruptions == []  # nothing left of the old gang
 
 
 def _running_gang_and_an_eviction() -> tuple[World, dict[str, Any]]:

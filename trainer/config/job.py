@@ -549,6 +549,11 @@ class RestartPolicy(Section):
     """Sliding window in which restarts are counted."""
     backoff_seconds: float = Field(10.0, ge=0, le=86400)
     """First restart delay; doubles with each further restart in the window."""
+    count_disruptions: bool = False
+    """Whether restarts after a disruption count against `maxRestarts`: a preemption
+    (by the scheduler or by Kueue), an eviction through the Eviction API (a node drain)
+    or a lost node. By default they do not, so a job on preemptible capacity is not
+    failed for being preempted often; each still waits `backoffSeconds`."""
 
 
 class Toleration(Section):
