@@ -78,34 +78,6 @@ def test_ctrl_c_checkpoints_the_step_in_hand_and_the_next_run_resumes_from_it(tm
     assert f"resumed from the checkpoint of step {step}" in output, output
 
 
-def test_a_second_ctrl_c_stops_a_hung_step_at_once_without_a_checkpoint(tmp_path):
-    """The step in hand never ends (a planted hang): the first Ctrl-C waits for it, the
-    second ends the run at once with 130, and the scheduled checkpoint stays the latest
-    (the watchdog would have waited out the 60 s grace and exited 1)."""
-    write_long_job(tmp_path, interval=2)
-    hang = '[{"kind": "hang", "rank": 0, "at": 4}]'
-    process = start(tmp_path, "out", env={faults.ENV: hang}, start_new_session=True)
-    output = _Output(process)
-    try:
-        checkpoints = open_storage(str(tmp_path / "out" / "checkpoints"))
-        output.wait_for("planted fault: rank 0 hangs")
-        wait_for_step(tmp_path / "out", 3, process, checkpoints)
-        _ctrl_c(process)
-        output.wait_for("Ctrl-C again stops at once")
-        sent = time.monotonic()
-        _ctrl_c(process)
-        process.wait(timeout=30)
-        took = time.monotonic() - sent
-    finally:
-        kill_tree(process)
-    text = output.rest()
-    assert process.returncode == 130, text
-    assert took < 15, text
-    assert "rlft: interrupted" in text, text
-    rows = checkpoint_rows(tmp_path / "out")
-    assert rows[-1][0] == "2" and rows[-1][-1] == "latest", rows  # not an emergency one
-
-
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_a_stop_on_several_ranks_checkpoints_and_exits_0(tmp_path, stop):
     """`rlft train --nproc 2`: a Ctrl-C, or a SIGTERM to `rlft train` alone (`timeout`,
@@ -128,13 +100,17 @@ def test_a_stop_on_several_ranks_checkpoints_and_exits_0(tmp_path, stop):
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
 
 
-def test_a_second_ctrl_c_on_several_ranks_stops_them_at_once(tmp_path):
-    """`rlft train --nproc 2` with rank 0 hung (rank 1 blocked in the step's collective):
-    the first Ctrl-C waits for the step, the second stops both ranks at once. torchrun
-    passes on only the first, and would have waited 30 s before killing them."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_second_ctrl_c_stops_a_hung_step_at_once_without_a_checkpoint(tmp_path, nproc):
+    """The step in hand never ends (rank 0 hangs; with `--nproc 2` rank 1 blocks in the
+    step's collective): the first Ctrl-C waits for it, the second ends the run at once
+    with 130, and the scheduled checkpoint stays the latest (the watchdog would have
+    waited out the 60 s grace and exited 1; with `--nproc`, torchrun passes on only the
+    first Ctrl-C, and would have waited 30 s before killing the ranks)."""
     write_long_job(tmp_path, interval=2)
     hang = '[{"kind": "hang", "rank": 0, "at": 4}]'
-    process = start(tmp_path, "out", "--nproc", "2", env={faults.ENV: hang}, start_new_session=True)
+    ranks_arg = ["--nproc", str(nproc)] if nproc > 1 else []
+    process = start(tmp_path, "out", *ranks_arg, env={faults.ENV: hang}, start_new_session=True)
     output = _Output(process)
     try:
         checkpoints = open_storage(str(tmp_path / "out" / "checkpoints"))
@@ -145,10 +121,10 @@ def test_a_second_ctrl_c_on_several_ranks_stops_them_at_once(tmp_path):
         agent = descendants_running(process.pid, "torch.distributed.run")
         ranks = [
             pid
-            for pid in descendants_running(process.pid, "rlft.trainer.cli.main")
+            for pid in [process.pid, *descendants_running(process.pid, "rlft.trainer.cli.main")]
             if pid not in agent
         ]
-        assert len(ranks) == 2, ranks
+        assert len(ranks) == nproc + (nproc > 1), ranks  # `rlft train` is rank 0 alone
         sent = time.monotonic()
         _ctrl_c(process)
         process.wait(timeout=40)
