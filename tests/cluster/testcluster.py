@@ -276,12 +276,18 @@ class ProcessCluster:
 
     def restart_operator(self, sig: int = signal.SIGKILL) -> OperatorProcess:
         """Fault injection: stop the operator with `sig` (SIGKILL: mid-reconcile, no
-        cleanup) and start a new one with the same arguments, as a Deployment would."""
+        cleanup) and start a new one, as a Deployment would. The new one has a higher
+        leader-election priority than the killed one's, as a new replica does one time
+        in two (the operator draws its priority at random): with an equal or lower one,
+        kopf pauses it until the killed replica's peering record expires (60 s), which
+        `tests/operator/test_operator_integration.py` covers."""
         assert self.operator is not None, "install_operator first"
         self.operator.stop(sig=sig)
         self.operator_starts += 1
         name = f"operator-{self.operator_starts}"
-        self.operator = OperatorProcess(self.api_server, *self.operator_args, name=name)
+        args = list(self.operator_args)
+        args[args.index("--priority") + 1] = str(100 + self.operator_starts)
+        self.operator = OperatorProcess(self.api_server, *args, name=name)
         return self.operator
 
     def stop(self) -> None:
