@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from cluster_images import environment_of
 from testcluster import ProcessCluster, wait_for
 from tiny_jobs import TINY_INIT
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -27,6 +28,13 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = "ml"
 VLLM_IMAGE = "ghcr.io/rlft/rollout-vllm:latest"
 """Mapped to `.venv-vllm` by the kubelets (cluster_images.py)."""
+
+
+def vllm_image() -> str:
+    """VLLM_IMAGE, once its environment is there: without it the pod waits in
+    ErrImagePull and the test would time out instead of saying why."""
+    assert environment_of(VLLM_IMAGE) is not None, "run `make vllm` (builds .venv-vllm)"
+    return VLLM_IMAGE
 
 
 def pod_targets(cluster: ProcessCluster) -> list[dict[str, Any]]:

@@ -13,13 +13,13 @@ import yaml
 from cluster_jobs import (
     ALGORITHMS,
     NS,
-    VLLM_IMAGE,
     finished,
     held_out_accuracy,
     learnable_job,
     mount_a_claim,
     rlft,
     tiny_job,
+    vllm_image,
     warm_start_of_the_example,
 )
 from testcluster import wait_for
@@ -119,7 +119,7 @@ def test_a_grpo_job_with_its_rollout_instance_on_vllm_succeeds(cluster, seaweed)
     """The rollout pod's image maps to `.venv-vllm`: `rlft rollout` serves with vLLM."""
     bucket, name = "cluster-vllm", "tiny-vllm"
     seaweed.create_bucket(bucket)
-    rollout = {"engine": "vllm", "image": VLLM_IMAGE}
+    rollout = {"engine": "vllm", "image": vllm_image()}
     job = tiny_job(name, bucket, ALGORITHMS["grpo"], rollout)
     # vLLM's CPU attention needs heads of 32 dimensions or more
     job["spec"]["model"]["init"] = TINY_INIT | {"hiddenSize": 64, "numKvHeads": 1}
@@ -187,7 +187,7 @@ def test_a_rollout_instance_spanning_two_nodes_forms_a_ray_cluster(cluster, seaw
     seaweed.create_bucket(bucket)
     rollout = {
         "engine": "vllm",
-        "image": VLLM_IMAGE,
+        "image": vllm_image(),
         "nodesPerInstance": 2,
         "tensorParallel": 2,
     }
