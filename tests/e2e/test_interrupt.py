@@ -78,18 +78,21 @@ def test_ctrl_c_checkpoints_the_step_in_hand_and_the_next_run_resumes_from_it(tm
     assert f"resumed from the checkpoint of step {step}" in output, output
 
 
-@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "hangup"])
 def test_a_stop_on_several_ranks_checkpoints_and_exits_0(tmp_path, stop):
-    """`rlft train --nproc 2`: a Ctrl-C, or a SIGTERM to `rlft train` alone (`timeout`,
-    a service manager), reaches the workers, which checkpoint, and torchrun ends with
-    them, without a traceback of its own. `rlft train` waits for them: it used to raise on
-    Ctrl-C and kill torchrun mid-checkpoint, and to die of a SIGTERM, its ranks running on."""
+    """`rlft train --nproc 2`: a Ctrl-C, a SIGTERM to `rlft train` alone (`timeout`, a
+    service manager) or a terminal's hangup (SIGHUP to its foreground group) reaches the
+    workers, which checkpoint, and torchrun ends with them, without a traceback of its
+    own. `rlft train` waits for them: it used to raise on Ctrl-C and kill torchrun
+    mid-checkpoint, and to die of a SIGTERM, its ranks running on."""
     write_long_job(tmp_path)
     process = start(tmp_path, "out", "--nproc", "2", start_new_session=True)
     try:
         wait_for_step(tmp_path / "out", 3, process)
         if stop == "ctrl-c":
             _ctrl_c(process)
+        elif stop == "hangup":
+            os.killpg(process.pid, signal.SIGHUP)
         else:
             process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=120)[0]

@@ -92,9 +92,11 @@ class _SignalRelay:
     on a second Ctrl-C at all. So the first Ctrl-C or SIGTERM goes to the workers, which
     checkpoint the step in hand and exit 0, and torchrun with them. A second Ctrl-C goes
     to them too and stops them at once; KILL_AFTER_SECONDS later what is left of them is
-    killed. Before torchrun has started workers, the signal goes to torchrun itself."""
+    killed. Before torchrun has started workers, the signal goes to torchrun itself.
+    A hangup (the terminal closed) goes on as SIGTERM: torchrun, out of the terminal's
+    foreground group, would not get it, and would run on with its workers."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
         self.agent: subprocess.Popen | None = None
@@ -118,6 +120,8 @@ class _SignalRelay:
             raise KeyboardInterrupt  # nothing started yet
         if signum == signal.SIGINT:
             self.ctrl_c += 1
+        elif signum == signal.SIGHUP:
+            signum = signal.SIGTERM  # what the workers checkpoint on
         workers = child_pids(self.agent.pid)
         if not workers:
             with contextlib.suppress(ProcessLookupError):
