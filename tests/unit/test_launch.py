@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rlft.trainer.distributed.launch import torchrun_command
+import signal
+
+from rlft.trainer.distributed.launch import _SignalRelay, torchrun_command
 
 
 def test_torchrun_waits_the_jobs_grace_for_its_workers_before_killing_them():
@@ -15,3 +17,15 @@ def test_torchrun_waits_the_jobs_grace_for_its_workers_before_killing_them():
 def test_without_a_grace_torchrun_keeps_its_default():
     command = torchrun_command(2, "rlft.trainer.cli.main", ["train"], "/tmp/logs")
     assert not any(part.startswith("--shutdown-timeout") for part in command)
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    """`nohup rlft train --nproc 2`: the hangup nohup ignores must not stop the run."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _SignalRelay() as relay:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == relay._handle  # relayed
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)

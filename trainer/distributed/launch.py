@@ -106,7 +106,13 @@ class _SignalRelay:
 
     def __enter__(self) -> _SignalRelay:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            # A signal this process ignores stays ignored (`nohup`'s SIGHUP, SIGINT of a
+            # job a non-interactive shell put in the background).
+            self._previous = {
+                s: signal.signal(s, self._handle)
+                for s in self.SIGNALS
+                if signal.getsignal(s) is not signal.SIG_IGN
+            }
         return self
 
     def __exit__(self, *exc: object) -> None:
