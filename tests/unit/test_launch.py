@@ -19,7 +19,7 @@ def test_without_a_grace_torchrun_keeps_its_default():
     assert not any(part.startswith("--shutdown-timeout") for part in command)
 
 
-def test_a_signal_the_process_ignores_stays_ignored():
+def test_a_hangup_the_process_ignores_stays_ignored():
     """`nohup rlft train --nproc 2`: the hangup nohup ignores must not stop the run."""
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:

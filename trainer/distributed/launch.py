@@ -106,12 +106,13 @@ class _SignalRelay:
 
     def __enter__(self) -> _SignalRelay:
         if threading.current_thread() is threading.main_thread():
-            # A signal this process ignores stays ignored (`nohup`'s SIGHUP, SIGINT of a
-            # job a non-interactive shell put in the background).
+            # A hangup this process ignores stays ignored (`nohup`). An ignored SIGINT is
+            # not: the ranks override it too (GracefulStop), and a test runner's worker
+            # (pytest-xdist) hands it down ignored.
             self._previous = {
                 s: signal.signal(s, self._handle)
                 for s in self.SIGNALS
-                if signal.getsignal(s) is not signal.SIG_IGN
+                if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN
             }
         return self
 
