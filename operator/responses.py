@@ -367,10 +367,8 @@ class FailureResponses:
         ]  # fmt: skip
         seen = dict(entry.split("/", 1) for entry in st.gang_disruptions)
         seen |= {u: p.disruption for u, p in trainers.items() if p.disruption}
-        st.gang_disruptions = [
-            f"{u}/{reason}" for u, reason in seen.items()
-            if u in {gang_uid(entry) for entry in st.gang_pods}
-        ]  # fmt: skip
+        gang = {gang_uid(entry) for entry in st.gang_pods}
+        st.gang_disruptions = [f"{u}/{reason}" for u, reason in seen.items() if u in gang]
         if not gone or st.phase not in ("Running", "Restarting"):
             return
         name, _, uid = gone[0].rpartition("/")

@@ -8,6 +8,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+from rlft.trainer.distributed.launch import child_pids
+
 
 def stop_process(process: subprocess.Popen, timeout: float = 10, sig: int = signal.SIGTERM) -> None:
     """Send `sig`, wait up to `timeout` seconds, then kill; always reaps the process."""
@@ -27,18 +29,9 @@ def descendants(pid: int) -> list[int]:
     leaves them running."""
     found, queue = [], [pid]
     while queue:
-        parent = queue.pop(0)
-        try:
-            tasks = list(Path(f"/proc/{parent}/task").iterdir())
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            queue += children
+        children = child_pids(queue.pop(0))
+        found += children
+        queue += children
     return found
 
 
