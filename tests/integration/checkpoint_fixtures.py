@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -163,6 +164,30 @@ class CountingReads:
         return data
 
 
+def join_gloo_group(rank: int, world_size: int, port: int) -> None:
+    """Start of a rank spawned by `mp.spawn`: one thread, a gloo group on loopback, and
+    a native crash reported with every thread's Python stack (mp.spawn names only the
+    signal)."""
+    import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def leave_gloo_group() -> None:
+    """End of a rank spawned by `mp.spawn`, as a trainer rank ends: every rank done with
+    the group before it goes, then no interpreter finalization. Finalization destroys the
+    groups FSDP's device meshes still hold with gloo's threads attached, and a rank
+    aborted there ("terminate called without an active exception", SIGABRT) in one CI
+    run of test_fsdp2_sharded_save_resumes_at_world_size_2_and_1."""
+    from rlft.trainer.distributed.runtime import exit_worker, shutdown
+
+    shutdown()
+    exit_worker(0)
+
+
 def distributed_save_and_resume(
     rank: int,
     world_size: int,
@@ -175,16 +200,13 @@ def distributed_save_and_resume(
     """Spawned per rank: FSDP2 training, an async sharded save at step 2, one more step;
     then a fresh FSDP2 model resumes from the checkpoint and must redo step 3 exactly.
     Writes the bytes each rank's resume read from the store to `read-<rank>`."""
-    import torch.distributed as dist
 
     from rlft.trainer.checkpoint import load, open_storage
     from rlft.trainer.checkpoint.export import hf_files_of
     from rlft.trainer.checkpoint.saver import Checkpointer
     from rlft.trainer.storage.backends import S3Options
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    join_gloo_group(rank, world_size, port)
     options = S3Options(endpoint_url=endpoint, addressing_style="path", part_size_mb=5)
     storage = open_storage(uri, options)
     model, optimizer = fsdp_model(world_size)
@@ -213,7 +235,7 @@ def distributed_save_and_resume(
     for name, value in params_of(model2).items():
         assert torch.equal(value, at_three[name]), f"rank {rank}: {name} differs after resume"
     (Path(out) / f"ok-{rank}").write_text("resumed exactly")
-    dist.destroy_process_group()
+    leave_gloo_group()
 
 
 # -------------------------------------------------------------------- the worker

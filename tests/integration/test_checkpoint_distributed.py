@@ -12,6 +12,8 @@ from checkpoint_fixtures import (
     batch_for,
     corrupt,
     distributed_save_and_resume,
+    join_gloo_group,
+    leave_gloo_group,
     params_of,
     s3_options,
     tiny_model,
@@ -84,16 +86,13 @@ def test_each_rank_reads_only_the_pieces_of_the_checkpoint_it_loads(
 def damaged_on_two_ranks(rank: int, port: int, root: str) -> None:
     """Spawned per rank: a file:// checkpoint at world size 2 whose file in rank 1's
     share of the checksum work is damaged; both ranks try to resume from it."""
-    import os
 
     import torch.distributed as dist
 
     from rlft.trainer.checkpoint.errors import DamagedCheckpointsError
     from rlft.trainer.checkpoint.saver import Checkpointer
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo_group(rank, 2, port)
     storage = open_storage(f"file://{root}/ckpts")
     model = tiny_model(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -110,7 +109,7 @@ def damaged_on_two_ranks(rank: int, port: int, root: str) -> None:
         load(storage, "auto", model, optimizer)
     except DamagedCheckpointsError as error:
         Path(root, f"error-{rank}").write_text(str(error))
-    dist.destroy_process_group()
+    leave_gloo_group()
 
 
 def test_a_file_damaged_in_another_ranks_share_is_named_on_every_rank(tmp_path: Path) -> None:
@@ -126,16 +125,11 @@ def flaky_on_rank_1(rank: int, port: int, root: str) -> None:
     """Spawned per rank: a save on 2 ranks where rank 1's store refuses one upload (a
     transient error, retried); rank 0 records the events it gets."""
     import json
-    import os
-
-    import torch.distributed as dist
 
     from rlft.trainer.checkpoint.saver import Checkpointer
     from rlft.trainer.storage.errors import StorageError
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo_group(rank, 2, port)
     storage = open_storage(f"file://{root}/ckpts")
     if rank == 1:
         put_file, refused = storage.put_file, []
@@ -154,7 +148,7 @@ def flaky_on_rank_1(rank: int, port: int, root: str) -> None:
     assert ckpt.save(2, model, optimizer, extra={"step": 2}, wait=True)
     ckpt.close()
     Path(root, f"events-{rank}.json").write_text(json.dumps(events))
-    dist.destroy_process_group()
+    leave_gloo_group()
 
 
 def test_another_ranks_upload_retries_reach_rank_0(tmp_path: Path) -> None:
