@@ -14,7 +14,7 @@ from rlft.operator import names as N
 from rlft.operator import options, pod_options
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.config.algorithm import SOURCES
-from rlft.trainer.config.job import vllm_cpu_head_problem
+from rlft.trainer.config.model import vllm_cpu_head_problem
 
 CONFIG_DIR = "/etc/rlft"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"

@@ -176,7 +176,7 @@ def test_a_roles_own_env_follows_the_operators_which_it_cannot_change():
     """spec.trainer.env reaches trainer pods, spec.rollout.env the rollout pods, after the
     operator's variables; every variable the operator sets is one the job file refuses
     (but OMP_NUM_THREADS, which the operator sets only when the job does not)."""
-    from rlft.trainer.config.job import OPERATOR_ENV
+    from rlft.trainer.config.containers import OPERATOR_ENV
 
     secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
     job, body = parsed(

@@ -3,6 +3,8 @@ share it without importing each other)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pydantic import AliasGenerator, BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
@@ -19,3 +21,11 @@ class Section(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
     )
+
+
+def checked(value: str | None, problem: Callable[[str], str | None]) -> str | None:
+    """`value` if `problem` finds nothing wrong with it; else the problem, as a field error."""
+    found = None if value is None else problem(value)
+    if found:
+        raise ValueError(found)
+    return value

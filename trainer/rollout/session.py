@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rlft.trainer.config.job import vllm_cpu_head_problem
+from rlft.trainer.config.model import vllm_cpu_head_problem
 from rlft.trainer.rollout.pipeline import Produce, RolloutPipeline, never
 
 if TYPE_CHECKING:

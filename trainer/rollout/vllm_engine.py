@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rlft.trainer.config.job import vllm_cpu_head_problem
+from rlft.trainer.config.model import vllm_cpu_head_problem
 from rlft.trainer.rollout.engine import Completion, SamplingParams
 
 _MOE_FIX_CALLS = [0]
