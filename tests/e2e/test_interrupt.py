@@ -7,6 +7,7 @@ passes it on to the workers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -15,7 +16,7 @@ import threading
 import time
 
 import pytest
-from processes import descendants_running, kill_tree, read_proc
+from processes import descendants, descendants_running, kill_tree, read_proc
 from test_resume import (
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
     checkpoint_rows,
@@ -24,6 +25,7 @@ from test_resume import (
     write_long_job,
 )
 
+from rlft.trainer.distributed.launch import child_pids
 from rlft.trainer.learner import faults
 from rlft.trainer.storage.backends import open_storage
 
@@ -142,3 +144,69 @@ def test_a_second_ctrl_c_stops_a_hung_step_at_once_without_a_checkpoint(tmp_path
     assert "rlft: interrupted" in text, text
     rows = checkpoint_rows(tmp_path / "out")
     assert rows[-1][0] == "2" and rows[-1][-1] == "latest", rows  # not an emergency one
+
+
+def _started_torchrun(process: subprocess.Popen, timeout: float = 60) -> int:
+    """torchrun's process id, as soon as `rlft train --nproc` has started it (it then
+    imports torch for a second or more before it starts any worker)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        agent = child_pids(process.pid)
+        if agent:
+            return agent[0]
+        time.sleep(0.01)
+    raise AssertionError(f"rlft train started no torchrun: {process.communicate()[0]}")
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_a_stop_before_the_ranks_started_ends_at_once_without_a_traceback(tmp_path, stop):
+    """Nothing has run to checkpoint: `rlft train --nproc` stops torchrun at once and
+    exits with the shell's code for the signal (it used to hand the signal to torchrun,
+    which ended in a traceback of its own)."""
+    write_long_job(tmp_path)
+    process = start(tmp_path, "out", "--nproc", "2", start_new_session=True)
+    try:
+        agent = _started_torchrun(process)
+        assert not child_pids(agent), "torchrun started its workers before the signal"
+        signum = signal.SIGINT if stop == "ctrl-c" else signal.SIGTERM
+        if stop == "ctrl-c":
+            _ctrl_c(process)
+        else:
+            process.send_signal(signum)
+        output = process.communicate(timeout=30)[0]
+        left = [pid for pid in [agent, *descendants(process.pid)] if read_proc(pid, "cmdline")]
+    finally:
+        kill_tree(process)
+    assert process.returncode == 128 + signum, output
+    assert f"rlft: stopped: {signum.name} before the workers started" in output, output
+    assert "Traceback" not in output, output
+    assert not left, (left, output)
+
+
+def test_torchrun_killed_outright_leaves_no_rank_training(tmp_path):
+    """torchrun SIGKILLed (the OOM killer, a `kill -9`): its workers, each in a session
+    of its own, used to train on unseen beside a rerun writing the same folder. `rlft
+    train` is their reaper: it kills them and exits 1. (Rank 0 hangs at step 3, and rank 1
+    waits for it in the step's collective: left alone, both would run for good.)"""
+    write_long_job(tmp_path)
+    hang = '[{"kind": "hang", "rank": 0, "at": 3}]'
+    process = start(tmp_path, "out", "--nproc", "2", env={faults.ENV: hang}, start_new_session=True)
+    output = _Output(process)
+    ranks: list[int] = []
+    try:
+        output.wait_for("planted fault: rank 0 hangs")
+        (agent,) = descendants_running(process.pid, "torch.distributed.run")
+        ranks = child_pids(agent)
+        assert len(ranks) == 2, ranks
+        os.kill(agent, signal.SIGKILL)
+        process.wait(timeout=30)
+        time.sleep(1)  # a rank found still running had time to go
+        left = [pid for pid in ranks if read_proc(pid, "cmdline")]
+    finally:
+        kill_tree(process)
+        for pid in ranks:  # orphans are no descendants of the run any more
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    text = output.rest()
+    assert process.returncode == 1, text
+    assert not left, (left, text)

@@ -179,8 +179,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         # A rank of a job whose ranks torchrun started (on Kubernetes: every worker of
         # every trainer pod): join the group it described, whatever --nproc says.
         return _run_as_rank(job, args)
+    from rlft.trainer.distributed.launch import StoppedBeforeStart
+
     try:
         return _run(job, args) if args.nproc == 1 else _run_local_ranks(job, args)
+    except StoppedBeforeStart as stop:
+        print(f"rlft: stopped: {stop}; nothing had run", file=sys.stderr)
+        return 128 + stop.signum  # the shell's code for a process a signal ended
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints)
         print(
             "rlft: interrupted: the step in hand is lost; the newest committed "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import signal
@@ -62,22 +63,69 @@ def run_workers(
     """Run the module on `nproc` local ranks (with `env` added to their environment, and
     `grace_s` to stop on a signal); returns torchrun's exit code. Raises KeyboardInterrupt
     once torchrun has exited if Ctrl-C came twice (the workers were stopped at once,
-    without their checkpoint)."""
-    with _log_dir() as logs, _SignalRelay() as relay:
-        command = torchrun_command(nproc, module, args, logs, grace_s)
-        environment = worker_env(nproc) | (env or {})
-        # A process group of its own: a terminal's Ctrl-C reaches this process alone,
-        # which passes it on (_SignalRelay).
-        relay.agent = subprocess.Popen(command, env=environment, process_group=0)
-        try:
-            code = relay.agent.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            relay.agent.kill()
-            relay.agent.wait()
-            raise
+    without their checkpoint), and StoppedBeforeStart if a signal came before torchrun
+    had started them.
+
+    Call it from a process of its own (`rlft train --nproc`): it makes that process the
+    reaper of the launch's orphans and kills what is left of them once torchrun exits."""
+    _become_subreaper()
+    try:
+        with _log_dir() as logs, _SignalRelay() as relay:
+            command = torchrun_command(nproc, module, args, logs, grace_s)
+            environment = worker_env(nproc) | (env or {})
+            # A process group of its own: a terminal's Ctrl-C reaches this process alone,
+            # which passes it on (_SignalRelay).
+            relay.agent = subprocess.Popen(command, env=environment, process_group=0)
+            if relay.early is not None:  # the signal came while it was being started
+                os.killpg(relay.agent.pid, signal.SIGKILL)
+            try:
+                code = relay.agent.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                relay.agent.kill()
+                relay.agent.wait()
+                raise
+    finally:
+        stop_orphans()
+    if relay.early is not None:
+        raise StoppedBeforeStart(relay.early)
     if relay.ctrl_c >= 2:
         raise KeyboardInterrupt
     return code
+
+
+class StoppedBeforeStart(Exception):
+    """A signal came before torchrun had started the workers: nothing had run, so there
+    was nothing to checkpoint, and torchrun was stopped at once."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} before the workers started")
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    """Orphans of this process's descendants become its children, not init's. torchrun
+    starts each worker in a session of its own: a torchrun killed outright (the OOM
+    killer, a SIGKILL) or stopped while it starts them left workers that trained on,
+    unseen, beside a rerun writing the same folder. Linux only; elsewhere nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def stop_orphans() -> list[int]:
+    """SIGKILL the process groups of this process's remaining children, and reap them:
+    after torchrun has exited, those are orphans of the launch (workers it left, and
+    what they started). Returns their process ids."""
+    orphans = child_pids(os.getpid())
+    _signal_groups(orphans, signal.SIGKILL)
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # one that left its group (setsid) too
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return orphans
 
 
 KILL_AFTER_SECONDS = 5.0
@@ -92,7 +140,7 @@ class _SignalRelay:
     on a second Ctrl-C at all. So the first Ctrl-C or SIGTERM goes to the workers, which
     checkpoint the step in hand and exit 0, and torchrun with them. A second Ctrl-C goes
     to them too and stops them at once; KILL_AFTER_SECONDS later what is left of them is
-    killed. Before torchrun has started workers, the signal goes to torchrun itself.
+    killed. Before torchrun has started workers, torchrun is stopped at once.
     A hangup (the terminal closed) goes on as SIGTERM: torchrun, out of the terminal's
     foreground group, would not get it, and would run on with its workers."""
 
@@ -101,6 +149,8 @@ class _SignalRelay:
     def __init__(self) -> None:
         self.agent: subprocess.Popen | None = None
         self.ctrl_c = 0
+        self.early: int | None = None
+        """The signal that came before torchrun had started the workers, if one did."""
         self._previous: dict[int, object] = {}
         self._kill: threading.Timer | None = None
 
@@ -123,16 +173,21 @@ class _SignalRelay:
             self._kill.cancel()
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.agent is None:
-            raise KeyboardInterrupt  # nothing started yet
+        if self.agent is None:  # torchrun not started yet: run_workers stops it at once
+            self.early = signum if self.early is None else self.early
+            return
         if signum == signal.SIGINT:
             self.ctrl_c += 1
         elif signum == signal.SIGHUP:
             signum = signal.SIGTERM  # what the workers checkpoint on
         workers = child_pids(self.agent.pid)
-        if not workers:
+        if not workers or self.early is not None:
+            # Nothing has run to checkpoint, and torchrun's own handling of the signal
+            # ends in a traceback: stop it at once (workers it was just starting are
+            # orphans then, which run_workers stops).
+            self.early = signum if self.early is None else self.early
             with contextlib.suppress(ProcessLookupError):
-                self.agent.send_signal(signum)
+                os.killpg(self.agent.pid, signal.SIGKILL)
             return
         _signal_groups(workers, signum)
         if self.ctrl_c == 2 and self._kill is None:
