@@ -40,6 +40,7 @@ from rlft.operator.observe import PodView, TrainerReport, pod_view, trainer_repo
 from rlft.operator.pod_spec import spec_problems
 from rlft.operator.reconcile import reconcile
 from rlft.operator.status import RLFineTuneStatus, read_status
+from rlft.trainer.addresses import http_url
 from rlft.trainer.config import JobFileError, parse_job
 
 log = logging.getLogger("rlft.operator")
@@ -363,7 +364,7 @@ async def poll_trainer(pods: list[PodView], port: int) -> TrainerReport | None:
     the other ranks serve none)."""
     for pod in sorted(pods, key=lambda p: p.index):
         if pod.role == N.ROLE_TRAINER and pod.running and pod.pod_ip:
-            document = await fetch_json(f"http://{pod.pod_ip}:{port}/status")
+            document = await fetch_json(http_url(pod.pod_ip, port, "/status"))
             report = trainer_report(document, pod.uid)
             if report is not None:
                 return report

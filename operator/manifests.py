@@ -30,6 +30,7 @@ from rlft.operator import gang as G
 from rlft.operator import names as N
 from rlft.operator import pod_spec, probes
 from rlft.operator.pod_spec import JOB_FILE, WORKSPACE, Settings
+from rlft.trainer.addresses import ALL as ALL_ADDRESSES
 from rlft.trainer.config import RLFineTune, dump_job
 
 
@@ -47,7 +48,7 @@ def rendered(job: RLFineTune, s: Settings) -> RLFineTune:
     and port of /status and /metrics it polls and scrapes, the weights location)."""
     spec = job.spec
     telemetry = spec.telemetry.model_copy(
-        update={"enabled": True, "host": "0.0.0.0", "port": s.status_port}
+        update={"enabled": True, "host": ALL_ADDRESSES, "port": s.status_port}
     )
     rollout = spec.rollout.model_copy(update={"weights_uri": weights_uri(job)})
     return job.model_copy(
@@ -210,7 +211,7 @@ def rollout_command(job: RLFineTune, s: Settings, instance: int, ray: bool) -> l
         "rollout",
         JOB_FILE,
         "--host",
-        "0.0.0.0",
+        ALL_ADDRESSES,
         "--port",
         str(s.rollout_port),
         "--instance",

@@ -189,12 +189,15 @@ def test_off_means_always_live(log):
     assert live.check().alive and not live.stalled
 
 
-def test_start_serves_only_on_local_rank_0_with_the_operators_port(log):
-    env = {liveness.PORT_ENV: "0", "LOCAL_RANK": "0", "RLFT_POD_IP": "127.0.0.1", **log}
+@pytest.mark.parametrize(("pod_ip", "url"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_start_serves_only_on_local_rank_0_with_the_operators_port(log, pod_ip, url):
+    """...at the pod's address, IPv6 on an IPv6-only cluster (the endpoint used to fail
+    to bind one, and the rank with it)."""
+    env = {liveness.PORT_ENV: "0", "LOCAL_RANK": "0", "RLFT_POD_IP": pod_ip, **log}
     running = start(30, 0, env)
     try:
         assert running.server is not None and running.watch is not None
-        assert running.server.url.startswith("http://127.0.0.1:")
+        assert running.server.url.startswith(f"http://{url}:")
         assert get(running.server.url)[0] == 200
     finally:
         running.close()

@@ -16,8 +16,9 @@ class TelemetrySpec(Section):
     enabled: bool = True
     """Serve /metrics, /status and /healthz over HTTP."""
     host: str = Field("127.0.0.1", min_length=1, max_length=253)
-    """Address to bind. Locally loopback; the operator renders `0.0.0.0` into pods so
-    Prometheus and the operator can reach it."""
+    """Address to bind (an IPv4 or IPv6 address). Locally loopback; the operator renders
+    `::` into pods, every address of the pod, IPv6 and IPv4, so that Prometheus and the
+    operator reach it on IPv4, IPv6 and dual-stack clusters."""
     port: int = Field(0, ge=0, le=65535)
     """Port to serve on; 0 picks a free one (printed at start). The operator sets a fixed
     port in pods."""

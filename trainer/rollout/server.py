@@ -26,12 +26,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from rlft.trainer import termination
+from rlft.trainer.addresses import http_url
+from rlft.trainer.http_server import HTTPServer
 from rlft.trainer.rollout.arguments import add_arguments
 from rlft.trainer.rollout.protocol import (
     GenerateRequest,
@@ -313,9 +315,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(500, {"error": f"{type(error).__name__}: {error}"})
 
 
-class RolloutHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-
+class RolloutHTTPServer(HTTPServer):
     def __init__(self, address: tuple[str, int], host: EngineHost, metrics, kind: str):
         super().__init__(address, _Handler)
         self.host, self.metrics, self.kind = host, metrics, kind
@@ -401,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
         temp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
         temp.replace(args.ready_file)
     print(
-        f"rlft rollout: instance {args.instance} ({kind}) on http://{args.host}:{port}",
+        f"rlft rollout: instance {args.instance} ({kind}) on {http_url(args.host, port)}",
         flush=True,
     )
     try:

@@ -25,8 +25,10 @@ import os
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
+from rlft.trainer.addresses import http_url
+from rlft.trainer.http_server import HTTPServer
 from rlft.trainer.telemetry.liveness import PATH, PORT_ENV, STARTED_PATH, Liveness, install
 
 
@@ -55,8 +57,7 @@ class _Handler(BaseHTTPRequestHandler):
         """A probe every few seconds would flood the trainer's log; stay quiet."""
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(HTTPServer):
     liveness: Liveness
 
 
@@ -77,7 +78,7 @@ class LivenessServer:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}{PATH}"
+        return http_url(host, port, PATH)
 
     def close(self) -> None:
         if self._thread.is_alive():

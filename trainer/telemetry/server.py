@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from rlft.trainer.addresses import http_url
+from rlft.trainer.http_server import HTTPServer
 from rlft.trainer.telemetry.exporter import MetricsExporter
 from rlft.trainer.telemetry.status import StatusBoard
 
@@ -44,8 +46,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Scrapes every few seconds would flood the trainer's log; stay quiet."""
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(HTTPServer):
     metrics: Callable[[], bytes]
     status: Callable[[], dict]
 
@@ -92,7 +93,7 @@ class TelemetryServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def close(self) -> None:
         """Stop serving and release the port (idempotent)."""
