@@ -1,10 +1,17 @@
-"""`rlft train --nproc`'s torchrun command line."""
+"""`rlft train --nproc`'s torchrun command line, its signal relay, and a launch run in
+process."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
 
-from rlft.trainer.distributed.launch import _SignalRelay, torchrun_command
+from rlft.trainer.distributed.launch import (
+    _child_subreaper,
+    _SignalRelay,
+    run_workers,
+    torchrun_command,
+)
 
 
 def test_torchrun_waits_the_jobs_grace_for_its_workers_before_killing_them():
@@ -29,3 +36,20 @@ def test_a_hangup_the_process_ignores_stays_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_launch_in_process_leaves_the_callers_own_children_and_reaper_alone():
+    """`rlft train --nproc` called in process (as tests call `main`): the launch kills
+    only the orphans it leaves. It used to kill every child of the caller once torchrun
+    exited (a test worker's S3 server among them), and left the caller the reaper of
+    every later orphan."""
+    server = subprocess.Popen(["sleep", "60"])  # the caller's own child
+    try:
+        before = _child_subreaper(None)
+        code = run_workers(1, "this", [], timeout_s=120)  # `python -m this`: prints, exits 0
+        assert code == 0
+        assert server.poll() is None, "the launch killed the caller's own child"
+        assert _child_subreaper(None) == before
+    finally:
+        server.kill()
+        server.wait()

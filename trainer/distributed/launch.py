@@ -66,9 +66,11 @@ def run_workers(
     without their checkpoint), and StoppedBeforeStart if a signal came before torchrun
     had started them.
 
-    Call it from a process of its own (`rlft train --nproc`): it makes that process the
-    reaper of the launch's orphans and kills what is left of them once torchrun exits."""
-    _become_subreaper()
+    While it runs, this process is the reaper of the launch's orphans; once torchrun has
+    exited it kills what is left of them (children it did not have before)."""
+    was_reaper = _child_subreaper(None)
+    _child_subreaper(True)
+    before = set(child_pids(os.getpid()))
     try:
         with _log_dir() as logs, _SignalRelay() as relay:
             command = torchrun_command(nproc, module, args, logs, grace_s)
@@ -85,7 +87,9 @@ def run_workers(
                 relay.agent.wait()
                 raise
     finally:
-        stop_orphans()
+        stop_orphans(keep=before)
+        if not was_reaper:  # a test runner calling this keeps its own orphans' reaper
+            _child_subreaper(False)
     if relay.early is not None:
         raise StoppedBeforeStart(relay.early)
     if relay.ctrl_c >= 2:
@@ -102,23 +106,32 @@ class StoppedBeforeStart(Exception):
         super().__init__(f"{signal.Signals(signum).name} before the workers started")
 
 
-PR_SET_CHILD_SUBREAPER = 36
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
 
-def _become_subreaper() -> None:
-    """Orphans of this process's descendants become its children, not init's. torchrun
-    starts each worker in a session of its own: a torchrun killed outright (the OOM
-    killer, a SIGKILL) or stopped while it starts them left workers that trained on,
-    unseen, beside a rerun writing the same folder. Linux only; elsewhere nothing."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+def _child_subreaper(on: bool | None) -> bool:
+    """Set (True, False) or read (None) whether orphans of this process's descendants
+    become its children rather than init's; returns whether they do (False where prctl
+    is not there: not Linux). torchrun starts each worker in a session of its own: a
+    torchrun killed outright (the OOM killer, a SIGKILL) or stopped while it starts them
+    left workers that trained on, unseen, beside a rerun writing the same folder."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if on is not None:
+            return libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0 and on
+        flag = ctypes.c_int(0)
+        return libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and bool(
+            flag.value
+        )
+    except (OSError, AttributeError):
+        return False
 
 
-def stop_orphans() -> list[int]:
-    """SIGKILL the process groups of this process's remaining children, and reap them:
-    after torchrun has exited, those are orphans of the launch (workers it left, and
-    what they started). Returns their process ids."""
-    orphans = child_pids(os.getpid())
+def stop_orphans(keep: set[int] = frozenset()) -> list[int]:
+    """SIGKILL the process groups of this process's children other than `keep`, and reap
+    them: after torchrun has exited, those are orphans of the launch (workers it left,
+    and what they started). Returns their process ids."""
+    orphans = [pid for pid in child_pids(os.getpid()) if pid not in keep]
     _signal_groups(orphans, signal.SIGKILL)
     for pid in orphans:
         with contextlib.suppress(ProcessLookupError):
