@@ -15,6 +15,7 @@ import sys
 
 from rlft.operator.manifests import Settings
 from rlft.operator.options import build_parser
+from rlft.trainer.addresses import ALL as ALL_ADDRESSES
 
 
 def _own_namespace() -> str:
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from rlft.operator import handlers
 
     host, _, port = args.metrics_bind.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::]:9090, an IPv6 address
     if not port.isdigit():
         print(
             f"rlft operator: --metrics-bind {args.metrics_bind!r}: expected HOST:PORT",
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         poll_seconds=args.poll_seconds,
         priority=priority,
         peering_lifetime=args.peering_lifetime,
-        metrics_host=host or "0.0.0.0",
+        metrics_host=host or ALL_ADDRESSES,
         metrics_port=int(port),
         identity=os.environ.get("POD_NAME", f"rlft-operator-{os.getpid()}"),
     )

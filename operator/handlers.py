@@ -40,6 +40,7 @@ from rlft.operator.observe import PodView, TrainerReport, pod_view, trainer_repo
 from rlft.operator.pod_spec import spec_problems
 from rlft.operator.reconcile import reconcile
 from rlft.operator.status import RLFineTuneStatus, read_status
+from rlft.trainer.addresses import ALL as ALL_ADDRESSES
 from rlft.trainer.addresses import http_url
 from rlft.trainer.config import JobFileError, parse_job
 
@@ -57,7 +58,7 @@ class Options:
     """How often every job is reconciled even without events (and /status polled)."""
     priority: int = 0
     peering_lifetime: int = 60
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = ALL_ADDRESSES
     metrics_port: int = 9090
     identity: str = "rlft-operator"
 
@@ -117,7 +118,7 @@ async def _startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_:
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     port = RUNTIME.metrics.serve(options.metrics_host, options.metrics_port)
-    logger.info(f"metrics on http://{options.metrics_host}:{port}/metrics")
+    logger.info(f"metrics on {http_url(options.metrics_host, port, '/metrics')}")
     _login(settings=settings, logger=logger)
     if not settings.peering.standalone and RUNTIME.kube is not None:
         await _ensure_peering(settings, logger)

@@ -6,9 +6,12 @@ and the dashboard import it from there); the operator-only series are defined he
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, MetricsHandler
 
 from rlft.operator.status import PHASES
+from rlft.trainer.http_server import HTTPServer
 from rlft.trainer.telemetry.metrics import RESTARTS
 
 RECONCILES = "rlft_operator_reconciles_total"
@@ -67,6 +70,8 @@ class OperatorMetrics:
             self.jobs.labels(phase=known).set(sum(p == known for p in self._phases.values()))
 
     def serve(self, host: str, port: int) -> int:
-        """Serve /metrics; returns the bound port (0 picks a free one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+        """Serve /metrics; returns the bound port (0 picks a free one). `::` is every
+        address, IPv6 and IPv4 (as the trainers' endpoints bind it)."""
+        server = HTTPServer((host, port), MetricsHandler.factory(self.registry))
+        threading.Thread(target=server.serve_forever, name="rlft-metrics", daemon=True).start()
+        return server.server_address[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -36,10 +37,19 @@ def api(tmp_path_factory):
 def operator(api):
     process = OperatorProcess(
         api, "--all-namespaces", "--peering", "rlft-edits", "--priority", "100",
-        "--poll-seconds", "2",
+        "--poll-seconds", "2", "--metrics-bind", "[::]:0",
     )  # fmt: skip
     yield process
     process.stop()
+
+
+def test_the_operators_metrics_listen_on_ipv4_and_ipv6(operator):
+    """`--metrics-bind [::]:PORT` (the chart's): one socket for the operator pod's IPv4
+    and IPv6 addresses, so Prometheus scrapes it on any cluster's network."""
+    port = int(operator.metrics_url.rsplit(":", 1)[1].split("/")[0])
+    for host in ("127.0.0.1", "[::1]"):
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as reply:
+            assert "rlft_operator_jobs" in reply.read().decode(), host
 
 
 def _patch(api: EmulatedApiServer, ns: str, name: str, spec: dict[str, Any], check=True) -> Any:
