@@ -199,8 +199,9 @@ class _SignalRelay:
             # ends in a traceback: stop it at once (workers it was just starting are
             # orphans then, which run_workers stops).
             self.early = signum if self.early is None else self.early
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.agent.pid, signal.SIGKILL)
+            if self.agent.returncode is None:  # not reaped yet: its pid is still its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.agent.pid, signal.SIGKILL)
             return
         _signal_groups(workers, signum)
         if self.ctrl_c == 2 and self._kill is None:
