@@ -6,8 +6,6 @@ and the dashboard import it from there); the operator-only series are defined he
 
 from __future__ import annotations
 
-import threading
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, MetricsHandler
 
 from rlft.operator.status import PHASES
@@ -73,5 +71,5 @@ class OperatorMetrics:
         """Serve /metrics; returns the bound port (0 picks a free one). `::` is every
         address, IPv6 and IPv4 (as the trainers' endpoints bind it)."""
         server = HTTPServer((host, port), MetricsHandler.factory(self.registry))
-        threading.Thread(target=server.serve_forever, name="rlft-metrics", daemon=True).start()
+        server.serve_in_background("rlft-metrics")
         return server.server_address[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -30,6 +31,17 @@ class HTTPServer(ThreadingHTTPServer):
                 raise
             self.address_family = socket.AF_INET
             super().__init__(("0.0.0.0", port), handler, *args, **kwargs)
+
+    def serve_in_background(self, name: str, poll_interval: float = 0.5) -> threading.Thread:
+        """Serve on a daemon thread of its own (stop it with `shutdown()`)."""
+        thread = threading.Thread(
+            target=self.serve_forever,
+            kwargs={"poll_interval": poll_interval},
+            name=name,
+            daemon=True,
+        )
+        thread.start()
+        return thread
 
     def server_bind(self) -> None:
         if self.address_family == socket.AF_INET6:

@@ -186,23 +186,20 @@ class _SignalRelay:
             self._kill.cancel()
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.agent is None:  # torchrun not started yet: run_workers stops it at once
+        workers = [] if self.agent is None else child_pids(self.agent.pid)
+        if not workers or self.early is not None:
+            # Nothing has run to checkpoint, and torchrun's own handling of the signal
+            # ends in a traceback: stop it at once (run_workers stops one not started
+            # yet, and the orphans of workers it was just starting).
             self.early = signum if self.early is None else self.early
+            if self.agent is not None and self.agent.returncode is None:  # pid still its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.agent.pid, signal.SIGKILL)
             return
         if signum == signal.SIGINT:
             self.ctrl_c += 1
         elif signum == signal.SIGHUP:
             signum = signal.SIGTERM  # what the workers checkpoint on
-        workers = child_pids(self.agent.pid)
-        if not workers or self.early is not None:
-            # Nothing has run to checkpoint, and torchrun's own handling of the signal
-            # ends in a traceback: stop it at once (workers it was just starting are
-            # orphans then, which run_workers stops).
-            self.early = signum if self.early is None else self.early
-            if self.agent.returncode is None:  # not reaped yet: its pid is still its own
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.agent.pid, signal.SIGKILL)
-            return
         _signal_groups(workers, signum)
         if self.ctrl_c == 2 and self._kill is None:
             self._kill = threading.Timer(

@@ -67,13 +67,7 @@ class LivenessServer:
     def __init__(self, liveness: Liveness, host: str = "127.0.0.1", port: int = 0):
         self._server = _Server((host, port), _Handler)
         self._server.liveness = liveness
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.2},
-            name="rlft-liveness",
-            daemon=True,
-        )
-        self._thread.start()
+        self._thread = self._server.serve_in_background("rlft-liveness", 0.2)
 
     @property
     def url(self) -> str:

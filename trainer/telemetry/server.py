@@ -8,7 +8,6 @@ picks a free port (read it back from `.port`). `close()` stops it and frees the 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 
@@ -75,13 +74,7 @@ class TelemetryServer:
             ) from None
         self._server.metrics = exporter.exposition
         self._server.status = board.snapshot
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name="rlft-telemetry",
-            daemon=True,
-        )
-        self._thread.start()
+        self._thread = self._server.serve_in_background("rlft-telemetry", 0.1)
 
     @property
     def host(self) -> str:
