@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -487,6 +488,14 @@ async def _apply(
     return C.backoff_seconds(after[0].create_failure.attempts) if refusal and after else None
 
 
+def _drawn(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest to send: the rollout token's Secret gets its token here, at the call,
+    so the pure planner never draws one and nothing but the API server ever holds it."""
+    if manifest["kind"] != "Secret":
+        return manifest
+    return M.with_token(manifest, secrets.token_urlsafe(32))
+
+
 async def _write_children(namespace: str, d: Decision) -> C.Refusal | None:
     """Re-render, then create, in the decision's order; stop at the first write the API
     server refuses (the rest would mostly be refused alike, and pods must not start
@@ -499,7 +508,7 @@ async def _write_children(namespace: str, d: Decision) -> C.Refusal | None:
             if verb == "update":
                 await kube.patch(kind, namespace, child, {"data": manifest["data"]})
                 metrics.children.labels(kind=kind, action="update").inc()
-            elif await kube.create(manifest):
+            elif await kube.create(_drawn(manifest)):
                 metrics.children.labels(kind=kind, action="create").inc()
         except ApiError as error:
             if error.status not in C.REFUSED_CODES:

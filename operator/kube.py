@@ -20,6 +20,7 @@ import aiohttp
 from rlft.operator import crd, permissions
 
 _PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events"}
+_PLURALS["Secret"] = "secrets"  # the job's rollout token (created only, never read)
 _PLURALS["PodGroup"] = "podgroups"  # a gang's (Volcano, coscheduling): operator/gang.py
 
 

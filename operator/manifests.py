@@ -3,6 +3,8 @@
 What runs where (docs/architecture.md, "Processes of one job"):
 
 - a ConfigMap with the rendered job file, mounted read-only into every pod;
+- for a job that samples, a Secret with the token of its rollout API, which only its own
+  trainer and rollout pods are given (drawn when the Secret is created: `token_secret`);
 - a headless Service for the trainer gang's rendezvous (pods get stable DNS names);
 - `replicas.max` trainer pods running `torchrun --nnodes=min:max` with the elastic-restart
   environment docs/build.md asks for (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a short
@@ -20,6 +22,7 @@ volumes, envFrom, service account, …) are added last, by `pod_options.customis
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +73,31 @@ def config_map(job: RLFineTune, body: dict[str, Any], s: Settings | None = None)
         "metadata": pod_spec.object_metadata(body, N.config_map_name(job.metadata.name)),
         "data": {"job.yaml": text},
     }
+
+
+TOKEN_ANNOTATION = "rlft.dev/rollout-token"
+
+
+def token_secret(body: dict[str, Any]) -> dict[str, Any]:
+    """The Secret of the job's rollout token, without the token: the operator draws one
+    as it sends the create (`with_token`), so no builder, plan or log ever holds it. Sent
+    before each round of pod creations: a Secret deleted by hand is made again, one that
+    exists is kept (409), and the pods wait for it as for any Secret they reference."""
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": pod_spec.object_metadata(body, N.rollout_token_secret(name))
+        | {"annotations": {TOKEN_ANNOTATION: "drawn by the operator when it creates the Secret"}},
+        "type": "Opaque",
+        "data": {},
+    }
+
+
+def with_token(secret: dict[str, Any], token: str) -> dict[str, Any]:
+    """The token Secret to send, holding `token` (base64, as the API stores it)."""
+    encoded = base64.b64encode(token.encode()).decode()
+    return {**secret, "data": {N.TOKEN_KEY: encoded}}
 
 
 def _service(
@@ -320,6 +348,8 @@ class Desired:
     services: dict[str, dict[str, Any]]
     pods: dict[str, dict[str, Any]]
     pod_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    secrets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The rollout token's Secret (jobs that sample), without its token (`token_secret`)."""
     """The gang's PodGroup (spec.scheduling.gang volcano or coscheduling): created before
     the pods, which a gang scheduler places only with it."""
 
@@ -327,6 +357,7 @@ class Desired:
         return [
             *self.config_maps.values(),
             *self.services.values(),
+            *self.secrets.values(),
             *self.pod_groups.values(),
             *self.pods.values(),
         ]
@@ -340,9 +371,11 @@ def desired(
     cm = config_map(job, body, s)
     services = [trainer_service(job, body, s), rollout_service(job, body, s)]
     pods = {**trainer_pods(job, body, s, resume, gang), **rollout_pods(job, body, s)}
+    secrets = [token_secret(body)] if pod_spec.samples(job) else []
     return Desired(
         config_maps={cm["metadata"]["name"]: cm},
         services={svc["metadata"]["name"]: svc for svc in services},
+        secrets={secret["metadata"]["name"]: secret for secret in secrets},
         pods=pods,
         pod_groups=G.pod_groups(
             job, pods, pod_spec.object_metadata(body, G.group_name(job.metadata.name))

@@ -42,6 +42,14 @@ def config_map_name(job: str) -> str:
     return child_name(job, "config", limit=253)
 
 
+def rollout_token_secret(job: str) -> str:
+    return child_name(job, "rollout-token", limit=253)
+
+
+TOKEN_KEY = "token"
+"""The key of the rollout token in its Secret."""
+
+
 def trainer_service(job: str) -> str:
     return child_name(job, "trainer")
 

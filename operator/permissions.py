@@ -96,6 +96,14 @@ PERMISSIONS: tuple[Permission, ...] = (
         BOTH,
         "the ConfigMap with the rendered job file; re-rendered after an edit while no pod reads it",
     ),
+    Permission(
+        "",
+        "secrets",
+        ("create",),
+        "served",
+        BOTH,
+        "the Secret of each job's rollout token (created with a fresh token; never read)",
+    ),
     Permission("", "events", ("create",), "served", BOTH, "one Event per decision"),
     Permission(
         "kopf.dev",

@@ -12,6 +12,7 @@ from typing import Any
 from rlft.operator import gang as G
 from rlft.operator import names as N
 from rlft.operator import options, pod_options
+from rlft.trainer.api_token import TOKEN_ENV as ROLLOUT_TOKEN_ENV
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.config.algorithm import SOURCES
 from rlft.trainer.config.model import vllm_cpu_head_problem
@@ -146,7 +147,14 @@ def container_resources(spec_resources: Any, gpus: int) -> dict[str, Any]:
     return out
 
 
-def operator_env(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[dict[str, Any]]:
+TOKEN_ROLES = (N.ROLE_TRAINER, N.ROLE_ROLLOUT, N.ROLE_RAY_HEAD)
+"""Pods given the rollout token: those that call the rollout API or serve it (a Ray
+worker only lends its node to an instance)."""
+
+
+def operator_env(
+    job: RLFineTune, body: dict[str, Any], s: Settings, role: str
+) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "RLFT_JOB_NAME", "value": job.metadata.name},
         {"name": "RLFT_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -161,6 +169,9 @@ def operator_env(job: RLFineTune, body: dict[str, Any], s: Settings) -> list[dic
         {"name": "HF_HOME", "value": f"{WORKSPACE}/hf"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
+    if samples(job) and role in TOKEN_ROLES:
+        ref = {"name": N.rollout_token_secret(job.metadata.name), "key": N.TOKEN_KEY}
+        env.append({"name": ROLLOUT_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}})
     secret = job.spec.checkpoint.credentials_secret
     if secret:
         for key, optional in CREDENTIAL_KEYS:
@@ -252,7 +263,7 @@ def job_pod(
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": command,
-        "env": operator_env(job, body, s)
+        "env": operator_env(job, body, s, role)
         + thread_env(resources, job_env(job, role), ranks_per_pod(job, role)),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
         "volumeMounts": [dict(m) for m in MOUNTS],

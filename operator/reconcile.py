@@ -319,7 +319,11 @@ class _Run(FailureResponses):
                 self.requeue((hold - self.now).total_seconds())
             return
         self.st.next_restart_at = None
-        if missing:  # a gang scheduler places pods only with their PodGroup (gang.py)
+        if missing:
+            # Not observed (the operator may create Secrets, not read them): sent with
+            # each round, kept if it exists. Gang schedulers place pods only with their
+            # PodGroup (gang.py).
+            self.d.create.extend(desired.secrets.values())
             self.d.create.extend(desired.pod_groups.values())
         for name in missing:
             self.d.create.append(desired.pods[name])

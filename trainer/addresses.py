@@ -9,6 +9,8 @@ operator imports it)."""
 
 from __future__ import annotations
 
+import ipaddress
+
 ALL = "::"
 """Every address of the pod, IPv6 and IPv4 (a dual-stack socket); on a kernel without
 IPv6, every IPv4 address."""
@@ -19,3 +21,15 @@ def http_url(host: str, port: int, path: str = "") -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"http://{host}:{port}{path}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or a literal, IPv6 with or without brackets) is this
+    machine's loopback only: a server bound there is reachable from no other machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface

@@ -62,7 +62,9 @@ def test_the_gpu_example_reads_its_model_from_a_read_only_claim_in_every_pod():
         assert mount["readOnly"] is True and claims[mount["name"]]["readOnly"] is True
         assert spec["serviceAccountName"] == "rlft-s3"
         assert spec["automountServiceAccountToken"] is False  # IRSA's webhook brings its own
-        assert not any("secretKeyRef" in str(e) for e in main["env"])
+        from_secrets = [e["name"] for e in main["env"] if "secretKeyRef" in str(e)]
+        role = pod["metadata"]["labels"]["rlft.dev/role"]
+        assert from_secrets == ([] if role == "ray-worker" else ["RLFT_ROLLOUT_TOKEN"])
     assert job.spec.checkpoint.credentials_secret is None
     staging = job.spec.checkpoint.staging_dir
     assert staging in {m.mount_path for m in job.spec.trainer.pod.volume_mounts}
@@ -126,7 +128,7 @@ def test_what_rlft_plan_prints_for_every_example_is_valid(tmp_path, capsys):
         job_file.write_text(yaml.safe_dump(on_cluster(document), sort_keys=False))
         assert main(["plan", str(job_file), "-n", "ml"]) == 0, capsys.readouterr().err
         printed = list(yaml.safe_load_all(capsys.readouterr().out))
-        assert printed and {d["kind"] for d in printed} <= {"ConfigMap", "Service", "Pod"}
+        assert printed and {d["kind"] for d in printed} <= {"ConfigMap", "Service", "Secret", "Pod"}
         documents += printed
     output = kubernetes_validate(documents, tmp_path)
     assert "Couldn't find schema" not in output  # each object really checked

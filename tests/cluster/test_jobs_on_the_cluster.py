@@ -4,8 +4,11 @@ cluster's object store with credentials from a Secret. Nothing plays the trainer
 
 from __future__ import annotations
 
+import base64
 import json
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -25,6 +28,25 @@ from cluster_jobs import (
 from testcluster import wait_for
 from tiny_jobs import TINY_INIT
 from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def post_without_the_token(cluster, pod_name: str) -> int | None:
+    """The status of a weight load posted to the rollout pod without the job's token
+    (None while the pod has no address yet, or does not answer)."""
+    pod = cluster.pod(NS, pod_name)
+    ip = ((pod or {}).get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    (port,) = [p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]]
+    body = json.dumps({"version": 999, "uri": "file:///not/the/jobs/weights"}).encode()
+    request = urllib.request.Request(f"http://{ip}:{port}/weights", data=body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -47,10 +69,13 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     seen_rewards: list[float] = []
     deadline = time.monotonic() + 600
     phase = None
+    stranger_refused = None
     while time.monotonic() < deadline:
         current = rlft(cluster, name) or {}
         status = current.get("status") or {}
         phase = status.get("phase")
+        if stranger_refused is None and status.get("step") is not None:
+            stranger_refused = post_without_the_token(cluster, f"{name}-rollout-0")
         if status.get("step") is not None:
             seen_steps.append(status["step"])
         if status.get("reward") is not None:
@@ -104,6 +129,17 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
         assert accuracy > summary["eval_accuracy_sft"] + 0.05, summary
     rollout_pod_ran = bool(logs["rollout-0"])
     assert rollout_pod_ran == (algorithm != "dpo")  # DPO samples nothing: no rollout pods
+    if rollout_pod_ran:
+        # The job trained through its rollout pod with the token the operator drew, and a
+        # caller without it was refused; the token is nowhere but in its Secret.
+        assert stranger_refused == 401, stranger_refused
+        secret = cluster.api.get("secrets", NS, f"{name}-rollout-token")
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        assert len(token) >= 32
+        seen = [json.dumps(rlft(cluster, name)), json.dumps(cluster.api.list("events", NS))]
+        seen += [json.dumps(cluster.api.list(kind, NS)) for kind in ("configmaps", "pods")]
+        seen += [*logs.values(), cluster.operator.log()]
+        assert not [text[:200] for text in seen if token in text]
     # The real Prometheus scraped the trainer's and the rollout pod's /metrics.
     window = "max_over_time({}[10m])"
     steps = prometheus.query(window.format(f'rlft_train_step{{pod=~"{name}-trainer-.*"}}'))

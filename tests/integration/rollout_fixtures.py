@@ -53,8 +53,8 @@ def publish(store: WeightStore, model, version: int) -> str:
 class ThreadServer:
     """A rollout server on a thread of this process (transformers engine)."""
 
-    def __init__(self, kind: str = "transformers"):
-        self.server = start_server(kind)
+    def __init__(self, kind: str = "transformers", token: str | None = None):
+        self.server = start_server(kind, token=token)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -152,7 +152,7 @@ def test_a_stalled_instance_takes_requests_again_once_it_serves_the_current_weig
     servers = LocalServers(2, "transformers", store.storage.uri, log_dir=tmp_path)
     client = publisher = None
     try:
-        client = RolloutClient(servers.start(), timeout_s=3, probe_every_s=0.2)
+        client = RolloutClient(servers.start(), timeout_s=3, probe_every_s=0.2, token=servers.token)
         client.wait_ready(120)
         publisher = WeightPublisher(client, store, "store", timeout_s=60)
         running, stalled = client.instances
@@ -298,7 +298,9 @@ def test_closing_the_client_ends_its_requests_when_the_server_is_gone(
         PROMPTS * 8, 4, SamplingParams(max_new_tokens=48, greedy=True), stop_ids=[]
     )
     with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
-        client = RolloutClient(servers.start(), timeout_s=30, probe_every_s=0.2)
+        client = RolloutClient(
+            servers.start(), timeout_s=30, probe_every_s=0.2, token=servers.token
+        )
         try:
             client.wait_ready(120)
             futures = [client.submit(request) for _ in range(8)]
@@ -416,7 +418,9 @@ def test_broadcast_groups_are_formed_when_members_change_and_leave_the_store_a_c
     store = store_at(tmp_path)
     publish(store, model, 0)
     with LocalServers(2, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
-        client = RolloutClient(servers.start(), timeout_s=60, probe_every_s=0.2)
+        client = RolloutClient(
+            servers.start(), timeout_s=60, probe_every_s=0.2, token=servers.token
+        )
         publisher = WeightPublisher(client, store, "broadcast", timeout_s=60)
         try:
             client.wait_ready(120)

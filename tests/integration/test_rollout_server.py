@@ -236,7 +236,9 @@ def test_killed_instance_requests_are_reissued_and_no_group_is_lost(tmp_path: Pa
     publish(store, model, 0)
     servers = LocalServers(3, "transformers", store.storage.uri, log_dir=tmp_path)
     try:
-        client = RolloutClient(servers.start(), timeout_s=30, probe_every_s=0.2)
+        client = RolloutClient(
+            servers.start(), timeout_s=30, probe_every_s=0.2, token=servers.token
+        )
         client.wait_ready(120)
         remote = RemoteEngine(client, [tokenizer.eos_token_id], request_prompts=1)
         prompts = [[10 + i, 20 + i, 30 + i] for i in range(24)]
@@ -294,7 +296,7 @@ def test_new_instance_catches_up_from_the_store(tmp_path: Path) -> None:
     assert store.versions() == [0, 1, 2]
     redraw(model, 2)
     with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
-        client = RolloutClient(servers.start(), timeout_s=60)
+        client = RolloutClient(servers.start(), timeout_s=60, token=servers.token)
         client.wait_ready(120)
         answer = client.generate(
             GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id])
@@ -327,7 +329,7 @@ def test_weights_published_to_s3_reach_new_and_running_instances(
     assert store.versions() == [0, 1]
     stops = [tokenizer.eos_token_id]
     with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
-        client = RolloutClient(servers.start(), timeout_s=60)
+        client = RolloutClient(servers.start(), timeout_s=60, token=servers.token)
         client.wait_ready(120)
         answer = client.generate(GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=stops))
         assert answer.policy_version == 1
@@ -418,7 +420,7 @@ def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(
         model, _ = tiny_model(seed=0)
         publish(store, model, 0)
         with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
-            client = RolloutClient(servers.start(), timeout_s=20)
+            client = RolloutClient(servers.start(), timeout_s=20, token=servers.token)
             client.wait_ready(120)
             publisher = WeightPublisher(client, store, "store", timeout_s=120)
             s3.stop()

@@ -53,7 +53,7 @@ def test_vllm_greedy_equals_transformers_before_and_after_an_update(
     with LocalServers(
         1, "vllm", store.storage.uri, log_dir=tmp_path, extra_env=env, warn=pytest.fail
     ) as servers:
-        client = RolloutClient(servers.start(), timeout_s=120)
+        client = RolloutClient(servers.start(), timeout_s=120, token=servers.token)
         client.wait_ready(240)
         health = http_json(f"{client.instances[0].url}/healthz", None, 10)
         assert health["engine"] == "vllm" and health["policy_version"] == 0

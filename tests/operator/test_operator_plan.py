@@ -6,6 +6,7 @@ credentials only by Secret name; bad input fails as `rlft validate` does."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import os
 import subprocess
@@ -119,10 +120,16 @@ def test_the_plan_is_what_the_operator_creates(monkeypatch, shape, settings):
     doc = job_doc(name=shape, namespace="ml", **SHAPES[shape])
     created = _operator_creates(monkeypatch, doc, settings)
     kinds = [o["kind"] for o in created]
-    assert kinds[:3] == ["ConfigMap", "Service", "Service"]
+    secrets = ["Secret"] if parse_job(doc).spec.algorithm.name != "dpo" else []  # no rollouts
+    assert kinds[: 3 + len(secrets)] == ["ConfigMap", "Service", "Service", *secrets]
     gang = SHAPES[shape].get("scheduling", {}).get("gang", {}).get("kind")
     groups = ["PodGroup"] if gang in ("volcano", "coscheduling") else []
-    assert kinds[3 : 3 + len(groups)] == groups and set(kinds[3 + len(groups) :]) == {"Pod"}
+    rest = kinds[3 + len(secrets) :]
+    assert rest[: len(groups)] == groups and set(rest[len(groups) :]) == {"Pod"}
+    if secrets:  # the one difference: the operator draws the token as it sends the Secret
+        token = base64.b64decode(created[3].pop("data")["token"]).decode()
+        assert len(token) >= 32 and token not in yaml.safe_dump(created)
+        created[3]["data"] = {}
     job = parse_job(doc)
     assert plan.plan(job, "ml", UID, settings) == created  # with the uid: exactly
     # Without it: the same objects, minus the owner references, with the placeholder uid.
@@ -149,6 +156,7 @@ def test_the_yaml_reads_back_as_the_objects_in_the_order_created():
         "tiny-grpo-config",
         "tiny-grpo-trainer",
         "tiny-grpo-rollout",
+        "tiny-grpo-rollout-token",
         "tiny-grpo-trainer-0",
         "tiny-grpo-rollout-0",
     ]
@@ -175,13 +183,17 @@ def _secret_names(value: Any) -> list[str]:
 def test_credentials_appear_only_as_secret_references():
     doc = job_doc(checkpoint={"uri": "s3://bkt/x", "credentialsSecret": "s3-creds"})
     objects = plan.plan(parse_job(doc), "ml")
-    assert "Secret" not in {o["kind"] for o in objects}
+    # The one Secret planned is the rollout token's, and without its token.
+    [secret] = [o for o in objects if o["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == "tiny-grpo-rollout-token" and secret["data"] == {}
     for pod in (o for o in objects if o["kind"] == "Pod"):
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
             assert "value" not in env[name]
             assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
-        assert set(_secret_names(pod)) == {"s3-creds"}
+        token = env["RLFT_ROLLOUT_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert token == {"name": "tiny-grpo-rollout-token", "key": "token"}
+        assert set(_secret_names(pod)) == {"s3-creds", "tiny-grpo-rollout-token"}
 
 
 def test_namespace_comes_from_the_option_then_the_manifest_then_default():
@@ -260,7 +272,8 @@ def test_rlft_plan_prints_a_yaml_stream(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "canary" not in result.stdout
     objects = list(yaml.safe_load_all(result.stdout))
-    assert [o["kind"] for o in objects] == ["ConfigMap", "Service", "Service", "Pod", "Pod"]
+    kinds = ["ConfigMap", "Service", "Service", "Secret", "Pod", "Pod"]
+    assert [o["kind"] for o in objects] == kinds
     for obj in objects:
         assert obj["apiVersion"] == "v1" and obj["metadata"]["namespace"] == "default"
         (owner,) = obj["metadata"]["ownerReferences"]

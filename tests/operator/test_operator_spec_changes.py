@@ -90,6 +90,7 @@ def test_an_edit_made_with_the_resume_re_renders_before_the_pods_are_created():
     d = w.step()
     assert [m["metadata"]["name"] for m in d.update] == [CM]
     assert {m["metadata"]["name"] for m in d.create} == {
+        "tiny-grpo-rollout-token",
         "tiny-grpo-trainer-0",
         "tiny-grpo-rollout-0",
     }
@@ -198,7 +199,8 @@ def test_a_rescale_waits_for_the_old_gang_to_terminate():
     w.edit(trainer={"replicas": {"min": 1, "max": 3}})
     deleting = {n: p for n, p in w.pods.items() if "trainer" in n}
     d = w.step()
-    assert [m["metadata"]["name"] for m in d.create] == ["tiny-grpo-trainer-2"]  # a new slot
+    created = [m["metadata"]["name"] for m in d.create]
+    assert created == ["tiny-grpo-rollout-token", "tiny-grpo-trainer-2"]  # a new slot
     assert _nnodes(d) == {"--nnodes=1:3"}
     assert w.status.observed_generation == 2  # every trainer pod is made from the spec now
     for name, pod in deleting.items():  # still Terminating (their emergency checkpoint)
@@ -210,6 +212,7 @@ def test_a_rescale_waits_for_the_old_gang_to_terminate():
         w.pods.pop(name)
     d = w.step()
     assert sorted(m["metadata"]["name"] for m in d.create) == [
+        "tiny-grpo-rollout-token",
         "tiny-grpo-trainer-0",
         "tiny-grpo-trainer-1",
     ]
@@ -333,7 +336,10 @@ def test_the_planner_creates_nothing_while_a_refusal_waits():
     assert d.create == [] and d.requeue_after == pytest.approx(4)
     w.tick(4)
     d = w.step()
-    assert [m["metadata"]["name"] for m in d.create] == ["tiny-grpo-rollout-0"]
+    assert [m["metadata"]["name"] for m in d.create] == [
+        "tiny-grpo-rollout-token",
+        "tiny-grpo-rollout-0",
+    ]
 
 
 # ------------------------------------------------------------- admission (CEL)

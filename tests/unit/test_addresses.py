@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from rlft.trainer.addresses import ALL, http_url
+from rlft.trainer.addresses import ALL, http_url, is_loopback
 from rlft.trainer.http_server import HTTPServer
 
 
@@ -76,3 +76,22 @@ def test_a_single_address_is_served_on_that_family_alone(host, other):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.5.0.9", True),  # the whole 127/8, as the test cluster's pods have
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("fd00::5", False),
+        ("rollout-0.job-rollout.ml.svc", False),  # a name may resolve to any interface
+    ],
+)
+def test_only_loopback_addresses_count_as_loopback(host, loopback):
+    assert is_loopback(host) is loopback

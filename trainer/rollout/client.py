@@ -25,6 +25,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import threading
 import time
 import urllib.error
@@ -34,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from rlft.trainer.api_token import TOKEN_ENV, auth_header
 from rlft.trainer.rollout.engine import Completion
 from rlft.trainer.rollout.pipeline import StopWaiting, never
 from rlft.trainer.rollout.protocol import (
@@ -88,14 +90,15 @@ class Instance:
     """Why its last request or load failed (named when the client gives up)."""
 
 
-def http_json(url: str, body: Any | None, timeout: float) -> Any:
-    """POST (or GET when body is None) JSON; RequestFailed on any transport or server
-    error, ProtocolError on a 400 (a bad request is not retried)."""
+def http_json(url: str, body: Any | None, timeout: float, token: str | None = None) -> Any:
+    """POST (or GET when body is None) JSON, with the rollout token when given;
+    RequestFailed on any transport or server error, ProtocolError on a 400 (a bad request
+    is not retried)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url,
         data=data,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth_header(token)},
         method="GET" if data is None else "POST",
     )
     try:
@@ -108,6 +111,8 @@ def http_json(url: str, body: Any | None, timeout: float) -> Any:
             text = f"(body unreadable: {type(cut).__name__})"
         if error.code == 400:
             raise ProtocolError(f"{url}: {text}") from None
+        if error.code == 401:  # another job's instance at this address, or a token edited
+            text = f"refused this client's rollout token ({TOKEN_ENV}): {text}"
         raise RequestFailed(f"{url}: HTTP {error.code} {text}") from None
     except (OSError, http.client.HTTPException, ValueError) as error:
         # Refused, reset, timeout; an answer cut off mid-body (a pod killed while writing:
@@ -134,10 +139,14 @@ class RolloutClient:
         timeout_s: float = 600.0,
         deadline_s: float = 600.0,
         probe_every_s: float = 1.0,
+        token: str | None = None,
     ):
+        """`token`: the bearer token of the instances' POSTs (default: $RLFT_ROLLOUT_TOKEN,
+        which the operator gives each trainer pod of a job)."""
         if not urls:
             raise ValueError("a rollout client needs at least one instance URL")
         self.instances = [Instance(u.rstrip("/")) for u in urls]
+        self.token = token or os.environ.get(TOKEN_ENV) or None
         self.timeout_s, self.deadline_s, self.probe_every_s = timeout_s, deadline_s, probe_every_s
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(
@@ -277,7 +286,7 @@ class RolloutClient:
             with self._lock:
                 loads = instance.loads
             try:
-                answer = http_json(f"{instance.url}/generate", body, self.timeout_s)
+                answer = http_json(f"{instance.url}/generate", body, self.timeout_s, self.token)
             except RequestFailed as error:
                 self.mark_down(instance, str(error))
                 with self._lock:
@@ -317,7 +326,7 @@ class RolloutClient:
         """POST /weights to one instance; False (and the instance marked down) on failure.
         A version it acknowledged becomes the one every instance must serve for requests."""
         try:
-            answer = http_json(f"{instance.url}/weights", request.to_json(), timeout)
+            answer = http_json(f"{instance.url}/weights", request.to_json(), timeout, self.token)
         except RequestFailed as error:
             self.mark_down(instance, str(error))
             return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rlft.trainer.api_token import TOKEN_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,6 +60,9 @@ class LocalServers:
                 self.python = found
         self.engine, self.count, self.weights_uri = engine, count, weights_uri
         self.cpus, self.extra_env = cpus, extra_env or {}
+        self.token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+        """The servers' rollout token (drawn per run unless the environment has one):
+        another local user cannot push weights into them or spend their capacity."""
         self.startup_timeout_s = startup_timeout_s
         self._scratch = Path(tempfile.mkdtemp(prefix="rlft-rollout-"))
         self.log_dir = log_dir or self._scratch
@@ -85,6 +91,7 @@ class LocalServers:
         once it listens."""
         ready = self._scratch / f"ready-{index}-{time.monotonic_ns()}.json"
         env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | self.extra_env
+        env[TOKEN_ENV] = self.token
         cpus = self.cpus[index % len(self.cpus)] if self.cpus else None
         if cpus:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(cpus))))

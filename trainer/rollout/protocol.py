@@ -11,6 +11,10 @@ One protocol for every engine, so the orchestrator never knows which one it talk
 - `GET /livez` → {ok, engine}: 200 once the server serves, weights or not
 - `GET /metrics` → Prometheus text
 
+The two POSTs change what an instance serves or spend its capacity, so an instance started
+with a token (`rlft.trainer.api_token`) answers them only with `Authorization: Bearer
+<token>` (401 otherwise); the GETs stay open to the kubelet's probes and to Prometheus.
+
 Pure data, no torch: the orchestrator side imports it too.
 """
 

@@ -32,7 +32,8 @@ from types import FrameType
 from typing import Any
 
 from rlft.trainer import termination
-from rlft.trainer.addresses import http_url
+from rlft.trainer.addresses import http_url, is_loopback
+from rlft.trainer.api_token import TOKEN_ENV, authorized
 from rlft.trainer.http_server import HTTPServer
 from rlft.trainer.rollout.arguments import add_arguments
 from rlft.trainer.rollout.protocol import (
@@ -292,8 +293,29 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._reply(404, {"error": f"no route GET {self.path}"})
 
+    def _refuse_unauthorized(self) -> bool:
+        """Answer 401 unless the request carries the instance's token. The body is read
+        first: a reply before it would reset a connection still sending, and the caller
+        would see a broken pipe instead of the reason."""
+        if authorized(self.headers.get("Authorization"), self.server.token):
+            return False
+        length = int(self.headers.get("Content-Length") or 0)
+        if length <= MAX_BODY:
+            self.rfile.read(length)
+        self.server.metrics.request("unauthorized")
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", "Bearer")
+        data = json.dumps({"error": f"no or a wrong rollout token (see {TOKEN_ENV})"}).encode()
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        return True
+
     def do_POST(self) -> None:
         host, metrics = self.server.host, self.server.metrics
+        if self._refuse_unauthorized():
+            return
         try:
             if self.path == "/generate":
                 vocab = getattr(host.engine, "vocab_size", None)
@@ -316,9 +338,18 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class RolloutHTTPServer(HTTPServer):
-    def __init__(self, address: tuple[str, int], host: EngineHost, metrics, kind: str):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        host: EngineHost,
+        metrics,
+        kind: str,
+        token: str | None = None,
+    ):
         super().__init__(address, _Handler)
         self.host, self.metrics, self.kind = host, metrics, kind
+        self.token = token
+        """The bearer token POST /generate and POST /weights require (None: none)."""
         self.server_id = uuid.uuid4().hex
         """Drawn per process: a server restarted at the same address (a container
         restarted in its pod) has a new one, and is not in the trainer's broadcast group."""
@@ -330,8 +361,10 @@ def start_server(
     port: int = 0,
     tensor_parallel: int = 1,
     expert_parallel: int = 1,
+    token: str | None = None,
 ) -> RolloutHTTPServer:
-    """A server on (host, port), not yet serving (call serve_forever)."""
+    """A server on (host, port), not yet serving (call serve_forever); with `token`, its
+    POSTs require it."""
     from rlft.trainer.rollout.served import build_engine, resolve_engine
 
     kind = resolve_engine(kind)
@@ -342,7 +375,7 @@ def start_server(
         ),
         metrics,
     )
-    return RolloutHTTPServer((host, port), engine_host, metrics, kind)
+    return RolloutHTTPServer((host, port), engine_host, metrics, kind, token)
 
 
 def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | Path | None:
@@ -389,7 +422,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"rlft rollout: {error}", file=sys.stderr, flush=True)
             termination.write(termination.Verdict(error.exit_code, str(error)))
             return error.exit_code
-    server = start_server(kind, args.host, args.port, args.tensor_parallel, args.expert_parallel)
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is None and not is_loopback(args.host):
+        print(
+            f"rlft rollout: warning: {TOKEN_ENV} is not set, so POST /generate and POST "
+            f"/weights answer anyone who can reach {args.host}",
+            file=sys.stderr,
+            flush=True,
+        )
+    server = start_server(
+        kind, args.host, args.port, args.tensor_parallel, args.expert_parallel, token
+    )
     initial = _initial_weights(args, job)
     if isinstance(initial, Path):
         server.host.load_model(initial)

@@ -223,7 +223,9 @@ class RolloutSession:
         servers = LocalServers(rollout.instances, engine, uri, _cpus_from_env(), base, warn=log)
         session = cls(None, servers=servers)  # type: ignore[arg-type]
         try:
-            session.client = RolloutClient(servers.start(), rollout.request_timeout_seconds)
+            session.client = RolloutClient(
+                servers.start(), rollout.request_timeout_seconds, token=servers.token
+            )
             session.client.wait_ready(servers.startup_timeout_s, stopping)
             session._connect(job, producer, stop_ids, cursor, store)
             session.publisher.mark_acked(version)  # the servers started from the store
