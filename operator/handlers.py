@@ -489,11 +489,11 @@ async def _apply(
 
 
 def _drawn(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The manifest to send: the rollout token's Secret gets its token here, at the call,
-    so the pure planner never draws one and nothing but the API server ever holds it."""
+    """The manifest to send: the job's token Secret gets its tokens here, at the call,
+    so the pure planner never draws one and nothing but the API server ever holds them."""
     if manifest["kind"] != "Secret":
         return manifest
-    return M.with_token(manifest, secrets.token_urlsafe(32))
+    return M.with_tokens(manifest, secrets.token_urlsafe(32), secrets.token_urlsafe(32))
 
 
 async def _write_children(namespace: str, d: Decision) -> C.Refusal | None:

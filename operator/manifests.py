@@ -79,10 +79,11 @@ TOKEN_ANNOTATION = "rlft.dev/rollout-token"
 
 
 def token_secret(body: dict[str, Any]) -> dict[str, Any]:
-    """The Secret of the job's rollout token, without the token: the operator draws one
-    as it sends the create (`with_token`), so no builder, plan or log ever holds it. Sent
-    before each round of pod creations: a Secret deleted by hand is made again, one that
-    exists is kept (409), and the pods wait for it as for any Secret they reference."""
+    """The Secret of the job's tokens (its rollout API's; its Ray clusters'), without
+    them: the operator draws them as it sends the create (`with_tokens`), so no builder,
+    plan or log ever holds one. Sent before each round of pod creations: a Secret deleted
+    by hand is made again, one that exists is kept (409), and the pods wait for it as for
+    any Secret they reference."""
     name = body["metadata"]["name"]
     return {
         "apiVersion": "v1",
@@ -94,10 +95,10 @@ def token_secret(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def with_token(secret: dict[str, Any], token: str) -> dict[str, Any]:
-    """The token Secret to send, holding `token` (base64, as the API stores it)."""
-    encoded = base64.b64encode(token.encode()).decode()
-    return {**secret, "data": {N.TOKEN_KEY: encoded}}
+def with_tokens(secret: dict[str, Any], rollout: str, ray: str) -> dict[str, Any]:
+    """The token Secret to send, holding the two tokens (base64, as the API stores them)."""
+    tokens = {N.TOKEN_KEY: rollout, N.RAY_TOKEN_KEY: ray}
+    return {**secret, "data": {k: base64.b64encode(v.encode()).decode() for k, v in tokens.items()}}
 
 
 def _service(

@@ -47,7 +47,9 @@ def rollout_token_secret(job: str) -> str:
 
 
 TOKEN_KEY = "token"
-"""The key of the rollout token in its Secret."""
+"""The key of the rollout API's token in the job's token Secret."""
+RAY_TOKEN_KEY = "ray"
+"""The key of the token of the job's Ray clusters (multi-node rollout instances)."""
 
 
 def trainer_service(job: str) -> str:

@@ -150,6 +150,14 @@ def container_resources(spec_resources: Any, gpus: int) -> dict[str, Any]:
 TOKEN_ROLES = (N.ROLE_TRAINER, N.ROLE_ROLLOUT, N.ROLE_RAY_HEAD)
 """Pods given the rollout token: those that call the rollout API or serve it (a Ray
 worker only lends its node to an instance)."""
+RAY_ROLES = (N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
+"""Pods of a Ray cluster: Ray's token authentication on (Ray 2.52 and later), with the
+job's Ray token. Without it any pod that reaches the head can run code in the cluster
+(its jobs API and GCS take whoever connects)."""
+
+
+def _token_ref(job: RLFineTune, key: str) -> dict[str, Any]:
+    return {"secretKeyRef": {"name": N.rollout_token_secret(job.metadata.name), "key": key}}
 
 
 def operator_env(
@@ -170,8 +178,10 @@ def operator_env(
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
     if samples(job) and role in TOKEN_ROLES:
-        ref = {"name": N.rollout_token_secret(job.metadata.name), "key": N.TOKEN_KEY}
-        env.append({"name": ROLLOUT_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}})
+        env.append({"name": ROLLOUT_TOKEN_ENV, "valueFrom": _token_ref(job, N.TOKEN_KEY)})
+    if role in RAY_ROLES:
+        env.append({"name": "RAY_AUTH_MODE", "value": "token"})
+        env.append({"name": "RAY_AUTH_TOKEN", "valueFrom": _token_ref(job, N.RAY_TOKEN_KEY)})
     secret = job.spec.checkpoint.credentials_secret
     if secret:
         for key, optional in CREDENTIAL_KEYS:

@@ -62,9 +62,19 @@ def test_the_gpu_example_reads_its_model_from_a_read_only_claim_in_every_pod():
         assert mount["readOnly"] is True and claims[mount["name"]]["readOnly"] is True
         assert spec["serviceAccountName"] == "rlft-s3"
         assert spec["automountServiceAccountToken"] is False  # IRSA's webhook brings its own
+        # No Secret but the job's tokens: the rollout API's where it is called or served,
+        # Ray's (with Ray's token authentication on) in the Ray cluster's pods.
         from_secrets = [e["name"] for e in main["env"] if "secretKeyRef" in str(e)]
-        role = pod["metadata"]["labels"]["rlft.dev/role"]
-        assert from_secrets == ([] if role == "ray-worker" else ["RLFT_ROLLOUT_TOKEN"])
+        expected = {
+            "trainer": ["RLFT_ROLLOUT_TOKEN"],
+            "ray-head": ["RLFT_ROLLOUT_TOKEN", "RAY_AUTH_TOKEN"],
+            "ray-worker": ["RAY_AUTH_TOKEN"],
+        }
+        assert from_secrets == expected[pod["metadata"]["labels"]["rlft.dev/role"]]
+        ray_mode = {"name": "RAY_AUTH_MODE", "value": "token"}
+        assert (ray_mode in main["env"]) == (
+            pod["metadata"]["labels"]["rlft.dev/role"] != "trainer"
+        )
     assert job.spec.checkpoint.credentials_secret is None
     staging = job.spec.checkpoint.staging_dir
     assert staging in {m.mount_path for m in job.spec.trainer.pod.volume_mounts}

@@ -126,9 +126,11 @@ def test_the_plan_is_what_the_operator_creates(monkeypatch, shape, settings):
     groups = ["PodGroup"] if gang in ("volcano", "coscheduling") else []
     rest = kinds[3 + len(secrets) :]
     assert rest[: len(groups)] == groups and set(rest[len(groups) :]) == {"Pod"}
-    if secrets:  # the one difference: the operator draws the token as it sends the Secret
-        token = base64.b64decode(created[3].pop("data")["token"]).decode()
-        assert len(token) >= 32 and token not in yaml.safe_dump(created)
+    if secrets:  # the one difference: the operator draws the tokens as it sends the Secret
+        data = created[3].pop("data")
+        tokens = [base64.b64decode(data[key]).decode() for key in ("token", "ray")]
+        assert len(set(tokens)) == 2 and all(len(t) >= 32 for t in tokens)
+        assert not any(t in yaml.safe_dump(created) for t in tokens)
         created[3]["data"] = {}
     job = parse_job(doc)
     assert plan.plan(job, "ml", UID, settings) == created  # with the uid: exactly

@@ -21,12 +21,13 @@ OPERATOR_ENV = frozenset(
         "PYTHONUNBUFFERED",
         "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
         "AWS_REGION", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "RLFT_LIVENESS_PORT",
-        "RLFT_GANG_ATTEMPT", "RLFT_JOB_UID", "RLFT_ROLLOUT_TOKEN",
+        "RLFT_GANG_ATTEMPT", "RLFT_JOB_UID", "RLFT_ROLLOUT_TOKEN", "RAY_AUTH_MODE",
+        "RAY_AUTH_TOKEN",
     }
 )  # fmt: skip
 """Variables the operator sets in its pods (RLFT_LIVENESS_PORT, RLFT_GANG_ATTEMPT and
-RLFT_JOB_UID in trainer pods only): a job's own `env` may not change them (the trainer,
-the rollout server and the operator agree on them)."""
+RLFT_JOB_UID in trainer pods only, RAY_AUTH_* in Ray pods only): a job's own `env` may
+not change them (the trainer, the rollout server and the operator agree on them)."""
 
 
 class EnvVar(Section):
