@@ -36,6 +36,7 @@ def pod_settings(args: argparse.Namespace) -> Settings:
         liveness_port=args.liveness_port,
         ray_port=args.ray_port,
         grace_seconds=args.grace_seconds,
+        network_policy=args.job_network_policy,
     )
 
 

@@ -97,6 +97,10 @@ class OperatorOptions(Values):
     grace_seconds: int = Field(options.GRACE_SECONDS, ge=0, le=86400)
     """terminationGracePeriodSeconds of the rollout pods. Trainer pods get their job's
     spec.checkpoint.gracePeriodSeconds (the emergency checkpoint's time) plus a margin."""
+    job_network_policy: bool = True
+    """A NetworkPolicy per job: its pods take connections from each other, and from
+    elsewhere only on the trainer status, rollout and liveness ports (false where
+    something else must reach another port of them, e.g. a sidecar's)."""
     metrics_port: int = Field(options.metrics_port(), ge=1024, le=65535)
     """Port of the operator's /metrics (also its liveness and readiness probe)."""
     verbose: bool = False

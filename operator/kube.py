@@ -20,7 +20,8 @@ import aiohttp
 from rlft.operator import crd, permissions
 
 _PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events"}
-_PLURALS["Secret"] = "secrets"  # the job's rollout token (created only, never read)
+_PLURALS["Secret"] = "secrets"  # the job's tokens (created only, never read)
+_PLURALS["NetworkPolicy"] = "networkpolicies"
 _PLURALS["PodGroup"] = "podgroups"  # a gang's (Volcano, coscheduling): operator/gang.py
 
 

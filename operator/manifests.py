@@ -101,6 +101,30 @@ def with_tokens(secret: dict[str, Any], rollout: str, ray: str) -> dict[str, Any
     return {**secret, "data": {k: base64.b64encode(v.encode()).decode() for k, v in tokens.items()}}
 
 
+def network_policy(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[str, Any]:
+    """Ingress to the job's pods: from each other, on any port (torchrun's rendezvous
+    store, the collectives' and the weight broadcast's connections, Ray's ports: none of
+    them authenticates its callers), and from anywhere only on the ports that are read
+    or guarded: the trainers' /status and /metrics (the operator, Prometheus), the
+    rollout protocol (its token; /metrics), /livez (the kubelet). Egress is left alone:
+    the pods reach the object store and the Hugging Face Hub."""
+    selector = {"matchLabels": {N.LABEL_JOB: job.metadata.name}}
+    open_ports = sorted({s.status_port, s.rollout_port, s.liveness_port})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": pod_spec.object_metadata(body, N.network_policy(job.metadata.name)),
+        "spec": {
+            "podSelector": selector,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": selector}]},
+                {"ports": [{"protocol": "TCP", "port": port} for port in open_ports]},
+            ],
+        },
+    }
+
+
 def _service(
     body: dict[str, Any], name: str, selector: dict[str, str], ports: list[tuple[str, int]]
 ) -> dict[str, Any]:
@@ -349,8 +373,11 @@ class Desired:
     services: dict[str, dict[str, Any]]
     pods: dict[str, dict[str, Any]]
     pod_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
-    secrets: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The rollout token's Secret (jobs that sample), without its token (`token_secret`)."""
+    guards: list[dict[str, Any]] = field(default_factory=list)
+    """The job's token Secret (jobs that sample; without its tokens: `token_secret`) and
+    its NetworkPolicy (Settings.network_policy). Neither is watched (the operator may
+    create them, not read them): both are sent before each round of pod creations, and
+    one that exists is kept (409)."""
     """The gang's PodGroup (spec.scheduling.gang volcano or coscheduling): created before
     the pods, which a gang scheduler places only with it."""
 
@@ -358,7 +385,7 @@ class Desired:
         return [
             *self.config_maps.values(),
             *self.services.values(),
-            *self.secrets.values(),
+            *self.guards,
             *self.pod_groups.values(),
             *self.pods.values(),
         ]
@@ -372,11 +399,13 @@ def desired(
     cm = config_map(job, body, s)
     services = [trainer_service(job, body, s), rollout_service(job, body, s)]
     pods = {**trainer_pods(job, body, s, resume, gang), **rollout_pods(job, body, s)}
-    secrets = [token_secret(body)] if pod_spec.samples(job) else []
+    guards = [token_secret(body)] if pod_spec.samples(job) else []
+    if s.network_policy:
+        guards.append(network_policy(job, body, s))
     return Desired(
         config_maps={cm["metadata"]["name"]: cm},
         services={svc["metadata"]["name"]: svc for svc in services},
-        secrets={secret["metadata"]["name"]: secret for secret in secrets},
+        guards=guards,
         pods=pods,
         pod_groups=G.pod_groups(
             job, pods, pod_spec.object_metadata(body, G.group_name(job.metadata.name))

@@ -46,6 +46,10 @@ def rollout_token_secret(job: str) -> str:
     return child_name(job, "rollout-token", limit=253)
 
 
+def network_policy(job: str) -> str:
+    return child_name(job, "ingress", limit=253)
+
+
 TOKEN_KEY = "token"
 """The key of the rollout API's token in the job's token Secret."""
 RAY_TOKEN_KEY = "ray"

@@ -90,3 +90,11 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
         help="terminationGracePeriodSeconds of rollout pods (trainer pods get their job's "
         "spec.checkpoint.gracePeriodSeconds plus a margin)",
     )
+    parser.add_argument(
+        "--job-network-policy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a NetworkPolicy per job: its pods take connections from each other, and from "
+        "elsewhere only on the status, rollout and liveness ports (--no-job-network-policy "
+        "where something else must reach them, e.g. a sidecar's port)",
+    )

@@ -104,6 +104,14 @@ PERMISSIONS: tuple[Permission, ...] = (
         BOTH,
         "the Secret of each job's rollout token (created with a fresh token; never read)",
     ),
+    Permission(
+        "networking.k8s.io",
+        "networkpolicies",
+        ("create",),
+        "served",
+        BOTH,
+        "each job's NetworkPolicy (--job-network-policy): its pods' ports open to each other",
+    ),
     Permission("", "events", ("create",), "served", BOTH, "one Event per decision"),
     Permission(
         "kopf.dev",

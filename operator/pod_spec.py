@@ -53,6 +53,9 @@ class Settings:
     """torchrun rendezvous: seconds to wait for more nodes once `min` have joined."""
     run_as_user: int = 1000
     """UID (and GID) the containers run as."""
+    network_policy: bool = True
+    """A NetworkPolicy per job (manifests.network_policy): the rendezvous store, the
+    collectives' and Ray's ports open to the job's own pods only."""
 
 
 def owner_reference(job: dict[str, Any]) -> dict[str, Any]:

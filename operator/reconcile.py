@@ -320,10 +320,10 @@ class _Run(FailureResponses):
             return
         self.st.next_restart_at = None
         if missing:
-            # Not observed (the operator may create Secrets, not read them): sent with
-            # each round, kept if it exists. Gang schedulers place pods only with their
+            # The token Secret and the NetworkPolicy are not watched: sent with each
+            # round, kept if they exist. Gang schedulers place pods only with their
             # PodGroup (gang.py).
-            self.d.create.extend(desired.secrets.values())
+            self.d.create.extend(desired.guards)
             self.d.create.extend(desired.pod_groups.values())
         for name in missing:
             self.d.create.append(desired.pods[name])

@@ -138,7 +138,13 @@ def test_what_rlft_plan_prints_for_every_example_is_valid(tmp_path, capsys):
         job_file.write_text(yaml.safe_dump(on_cluster(document), sort_keys=False))
         assert main(["plan", str(job_file), "-n", "ml"]) == 0, capsys.readouterr().err
         printed = list(yaml.safe_load_all(capsys.readouterr().out))
-        assert printed and {d["kind"] for d in printed} <= {"ConfigMap", "Service", "Secret", "Pod"}
+        assert printed and {d["kind"] for d in printed} <= {
+            "ConfigMap",
+            "Service",
+            "Secret",
+            "NetworkPolicy",
+            "Pod",
+        }
         documents += printed
     output = kubernetes_validate(documents, tmp_path)
     assert "Couldn't find schema" not in output  # each object really checked

@@ -136,6 +136,9 @@ BUILTIN = [
         ("crd", "crds"),
     ),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True),
+    ResourceType(
+        "networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, (), ("netpol",)
+    ),
 ]
 
 

@@ -362,7 +362,8 @@ def test_the_gangs_keys_win_over_a_roles_own_labels():
 def test_the_pod_group_comes_before_the_pods():
     d = _desired(_job("volcano"))
     kinds = [o["kind"] for o in d.all()]
-    assert kinds == ["ConfigMap", "Service", "Service", "Secret", "PodGroup"] + ["Pod"] * 5
+    guards = ["Secret", "NetworkPolicy"]
+    assert kinds == ["ConfigMap", "Service", "Service", *guards, "PodGroup"] + ["Pod"] * 5
 
 
 @pytest.mark.parametrize(
@@ -392,14 +393,15 @@ def test_quantities_add_up_exactly(values, resource, text):
 def test_the_pod_group_is_sent_before_each_round_of_pod_creations_only():
     w = World(spec={"scheduling": {"gang": {"kind": "coscheduling"}}})
     first = [m["kind"] for m in w.step().create]
-    assert first == ["ConfigMap", "Service", "Service", "Secret", "PodGroup", "Pod", "Pod"]
+    guards = ["Secret", "NetworkPolicy"]
+    assert first == ["ConfigMap", "Service", "Service", *guards, "PodGroup", "Pod", "Pod"]
     assert w.step().create == []  # nothing missing: nothing sent
     w.run_all()
     w.step()
     w.pods.pop("tiny-grpo-rollout-0")  # a rollout pod vanished: it is recreated alone
     again = w.step().create
-    assert [m["kind"] for m in again] == ["Secret", "PodGroup", "Pod"]
-    assert again[1]["metadata"]["name"] == "tiny-grpo-gang"
+    assert [m["kind"] for m in again] == ["Secret", "NetworkPolicy", "PodGroup", "Pod"]
+    assert again[2]["metadata"]["name"] == "tiny-grpo-gang"
 
 
 @pytest.mark.parametrize(
@@ -497,12 +499,13 @@ def test_rlft_plan_prints_the_pod_group_before_the_pods(tmp_path, capsys):
     path.write_text(yaml.safe_dump(_job("coscheduling")))
     assert main(["plan", str(path), "-n", "ml"]) == 0, capsys.readouterr().err
     printed = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [o["kind"] for o in printed][:6] == [
+    assert [o["kind"] for o in printed][:7] == [
         "ConfigMap",
         "Service",
         "Service",
         "Secret",
+        "NetworkPolicy",
         "PodGroup",
         "Pod",
     ]
-    assert "ownerReferences" not in printed[4]["metadata"]  # no uid given: none, as for all
+    assert "ownerReferences" not in printed[5]["metadata"]  # no uid given: none, as for all

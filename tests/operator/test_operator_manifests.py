@@ -294,3 +294,45 @@ def test_the_operator_imports_no_torch():
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def _selects(selector: dict, pod: dict) -> bool:
+    labels = pod["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+@pytest.mark.parametrize("shape", ["tiny", "multi-node-rollout"])
+def test_the_network_policy_opens_only_the_read_or_guarded_ports_to_other_pods(shape):
+    """Every pod of the job, and no other job's, is behind the policy; the job's own pods
+    reach each other on any port (rendezvous, collectives, Ray), anyone else only the
+    status, rollout and liveness ports: not the rendezvous store nor Ray's head."""
+    mine, other = _desired(shape), _desired(shape, name="other-job")
+    (policy,) = [g for g in mine.guards if g["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]  # egress (S3, the Hub) left alone
+    assert all(_selects(spec["podSelector"], pod) for pod in mine.pods.values())
+    assert not any(_selects(spec["podSelector"], pod) for pod in other.pods.values())
+    peers, anyone = spec["ingress"]
+    assert set(peers) == {"from"} and peers["from"] == [{"podSelector": spec["podSelector"]}]
+    assert set(anyone) == {"ports"}  # from anywhere, these ports only
+    open_ports = {p["port"] for p in anyone["ports"]}
+    assert open_ports == {SETTINGS.status_port, SETTINGS.rollout_port, SETTINGS.liveness_port}
+    assert SETTINGS.rdzv_port not in open_ports and SETTINGS.ray_port not in open_ports
+    declared = {
+        port["containerPort"]
+        for pod in mine.pods.values()
+        for port in pod["spec"]["containers"][0].get("ports", [])
+        if port["name"] not in ("rdzv", "ray")
+    }
+    assert declared <= open_ports  # what the operator, Prometheus and kubelet call is open
+
+
+def test_no_job_network_policy_leaves_it_out_of_the_plan(tmp_path, capsys):
+    from rlft.trainer.cli.main import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job_doc()))
+    for flags, expected in (([], 1), (["--no-job-network-policy"], 0)):
+        assert main(["plan", str(path), *flags]) == 0, capsys.readouterr().err
+        kinds = [o["kind"] for o in yaml.safe_load_all(capsys.readouterr().out)]
+        assert kinds.count("NetworkPolicy") == expected and kinds.count("Secret") == 1

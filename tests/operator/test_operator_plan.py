@@ -120,13 +120,14 @@ def test_the_plan_is_what_the_operator_creates(monkeypatch, shape, settings):
     doc = job_doc(name=shape, namespace="ml", **SHAPES[shape])
     created = _operator_creates(monkeypatch, doc, settings)
     kinds = [o["kind"] for o in created]
-    secrets = ["Secret"] if parse_job(doc).spec.algorithm.name != "dpo" else []  # no rollouts
-    assert kinds[: 3 + len(secrets)] == ["ConfigMap", "Service", "Service", *secrets]
+    samples = parse_job(doc).spec.algorithm.name != "dpo"  # DPO: no rollouts, no token
+    guards = ["Secret", "NetworkPolicy"] if samples else ["NetworkPolicy"]
+    assert kinds[: 3 + len(guards)] == ["ConfigMap", "Service", "Service", *guards]
     gang = SHAPES[shape].get("scheduling", {}).get("gang", {}).get("kind")
     groups = ["PodGroup"] if gang in ("volcano", "coscheduling") else []
-    rest = kinds[3 + len(secrets) :]
+    rest = kinds[3 + len(guards) :]
     assert rest[: len(groups)] == groups and set(rest[len(groups) :]) == {"Pod"}
-    if secrets:  # the one difference: the operator draws the tokens as it sends the Secret
+    if samples:  # the one difference: the operator draws the tokens as it sends the Secret
         data = created[3].pop("data")
         tokens = [base64.b64decode(data[key]).decode() for key in ("token", "ray")]
         assert len(set(tokens)) == 2 and all(len(t) >= 32 for t in tokens)
@@ -159,6 +160,7 @@ def test_the_yaml_reads_back_as_the_objects_in_the_order_created():
         "tiny-grpo-trainer",
         "tiny-grpo-rollout",
         "tiny-grpo-rollout-token",
+        "tiny-grpo-ingress",
         "tiny-grpo-trainer-0",
         "tiny-grpo-rollout-0",
     ]
@@ -274,10 +276,11 @@ def test_rlft_plan_prints_a_yaml_stream(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "canary" not in result.stdout
     objects = list(yaml.safe_load_all(result.stdout))
-    kinds = ["ConfigMap", "Service", "Service", "Secret", "Pod", "Pod"]
+    kinds = ["ConfigMap", "Service", "Service", "Secret", "NetworkPolicy", "Pod", "Pod"]
     assert [o["kind"] for o in objects] == kinds
     for obj in objects:
-        assert obj["apiVersion"] == "v1" and obj["metadata"]["namespace"] == "default"
+        assert obj["apiVersion"] in ("v1", "networking.k8s.io/v1")
+        assert obj["metadata"]["namespace"] == "default"
         (owner,) = obj["metadata"]["ownerReferences"]
         assert owner["uid"] == UID and owner["kind"] == "RLFineTune"
     job_file = read_yaml(objects[0]["data"]["job.yaml"])

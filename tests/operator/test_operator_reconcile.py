@@ -135,7 +135,7 @@ def test_first_reconcile_creates_every_child_and_waits():
     w = _world()
     d = w.step()
     kinds = sorted(m["kind"] for m in d.create)
-    assert kinds == ["ConfigMap", "Pod", "Pod", "Secret", "Service", "Service"]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "Pod", "Pod", "Secret", "Service", "Service"]
     assert w.status.phase == "Pending" and w.events == ["Creating"]
     assert "--resume=auto" in d.create[-2]["spec"]["containers"][0]["command"] or any(
         "--resume=auto" in m["spec"]["containers"][0]["command"]
@@ -295,8 +295,13 @@ def test_retryable_failure_restarts_the_trainer_gang_after_backoff(kwargs, kind)
     d = w.step()
     created = [m["metadata"]["name"] for m in d.create]
     # The token's Secret goes with each round of pods (kept if it exists).
-    assert created == ["tiny-grpo-rollout-token", "tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
-    assert "--resume=latest-healthy" in d.create[1]["spec"]["containers"][0]["command"]
+    assert created == [
+        "tiny-grpo-rollout-token",
+        "tiny-grpo-ingress",
+        "tiny-grpo-trainer-0",
+        "tiny-grpo-trainer-1",
+    ]
+    assert "--resume=latest-healthy" in d.create[2]["spec"]["containers"][0]["command"]
     assert w.pods["tiny-grpo-trainer-1"].uid != old_uid
     w.run_all()
     w.step()
@@ -583,6 +588,7 @@ def test_scaling_down_restarts_the_gang_without_the_extra_slot():
     assert w.status.restarts == 0
     d = w.step()
     assert sorted(m["metadata"]["name"] for m in d.create) == [
+        "tiny-grpo-ingress",
         "tiny-grpo-rollout-token",
         "tiny-grpo-trainer-0",
         "tiny-grpo-trainer-1",
@@ -688,7 +694,12 @@ def test_a_trainer_pod_that_vanishes_restarts_the_gang():
     )
     w.tick(10)
     created = [m["metadata"]["name"] for m in w.step().create]
-    assert created == ["tiny-grpo-rollout-token", "tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+    assert created == [
+        "tiny-grpo-rollout-token",
+        "tiny-grpo-ingress",
+        "tiny-grpo-trainer-0",
+        "tiny-grpo-trainer-1",
+    ]
 
 
 def test_a_run_the_trainer_paused_after_a_collapse_is_suspended_not_restarted():

@@ -71,7 +71,7 @@ def test_a_ray_head_with_the_operators_environment_refuses_a_driver_without_the_
         job_doc(rollout={"engine": "vllm", "nodesPerInstance": 2, "gpusPerInstance": 2})
     )
     desired = M.desired(job, body, M.Settings(), "auto")
-    (secret,) = desired.secrets.values()
+    (secret,) = [g for g in desired.guards if g["kind"] == "Secret"]
     secret = M.with_tokens(secret, "rollout-token-of-this-test", "ray-token-of-this-test")
     pods = {p["metadata"]["labels"][N.LABEL_ROLE]: p for p in desired.pods.values()}
     head_env = container_env(pods[N.ROLE_RAY_HEAD], secret)
