@@ -75,7 +75,7 @@ def config_map(job: RLFineTune, body: dict[str, Any], s: Settings | None = None)
     }
 
 
-TOKEN_ANNOTATION = "rlft.dev/rollout-token"
+TOKEN_ANNOTATION = "rlft.dev/tokens"
 
 
 def token_secret(body: dict[str, Any]) -> dict[str, Any]:
@@ -88,8 +88,8 @@ def token_secret(body: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": pod_spec.object_metadata(body, N.rollout_token_secret(name))
-        | {"annotations": {TOKEN_ANNOTATION: "drawn by the operator when it creates the Secret"}},
+        "metadata": pod_spec.object_metadata(body, N.token_secret(name))
+        | {"annotations": {TOKEN_ANNOTATION: "drawn by the operator when it creates this Secret"}},
         "type": "Opaque",
         "data": {},
     }
@@ -373,13 +373,13 @@ class Desired:
     services: dict[str, dict[str, Any]]
     pods: dict[str, dict[str, Any]]
     pod_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The gang's PodGroup (spec.scheduling.gang volcano or coscheduling): created before
+    the pods, which a gang scheduler places only with it."""
     guards: list[dict[str, Any]] = field(default_factory=list)
     """The job's token Secret (jobs that sample; without its tokens: `token_secret`) and
     its NetworkPolicy (Settings.network_policy). Neither is watched (the operator may
     create them, not read them): both are sent before each round of pod creations, and
     one that exists is kept (409)."""
-    """The gang's PodGroup (spec.scheduling.gang volcano or coscheduling): created before
-    the pods, which a gang scheduler places only with it."""
 
     def all(self) -> list[dict[str, Any]]:
         return [

@@ -42,8 +42,8 @@ def config_map_name(job: str) -> str:
     return child_name(job, "config", limit=253)
 
 
-def rollout_token_secret(job: str) -> str:
-    return child_name(job, "rollout-token", limit=253)
+def token_secret(job: str) -> str:
+    return child_name(job, "tokens", limit=253)
 
 
 def network_policy(job: str) -> str:

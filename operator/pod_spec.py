@@ -160,7 +160,7 @@ job's Ray token. Without it any pod that reaches the head can run code in the cl
 
 
 def _token_ref(job: RLFineTune, key: str) -> dict[str, Any]:
-    return {"secretKeyRef": {"name": N.rollout_token_secret(job.metadata.name), "key": key}}
+    return {"secretKeyRef": {"name": N.token_secret(job.metadata.name), "key": key}}
 
 
 def operator_env(

@@ -159,7 +159,7 @@ def test_the_yaml_reads_back_as_the_objects_in_the_order_created():
         "tiny-grpo-config",
         "tiny-grpo-trainer",
         "tiny-grpo-rollout",
-        "tiny-grpo-rollout-token",
+        "tiny-grpo-tokens",
         "tiny-grpo-ingress",
         "tiny-grpo-trainer-0",
         "tiny-grpo-rollout-0",
@@ -189,15 +189,15 @@ def test_credentials_appear_only_as_secret_references():
     objects = plan.plan(parse_job(doc), "ml")
     # The one Secret planned is the rollout token's, and without its token.
     [secret] = [o for o in objects if o["kind"] == "Secret"]
-    assert secret["metadata"]["name"] == "tiny-grpo-rollout-token" and secret["data"] == {}
+    assert secret["metadata"]["name"] == "tiny-grpo-tokens" and secret["data"] == {}
     for pod in (o for o in objects if o["kind"] == "Pod"):
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
             assert "value" not in env[name]
             assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
         token = env["RLFT_ROLLOUT_TOKEN"]["valueFrom"]["secretKeyRef"]
-        assert token == {"name": "tiny-grpo-rollout-token", "key": "token"}
-        assert set(_secret_names(pod)) == {"s3-creds", "tiny-grpo-rollout-token"}
+        assert token == {"name": "tiny-grpo-tokens", "key": "token"}
+        assert set(_secret_names(pod)) == {"s3-creds", "tiny-grpo-tokens"}
 
 
 def test_namespace_comes_from_the_option_then_the_manifest_then_default():
