@@ -13,6 +13,9 @@ to apply:
   jsonpath='{.metadata.uid}'`) the plan is exactly what the operator creates for it.
 - **Secrets**: the operator never reads one; credentials reach the pods as
   `secretKeyRef`s naming spec.checkpoint.credentialsSecret, so no value can appear here.
+  The one Secret it creates, the job's tokens (`manifests.token_secret`), is planned
+  without them: the operator draws them as it sends the create. Applied as printed, it
+  leaves the pods waiting for its keys (`token`, `ray`): nothing runs without a token.
 
 Pure, like the planner it calls: no API server, no clock.
 """
