@@ -84,11 +84,11 @@ def token_secret(body: dict[str, Any]) -> dict[str, Any]:
     plan or log ever holds one. Sent before each round of pod creations: a Secret deleted
     by hand is made again, one that exists is kept (409), and the pods wait for it as for
     any Secret they reference."""
-    name = body["metadata"]["name"]
+    meta = body["metadata"]
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": pod_spec.object_metadata(body, N.token_secret(name))
+        "metadata": pod_spec.object_metadata(body, N.token_secret(meta["name"], meta["uid"]))
         | {"annotations": {TOKEN_ANNOTATION: "drawn by the operator when it creates this Secret"}},
         "type": "Opaque",
         "data": {},
@@ -113,7 +113,9 @@ def network_policy(job: RLFineTune, body: dict[str, Any], s: Settings) -> dict[s
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": pod_spec.object_metadata(body, N.network_policy(job.metadata.name)),
+        "metadata": pod_spec.object_metadata(
+            body, N.network_policy(job.metadata.name, body["metadata"]["uid"])
+        ),
         "spec": {
             "podSelector": selector,
             "policyTypes": ["Ingress"],

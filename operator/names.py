@@ -42,12 +42,14 @@ def config_map_name(job: str) -> str:
     return child_name(job, "config", limit=253)
 
 
-def token_secret(job: str) -> str:
-    return child_name(job, "tokens", limit=253)
+def token_secret(job: str, uid: str) -> str:
+    """Named after the job's uid too: a job deleted and applied again under its name must
+    not inherit the old one's Secret, which the garbage collector is about to remove."""
+    return child_name(job, f"tokens-{uid[:8]}", limit=253)
 
 
-def network_policy(job: str) -> str:
-    return child_name(job, "ingress", limit=253)
+def network_policy(job: str, uid: str) -> str:
+    return child_name(job, f"ingress-{uid[:8]}", limit=253)
 
 
 TOKEN_KEY = "token"

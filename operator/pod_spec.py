@@ -159,8 +159,9 @@ job's Ray token. Without it any pod that reaches the head can run code in the cl
 (its jobs API and GCS take whoever connects)."""
 
 
-def _token_ref(job: RLFineTune, key: str) -> dict[str, Any]:
-    return {"secretKeyRef": {"name": N.token_secret(job.metadata.name), "key": key}}
+def _token_ref(body: dict[str, Any], key: str) -> dict[str, Any]:
+    name = N.token_secret(body["metadata"]["name"], body["metadata"]["uid"])
+    return {"secretKeyRef": {"name": name, "key": key}}
 
 
 def operator_env(
@@ -181,10 +182,10 @@ def operator_env(
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
     if samples(job) and role in TOKEN_ROLES:
-        env.append({"name": ROLLOUT_TOKEN_ENV, "valueFrom": _token_ref(job, N.TOKEN_KEY)})
+        env.append({"name": ROLLOUT_TOKEN_ENV, "valueFrom": _token_ref(body, N.TOKEN_KEY)})
     if role in RAY_ROLES:
         env.append({"name": "RAY_AUTH_MODE", "value": "token"})
-        env.append({"name": "RAY_AUTH_TOKEN", "valueFrom": _token_ref(job, N.RAY_TOKEN_KEY)})
+        env.append({"name": "RAY_AUTH_TOKEN", "valueFrom": _token_ref(body, N.RAY_TOKEN_KEY)})
     secret = job.spec.checkpoint.credentials_secret
     if secret:
         for key, optional in CREDENTIAL_KEYS:

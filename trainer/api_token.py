@@ -8,7 +8,7 @@ import hmac
 
 TOKEN_ENV = "RLFT_ROLLOUT_TOKEN"
 """The bearer token of a job's rollout API. The operator draws one per job into the
-Secret `<job>-tokens` and gives it to the job's trainer and rollout pods;
+Secret `<job>-tokens-<uid>` and gives it to the job's trainer and rollout pods;
 `rlft train` draws one per run for the servers it starts. Unset, an instance answers
 any caller: a server of one's own on loopback."""
 

@@ -133,7 +133,8 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
         # The job trained through its rollout pod with the token the operator drew, and a
         # caller without it was refused; the token is nowhere but in its Secret.
         assert stranger_refused == 401, stranger_refused
-        secret = cluster.api.get("secrets", NS, f"{name}-tokens")
+        uid = rlft(cluster, name)["metadata"]["uid"]
+        secret = cluster.api.get("secrets", NS, f"{name}-tokens-{uid[:8]}")
         token = base64.b64decode(secret["data"]["token"]).decode()
         assert len(token) >= 32
         seen = [json.dumps(rlft(cluster, name)), json.dumps(cluster.api.list("events", NS))]

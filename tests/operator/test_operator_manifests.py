@@ -336,3 +336,25 @@ def test_no_job_network_policy_leaves_it_out_of_the_plan(tmp_path, capsys):
         assert main(["plan", str(path), *flags]) == 0, capsys.readouterr().err
         kinds = [o["kind"] for o in yaml.safe_load_all(capsys.readouterr().out)]
         assert kinds.count("NetworkPolicy") == expected and kinds.count("Secret") == 1
+
+
+def test_a_job_applied_again_under_its_name_gets_tokens_of_its_own():
+    """Deleted and applied again, a job has a new uid: its token Secret must not be the
+    old one (kept on the 409, then removed by the garbage collector with its owner)."""
+    job, body = parsed(job_doc())
+    again = {**body, "metadata": {**body["metadata"], "uid": "9a8b7c6d-new"}}
+    names = []
+    for b in (body, again):
+        d = M.desired(job, b, SETTINGS, "auto")
+        (secret,) = [g for g in d.guards if g["kind"] == "Secret"]
+        (policy,) = [g for g in d.guards if g["kind"] == "NetworkPolicy"]
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == b["metadata"]["uid"]
+        for pod in d.pods.values():
+            env = pod["spec"]["containers"][0]["env"]
+            refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in env if "secretKeyRef" in str(e)]
+            assert refs == [secret["metadata"]["name"]]
+        names.append((secret["metadata"]["name"], policy["metadata"]["name"]))
+    assert names == [
+        ("tiny-grpo-tokens-0f0e-uid", "tiny-grpo-ingress-0f0e-uid"),
+        ("tiny-grpo-tokens-9a8b7c6d", "tiny-grpo-ingress-9a8b7c6d"),
+    ]

@@ -136,7 +136,9 @@ def test_the_plan_is_what_the_operator_creates(monkeypatch, shape, settings):
     job = parse_job(doc)
     assert plan.plan(job, "ml", UID, settings) == created  # with the uid: exactly
     # Without it: the same objects, minus the owner references, with the placeholder uid.
-    expected = yaml.safe_load(yaml.safe_dump(created).replace(UID, plan.PLACEHOLDER_UID))
+    # (The token Secret's and the NetworkPolicy's names carry the uid's first 8 digits.)
+    text = yaml.safe_dump(created).replace(UID, plan.PLACEHOLDER_UID)
+    expected = yaml.safe_load(text.replace(UID[:8], plan.PLACEHOLDER_UID[:8]))
     for obj in expected:
         assert obj["metadata"].pop("ownerReferences")[0]["uid"] == plan.PLACEHOLDER_UID
     planned = plan.plan(job, "ml", None, settings)
@@ -159,8 +161,8 @@ def test_the_yaml_reads_back_as_the_objects_in_the_order_created():
         "tiny-grpo-config",
         "tiny-grpo-trainer",
         "tiny-grpo-rollout",
-        "tiny-grpo-tokens",
-        "tiny-grpo-ingress",
+        "tiny-grpo-tokens-00000000",
+        "tiny-grpo-ingress-00000000",
         "tiny-grpo-trainer-0",
         "tiny-grpo-rollout-0",
     ]
@@ -189,15 +191,15 @@ def test_credentials_appear_only_as_secret_references():
     objects = plan.plan(parse_job(doc), "ml")
     # The one Secret planned is the rollout token's, and without its token.
     [secret] = [o for o in objects if o["kind"] == "Secret"]
-    assert secret["metadata"]["name"] == "tiny-grpo-tokens" and secret["data"] == {}
+    assert secret["metadata"]["name"] == "tiny-grpo-tokens-00000000" and secret["data"] == {}
     for pod in (o for o in objects if o["kind"] == "Pod"):
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
             assert "value" not in env[name]
             assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
         token = env["RLFT_ROLLOUT_TOKEN"]["valueFrom"]["secretKeyRef"]
-        assert token == {"name": "tiny-grpo-tokens", "key": "token"}
-        assert set(_secret_names(pod)) == {"s3-creds", "tiny-grpo-tokens"}
+        assert token == {"name": "tiny-grpo-tokens-00000000", "key": "token"}
+        assert set(_secret_names(pod)) == {"s3-creds", "tiny-grpo-tokens-00000000"}
 
 
 def test_namespace_comes_from_the_option_then_the_manifest_then_default():

@@ -296,8 +296,8 @@ def test_retryable_failure_restarts_the_trainer_gang_after_backoff(kwargs, kind)
     created = [m["metadata"]["name"] for m in d.create]
     # The token's Secret goes with each round of pods (kept if it exists).
     assert created == [
-        "tiny-grpo-tokens",
-        "tiny-grpo-ingress",
+        "tiny-grpo-tokens-0f0e-uid",
+        "tiny-grpo-ingress-0f0e-uid",
         "tiny-grpo-trainer-0",
         "tiny-grpo-trainer-1",
     ]
@@ -588,8 +588,8 @@ def test_scaling_down_restarts_the_gang_without_the_extra_slot():
     assert w.status.restarts == 0
     d = w.step()
     assert sorted(m["metadata"]["name"] for m in d.create) == [
-        "tiny-grpo-ingress",
-        "tiny-grpo-tokens",
+        "tiny-grpo-ingress-0f0e-uid",
+        "tiny-grpo-tokens-0f0e-uid",
         "tiny-grpo-trainer-0",
         "tiny-grpo-trainer-1",
     ]
@@ -695,8 +695,8 @@ def test_a_trainer_pod_that_vanishes_restarts_the_gang():
     w.tick(10)
     created = [m["metadata"]["name"] for m in w.step().create]
     assert created == [
-        "tiny-grpo-tokens",
-        "tiny-grpo-ingress",
+        "tiny-grpo-tokens-0f0e-uid",
+        "tiny-grpo-ingress-0f0e-uid",
         "tiny-grpo-trainer-0",
         "tiny-grpo-trainer-1",
     ]

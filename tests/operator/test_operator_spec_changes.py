@@ -90,8 +90,8 @@ def test_an_edit_made_with_the_resume_re_renders_before_the_pods_are_created():
     d = w.step()
     assert [m["metadata"]["name"] for m in d.update] == [CM]
     assert {m["metadata"]["name"] for m in d.create} == {
-        "tiny-grpo-tokens",
-        "tiny-grpo-ingress",
+        "tiny-grpo-tokens-0f0e-uid",
+        "tiny-grpo-ingress-0f0e-uid",
         "tiny-grpo-trainer-0",
         "tiny-grpo-rollout-0",
     }
@@ -201,7 +201,11 @@ def test_a_rescale_waits_for_the_old_gang_to_terminate():
     deleting = {n: p for n, p in w.pods.items() if "trainer" in n}
     d = w.step()
     created = [m["metadata"]["name"] for m in d.create]
-    assert created == ["tiny-grpo-tokens", "tiny-grpo-ingress", "tiny-grpo-trainer-2"]
+    assert created == [
+        "tiny-grpo-tokens-0f0e-uid",
+        "tiny-grpo-ingress-0f0e-uid",
+        "tiny-grpo-trainer-2",
+    ]
     assert _nnodes(d) == {"--nnodes=1:3"}
     assert w.status.observed_generation == 2  # every trainer pod is made from the spec now
     for name, pod in deleting.items():  # still Terminating (their emergency checkpoint)
@@ -213,8 +217,8 @@ def test_a_rescale_waits_for_the_old_gang_to_terminate():
         w.pods.pop(name)
     d = w.step()
     assert sorted(m["metadata"]["name"] for m in d.create) == [
-        "tiny-grpo-ingress",
-        "tiny-grpo-tokens",
+        "tiny-grpo-ingress-0f0e-uid",
+        "tiny-grpo-tokens-0f0e-uid",
         "tiny-grpo-trainer-0",
         "tiny-grpo-trainer-1",
     ]
@@ -339,8 +343,8 @@ def test_the_planner_creates_nothing_while_a_refusal_waits():
     w.tick(4)
     d = w.step()
     assert [m["metadata"]["name"] for m in d.create] == [
-        "tiny-grpo-tokens",
-        "tiny-grpo-ingress",
+        "tiny-grpo-tokens-0f0e-uid",
+        "tiny-grpo-ingress-0f0e-uid",
         "tiny-grpo-rollout-0",
     ]
 
