@@ -27,6 +27,7 @@ from chart_render import (
 )
 
 from rlft.operator import chart_files
+from rlft.operator.__main__ import pod_settings
 from rlft.operator.chart_values import ChartValues
 from rlft.operator.options import build_parser
 
@@ -118,13 +119,14 @@ def test_operator_arguments_are_the_operators_own_options(chart):
     the values say."""
     values = {
         "watchNamespaces": ["ml", "research"],
-        "operator": {"pollSeconds": 5, "verbose": True},
+        "operator": {"pollSeconds": 5, "verbose": True, "jobNetworkPolicy": False},
     }
     for given, all_namespaces, namespaces in (({}, True, []), (values, False, ["ml", "research"])):
         documents, _ = render(chart, given)
         container = of_kind(documents, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
         args = build_parser().parse_args(container["args"])
         assert args.all_namespaces is all_namespaces and args.namespace == namespaces
+        assert pod_settings(args).network_policy is (given == {})  # on unless turned off
         assert args.peering == "rlft" and not args.standalone  # leader election on
         port = int(args.metrics_bind.rpartition(":")[2])
         assert container["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
