@@ -1,5 +1,5 @@
 import sys
 
-from rlft.trainer.cli.main import main
+from rlft.trainer.cli.entry import main
 
 sys.exit(main())

@@ -12,11 +12,13 @@ import traceback
 from pathlib import Path
 
 from rlft.trainer import termination
+from rlft.trainer.cli import entry
+from rlft.trainer.cli.interrupts import InterruptedWhileStarting, deferred_interrupt
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.telemetry import liveness
 
-INTERRUPTED = 130
+INTERRUPTED = entry.INTERRUPTED
 """`rlft train`'s exit code after a second Ctrl-C (the shell's for SIGINT): stopped at once,
 without the emergency checkpoint the first one asks for."""
 
@@ -31,24 +33,26 @@ def _job(path: str) -> RLFineTune | None:
 
 
 def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
-    # Imported here so that `rlft validate` works without the trainer's heavy extras.
-    from rlft.trainer.checkpoint import BadUriError, CheckpointError, NoCheckpointError
-    from rlft.trainer.checkpoint.errors import (
-        ForeignCheckpointError,
-        LocationTakenError,
-        NewerFormatError,
-    )
-    from rlft.trainer.data.jsonl import DataFileError
-    from rlft.trainer.data.rewards import RewardError
-    from rlft.trainer.model.build import ModelLoadError
-    from rlft.trainer.run.job import (
-        OutputExistsError,
-        StepFailedError,
-        restarted_worker,
-        run_job,
-    )
-    from rlft.trainer.storage.errors import StorageError
-    from rlft.trainer.telemetry.server import TelemetryServeError
+    # Imported here so that `rlft validate` works without the trainer's heavy extras; a
+    # Ctrl-C meanwhile is raised after the imports, not inside torch's (interrupts.py).
+    with deferred_interrupt():
+        from rlft.trainer.checkpoint import BadUriError, CheckpointError, NoCheckpointError
+        from rlft.trainer.checkpoint.errors import (
+            ForeignCheckpointError,
+            LocationTakenError,
+            NewerFormatError,
+        )
+        from rlft.trainer.data.jsonl import DataFileError
+        from rlft.trainer.data.rewards import RewardError
+        from rlft.trainer.model.build import ModelLoadError
+        from rlft.trainer.run.job import (
+            OutputExistsError,
+            StepFailedError,
+            restarted_worker,
+            run_job,
+        )
+        from rlft.trainer.storage.errors import StorageError
+        from rlft.trainer.telemetry.server import TelemetryServeError
 
     rank = dist.rank if dist is not None else 0
     try:
@@ -186,6 +190,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except StoppedBeforeStart as stop:
         print(f"rlft: stopped: {stop}; nothing had run", file=sys.stderr)
         return 128 + stop.signum  # the shell's code for a process a signal ended
+    except InterruptedWhileStarting:
+        print("rlft: stopped: SIGINT while starting; nothing had run", file=sys.stderr)
+        return INTERRUPTED
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints)
         print(
             "rlft: interrupted: the step in hand is lost; the newest committed "

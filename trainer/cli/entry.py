@@ -1,0 +1,19 @@
+"""The `rlft` command's entry point: imports the command line inside a guard, so a
+Ctrl-C in the first fraction of a second (while Python imports it, before any command
+has installed its handlers) ends with one line and 128 + SIGINT instead of a traceback.
+Nothing else is imported here: the window it leaves is Python's own start-up."""
+
+from __future__ import annotations
+
+import sys
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+def main() -> int:
+    try:
+        from rlft.trainer.cli.main import main as run
+    except KeyboardInterrupt:
+        print("rlft: stopped: SIGINT while starting; nothing had run", file=sys.stderr)
+        return INTERRUPTED
+    return run()
