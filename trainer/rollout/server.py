@@ -247,9 +247,17 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise
         pass
 
-    def _reply(self, code: int, body: Any, content_type: str = "application/json") -> None:
+    def _reply(
+        self,
+        code: int,
+        body: Any,
+        content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -299,17 +307,15 @@ class _Handler(BaseHTTPRequestHandler):
         would see a broken pipe instead of the reason."""
         if authorized(self.headers.get("Authorization"), self.server.token):
             return False
-        length = int(self.headers.get("Content-Length") or 0)
-        if length <= MAX_BODY:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = 0
+        if 0 < length <= MAX_BODY:
             self.rfile.read(length)
         self.server.metrics.request("unauthorized")
-        self.send_response(401)
-        self.send_header("WWW-Authenticate", "Bearer")
-        data = json.dumps({"error": f"no or a wrong rollout token (see {TOKEN_ENV})"}).encode()
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        error = {"error": f"no or a wrong rollout token (see {TOKEN_ENV})"}
+        self._reply(401, error, headers={"WWW-Authenticate": "Bearer"})
         return True
 
     def do_POST(self) -> None:
