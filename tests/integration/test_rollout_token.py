@@ -18,6 +18,7 @@ from rlft.trainer.rollout import SamplingParams
 from rlft.trainer.rollout.client import RequestFailed, RolloutClient, http_json
 from rlft.trainer.rollout.local import LocalServers
 from rlft.trainer.rollout.protocol import GenerateRequest, WeightsRequest
+from rlft.trainer.rollout.server import open_api_warning
 
 TOKEN = "s3cr3t-token-for-this-test"
 
@@ -107,3 +108,21 @@ def test_local_servers_take_only_the_runs_token(tmp_path: Path, monkeypatch) -> 
         assert answer["policy_version"] == 0
         log = (tmp_path / "rollout-0.log").read_text()
     assert servers.token not in log
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [
+        ("::", None, True),  # what the operator renders, were the token not given
+        ("0.0.0.0", None, True),
+        ("10.1.2.3", None, True),
+        ("127.0.0.1", None, False),  # `rlft rollout`'s default
+        ("::1", None, False),
+        ("::", TOKEN, False),
+    ],
+)
+def test_rlft_rollout_warns_when_it_takes_any_caller_from_elsewhere(host, token, warned):
+    warning = open_api_warning(host, token)
+    assert (warning is not None) is warned
+    if warned:
+        assert TOKEN_ENV in warning and host in warning

@@ -384,6 +384,16 @@ def start_server(
     return RolloutHTTPServer((host, port), engine_host, metrics, kind, token)
 
 
+def open_api_warning(host: str, token: str | None) -> str | None:
+    """What to say when the server takes any caller from beyond this machine."""
+    if token is not None or is_loopback(host):
+        return None
+    return (
+        f"rlft rollout: warning: {TOKEN_ENV} is not set, so POST /generate and POST "
+        f"/weights answer anyone who can reach {host}"
+    )
+
+
 def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | Path | None:
     """What to load before serving: the newest published version, else the folder of
     spec.model.path (the user's own model: complete, with no READY marker to look for)."""
@@ -429,13 +439,9 @@ def run(args: argparse.Namespace) -> int:
             termination.write(termination.Verdict(error.exit_code, str(error)))
             return error.exit_code
     token = os.environ.get(TOKEN_ENV) or None
-    if token is None and not is_loopback(args.host):
-        print(
-            f"rlft rollout: warning: {TOKEN_ENV} is not set, so POST /generate and POST "
-            f"/weights answer anyone who can reach {args.host}",
-            file=sys.stderr,
-            flush=True,
-        )
+    warning = open_api_warning(args.host, token)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     server = start_server(
         kind, args.host, args.port, args.tensor_parallel, args.expert_parallel, token
     )
