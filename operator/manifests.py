@@ -3,8 +3,11 @@
 What runs where (docs/architecture.md, "Processes of one job"):
 
 - a ConfigMap with the rendered job file, mounted read-only into every pod;
-- for a job that samples, a Secret with the token of its rollout API, which only its own
-  trainer and rollout pods are given (drawn when the Secret is created: `token_secret`);
+- for a job that samples, a Secret with its tokens (its rollout API's, given to its
+  trainer, rollout and Ray head pods; its Ray clusters', given to its Ray pods), drawn
+  when the Secret is created (`token_secret`);
+- a NetworkPolicy that opens the job's unauthenticated ports to its own pods only
+  (`network_policy`; Settings.network_policy);
 - a headless Service for the trainer gang's rendezvous (pods get stable DNS names);
 - `replicas.max` trainer pods running `torchrun --nnodes=min:max` with the elastic-restart
   environment docs/build.md asks for (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a short

@@ -8,12 +8,13 @@ from __future__ import annotations
 import sys
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+STOPPED_STARTING = "rlft: stopped: SIGINT while starting; nothing had run"
 
 
 def main() -> int:
     try:
         from rlft.trainer.cli.main import main as run
     except KeyboardInterrupt:
-        print("rlft: stopped: SIGINT while starting; nothing had run", file=sys.stderr)
+        print(STOPPED_STARTING, file=sys.stderr)
         return INTERRUPTED
     return run()

@@ -191,7 +191,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"rlft: stopped: {stop}; nothing had run", file=sys.stderr)
         return 128 + stop.signum  # the shell's code for a process a signal ended
     except InterruptedWhileStarting:
-        print("rlft: stopped: SIGINT while starting; nothing had run", file=sys.stderr)
+        print(entry.STOPPED_STARTING, file=sys.stderr)
         return INTERRUPTED
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints)
         print(
