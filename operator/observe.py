@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlft.operator import names as N
+from rlft.trainer.api_token import TOKEN_ENV
 from rlft.trainer.termination import Verdict
 from rlft.trainer.termination import read as read_verdict
 
@@ -61,6 +62,9 @@ class PodView:
     """Message of PodScheduled=False (why the scheduler cannot place it)."""
     ready: bool | None = None
     """The Ready condition (None before the pod has one)."""
+    rollout_token: bool = True
+    """Its main container is given the job's rollout token. Pods made by an operator from
+    before tokens are not: their trainers call the rollout API without one."""
 
     @property
     def on_lost_node(self) -> bool:
@@ -98,6 +102,13 @@ def _disruption(pod: dict[str, Any]) -> str:
     if cond is not None and cond.get("status") == "True":
         return f"{KUEUE_STOP}/{cond.get('reason') or 'Stopped'}"
     return ""
+
+
+def _given_token(pod: dict[str, Any]) -> bool:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == "main":
+            return any(e.get("name") == TOKEN_ENV for e in container.get("env") or [])
+    return False
 
 
 def pod_view(pod: dict[str, Any]) -> PodView | None:
@@ -142,6 +153,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
             waiting_reason = waiting.get("reason") or ""
             waiting_message = waiting.get("message") or ""
     return PodView(
+        rollout_token=_given_token(pod),
         name=meta.get("name", ""),
         uid=meta.get("uid", ""),
         role=role,

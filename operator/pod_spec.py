@@ -5,6 +5,7 @@ builds each role's pods from `job_pod`."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +158,17 @@ RAY_ROLES = (N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
 """Pods of a Ray cluster: Ray's token authentication on (Ray 2.52 and later), with the
 job's Ray token. Without it any pod that reaches the head can run code in the cluster
 (its jobs API and GCS take whoever connects)."""
+
+
+def without_rollout_token(pod: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `pod` whose containers are not given the rollout token: a rollout pod
+    made for trainers started by an operator from before tokens. Those send none, and a
+    server given one would refuse them all (observe.PodView.rollout_token)."""
+    out = copy.deepcopy(pod)
+    for container in out["spec"]["containers"]:
+        env = container.get("env") or []
+        container["env"] = [e for e in env if e.get("name") != ROLLOUT_TOKEN_ENV]
+    return out
 
 
 def _token_ref(body: dict[str, Any], key: str) -> dict[str, Any]:

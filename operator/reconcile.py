@@ -31,6 +31,7 @@ from rlft.operator import creation as C
 from rlft.operator import failures as P
 from rlft.operator import manifests as M
 from rlft.operator import names as N
+from rlft.operator import pod_spec
 from rlft.operator import spec_changes as S
 from rlft.operator.decision import Decision, Observed
 from rlft.operator.responses import FailureResponses, completed
@@ -44,6 +45,9 @@ from rlft.operator.status import (
 from rlft.operator.status import RLFineTuneStatus as Status
 from rlft.trainer.config import JobFileError, RLFineTune, parse_job, read_yaml
 from rlft.trainer.termination import Verdict
+
+TOKEN_SERVERS = (N.ROLE_ROLLOUT, N.ROLE_RAY_HEAD)
+"""Roles that serve the rollout API (a multi-node instance serves it from its Ray head)."""
 
 SCHEDULER_REASON_POLL_SECONDS = 2.0
 """After the scheduling timeout, how soon to look again for the scheduler's reason."""
@@ -325,8 +329,13 @@ class _Run(FailureResponses):
             # PodGroup (gang.py).
             self.d.create.extend(desired.guards)
             self.d.create.extend(desired.pod_groups.values())
+        tokenless = self.tokenless_trainers()
         for name in missing:
-            self.d.create.append(desired.pods[name])
+            pod = desired.pods[name]
+            if tokenless and pod["metadata"]["labels"][N.LABEL_ROLE] in TOKEN_SERVERS:
+                pod = pod_spec.without_rollout_token(pod)
+                self.event("Normal", "NoRolloutToken", f"{name}: {tokenless}")
+            self.d.create.append(pod)
         made = [
             desired.pods[name] for name in missing
             if desired.pods[name]["metadata"]["labels"][N.LABEL_ROLE] == N.ROLE_TRAINER
@@ -340,6 +349,22 @@ class _Run(FailureResponses):
                 # nodes begins now (a backoff longer than schedulingTimeoutSeconds
                 # declared the gang unschedulable the moment its pods were created).
                 self.st.waiting_since = rfc3339(self.now)
+
+    def tokenless_trainers(self) -> str:
+        """Why a rollout pod made now gets no token ('' when it does): the job's running
+        trainers were made by an operator from before tokens and send none (an upgrade
+        under a running job). Its next gang restart gives them one; a tokenless server
+        takes their requests as it takes any."""
+        old = sorted(
+            p.name for p in self.pods.values()
+            if p.role == N.ROLE_TRAINER and p.active and not p.rollout_token
+        )  # fmt: skip
+        if not old:
+            return ""
+        return (
+            f"made without the rollout token: trainer pods {', '.join(old)} were made "
+            "without one (an operator from before tokens); their requests would be refused"
+        )
 
     def settle(self, rescaling: bool) -> None:
         if self.held_update:

@@ -91,6 +91,21 @@ def test_the_client_with_the_token_loads_and_generates(guarded, tmp_path: Path) 
     assert 'rlft_rollout_requests_total{status="ok"} 1.0' in metrics
 
 
+def test_a_server_given_no_token_takes_a_client_that_sends_one(tmp_path: Path) -> None:
+    """An upgrade's mix: trainers a new operator restarted send the job's token to a
+    rollout pod made before tokens (or for trainers that had none), which serves them."""
+    open_server = ThreadServer()
+    client = RolloutClient([open_server.url], timeout_s=60, token=TOKEN)
+    try:
+        uri = publish(store_at(tmp_path), tiny_model()[0], 3)
+        assert client.load_weights(client.instances[0], WeightsRequest(version=3, uri=uri), 60)
+        greedy = SamplingParams(max_new_tokens=4, greedy=True)
+        assert client.generate(GenerateRequest(PROMPTS, 1, greedy, seed=0)).policy_version == 3
+    finally:
+        client.close()
+        open_server.stop()
+
+
 def test_local_servers_take_only_the_runs_token(tmp_path: Path, monkeypatch) -> None:
     """`rlft train`'s servers are subprocesses: the token drawn for the run reaches them
     through their environment, and a caller without it is refused."""

@@ -8,6 +8,7 @@ from typing import Any
 from rlft.operator import names as N
 from rlft.operator.observe import PodView, pod_view
 from rlft.trainer import termination
+from rlft.trainer.api_token import TOKEN_ENV
 
 _uids = itertools.count(1)
 
@@ -34,9 +35,12 @@ def raw_pod(
     verdict: termination.Verdict | None = None,
     ready: bool | None = None,
     finished_at: str | None = None,
+    rollout_token: bool = True,
 ) -> dict[str, Any]:
     """`verdict`: what the container's process wrote to its termination message (the
-    message is then that, as the kubelet reports it, not `message`)."""
+    message is then that, as the kubelet reports it, not `message`). `rollout_token`:
+    the main container is given the job's rollout token (False: a pod an operator from
+    before tokens made)."""
     if verdict is not None:
         message = termination.encode(verdict)
     status: dict[str, Any] = {"phase": phase, "conditions": []}
@@ -96,7 +100,9 @@ def raw_pod(
     }
     if deleting:  # the API server sets it to when the grace period ends
         meta["deletionTimestamp"] = grace_ends or created
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {}, "status": status}
+    env = [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": "t", "key": "token"}}}]
+    spec = {"containers": [{"name": "main", "image": "x", "env": env if rollout_token else []}]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": status}
 
 
 def view(*args: Any, **kwargs: Any) -> PodView:

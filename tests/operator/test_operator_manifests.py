@@ -358,3 +358,18 @@ def test_a_job_applied_again_under_its_name_gets_tokens_of_its_own():
         ("tiny-grpo-tokens-0f0e-uid", "tiny-grpo-ingress-0f0e-uid"),
         ("tiny-grpo-tokens-9a8b7c6d", "tiny-grpo-ingress-9a8b7c6d"),
     ]
+
+
+def test_the_pod_view_tells_the_pods_given_the_rollout_token():
+    """What reconcile reads to keep an upgrade's old trainers served (PodView.rollout_token)
+    is what the manifests give: every trainer and rollout pod the operator makes has the
+    token, and `without_rollout_token` takes it away."""
+    from rlft.operator.observe import pod_view
+
+    job, body = parsed(job_doc())
+    pods = M.desired(job, body, SETTINGS, "auto").pods
+    assert {p["metadata"]["labels"][N.LABEL_ROLE] for p in pods.values()} == {"trainer", "rollout"}
+    for pod in pods.values():
+        assert pod_view(pod).rollout_token
+        assert not pod_view(pod_spec.without_rollout_token(pod)).rollout_token
+        assert pod_view(pod).rollout_token  # the copy's change left the pod as it was

@@ -1095,3 +1095,32 @@ def test_a_multi_node_rollout_instance_restarts_whole_and_counts_once():
         w.tick(1)
         w.step()
     assert w.status.restarts == 1  # the others' going was this restart's
+
+
+def _env_names(manifest: dict[str, Any]) -> set[str]:
+    return {e["name"] for e in manifest["spec"]["containers"][0].get("env") or []}
+
+
+@pytest.mark.parametrize("old_trainers", [True, False])
+def test_a_rollout_pod_made_for_trainers_without_a_token_gets_none(old_trainers):
+    """The operator upgraded under a running job: its trainers, made before tokens, call
+    the rollout API without one. A rollout pod the new operator makes with a token would
+    refuse them all (a counted gang restart once every instance did); it gets none until
+    the gang's next restart, and an Event says why."""
+    w = _world()
+    w.step()
+    w.run_all()
+    w.set("tiny-grpo-trainer-0", phase="Running", pod_ip="10.0.0.1", rollout_token=not old_trainers)
+    w.step()
+    w.set("tiny-grpo-rollout-0", phase="Failed", exit_code=1)
+    made: list[dict[str, Any]] = []
+    for _ in range(120):
+        d = w.step()
+        made += [m for m in d.create if m["metadata"]["name"] == "tiny-grpo-rollout-0"]
+        if made:
+            break
+        w.tick(1)
+    assert made, "the failed rollout pod was not made again"
+    assert ("RLFT_ROLLOUT_TOKEN" in _env_names(made[0])) is not old_trainers
+    assert ("NoRolloutToken" in w.events) is old_trainers
+    assert "tiny-grpo-trainer-0" in w.pods  # the trainers go on
