@@ -31,6 +31,7 @@ import yaml
 from rlft.operator import crd
 from rlft.operator import manifests as M
 from rlft.operator.decision import Observed
+from rlft.operator.pod_spec import spec_problems
 from rlft.operator.reconcile import reconcile
 from rlft.operator.status import RLFineTuneStatus
 from rlft.trainer.config import RLFineTune, dump_job, parse_job
@@ -48,8 +49,9 @@ def namespace_of(job: RLFineTune, given: str | None) -> str:
 
 
 def problems(job: RLFineTune, namespace: str) -> list[str]:
-    """Why the API server would refuse the job in `namespace` (pydantic has passed it)."""
-    out = list(crd.cluster_problems(job))
+    """Why the API server would refuse the job in `namespace`, or the operator would fail
+    it before any pod (InvalidSpec, `pod_spec.spec_problems`); pydantic has passed it."""
+    out = [*crd.cluster_problems(job), *spec_problems(job)]
     if not _DNS_LABEL.match(namespace):
         out.append(f"--namespace {namespace!r}: must be a DNS-1123 label")
     own = job.metadata.namespace

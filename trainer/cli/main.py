@@ -63,14 +63,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 PLAN_HELP = """\
 Print every object the operator creates for this job on its first reconcile (ConfigMap,
-Services, trainer and rollout pods), as one YAML stream, in the order it creates them: for
+Services, the job's token Secret and NetworkPolicy, the gang's PodGroup, trainer and
+rollout pods), as one YAML stream, in the order it creates them: for
 review and GitOps, like `helm template`. The objects come from the operator's own code,
 not a copy. ownerReferences need the job's uid, which exists only once the job is applied:
 without --uid they are left out (a made-up uid would get applied objects garbage-collected)
 and the trainers' --rdzv-id shows the placeholder uid 00000000-0000-0000-0000-000000000000;
 with --uid (kubectl get rlft NAME -o jsonpath='{.metadata.uid}') the output is exactly what
 the operator creates. Credentials appear only as secretKeyRef names, never as values. A bad
-job file, or one the API server would refuse, exits 2 naming each field, as `rlft validate`.
+job file, or one the API server would refuse or the operator would fail before any pod
+(InvalidSpec), exits 2 naming each field, as `rlft validate` does.
 """
 
 
