@@ -126,9 +126,8 @@ def classify(pod: PodView) -> Failure | None:
             **kw,
         )
 
-    if pod.phase == "Succeeded":
-        # A finished trainer is the job's success; a rollout server must never exit.
-        return None if pod.role == "trainer" else failure(ERROR)
+    if pod.phase == "Succeeded" and pod.role == "trainer":
+        return None  # the job's success (or a stop, which update_phase judges)
     if pod.phase in ("Pending", "Running") and pod.exit_code is None and not pod.disruption:
         return None
     if pod.on_lost_node:
@@ -160,7 +159,9 @@ def classify(pod: PodView) -> Failure | None:
         return None
     if _RENDEZVOUS.search(pod.message):
         return failure(RENDEZVOUS, group=pod.role == "trainer")
-    if pod.phase == "Failed" or pod.exit_code is not None:
+    if pod.phase in ("Failed", "Succeeded") or pod.exit_code is not None:
+        # A rollout server must never exit. One the cluster took exits 0 on its SIGTERM
+        # (Succeeded): that was told apart above, as a disruption, like any other pod's.
         return failure(ERROR)
     return None
 

@@ -34,7 +34,7 @@ from rlft.operator import names as N
 from rlft.operator import pod_spec
 from rlft.operator import spec_changes as S
 from rlft.operator.decision import Decision, Observed
-from rlft.operator.responses import FailureResponses, completed
+from rlft.operator.responses import FailureResponses, completed, ended_cleanly
 from rlft.operator.status import (
     TERMINAL_PHASES,
     CheckpointRef,
@@ -45,6 +45,12 @@ from rlft.operator.status import (
 from rlft.operator.status import RLFineTuneStatus as Status
 from rlft.trainer.config import JobFileError, RLFineTune, parse_job, read_yaml
 from rlft.trainer.termination import Verdict
+
+RESTARTED_WHOLE = (N.ROLE_TRAINER, N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
+"""Roles whose pods restart together (the trainer gang, a multi-node rollout instance)."""
+
+MESSAGE_LIMIT = 1024
+"""status.message's maxLength in the CRD."""
 
 TOKEN_SERVERS = (N.ROLE_ROLLOUT, N.ROLE_RAY_HEAD)
 """Roles that serve the rollout API (a multi-node instance serves it from its Ray head)."""
@@ -316,6 +322,8 @@ class _Run(FailureResponses):
         for name, svc in desired.services.items():
             if name not in self.observed.services:
                 self.d.create.append(svc)
+        if self.run_ended_by_rank_0():
+            return  # nothing more to run: update_phase ends the job
         missing = [name for name in desired.pods if name not in self.pods]
         hold = parse_time(self.st.next_restart_at)
         if hold is not None and self.now < hold:
@@ -378,7 +386,11 @@ class _Run(FailureResponses):
         replicas = self.spec.trainer.replicas
         live = [p for p in self.pods.values() if p.name not in self.deleted and not p.deleting]
         trainers = [p for p in live if p.role == N.ROLE_TRAINER]
-        done = [p.verdict for p in trainers if p.phase == "Succeeded" and completed(p)]
+        done = [  # being deleted too: a drain right after the end does not undo it
+            p.verdict for p in self.pods.values()
+            if p.role == N.ROLE_TRAINER and p.name not in self.deleted
+            and p.phase == "Succeeded" and completed(p)
+        ]  # fmt: skip
         if done:
             self.mirror_verdict(done[0])
             st.phase = "Succeeded"
@@ -389,12 +401,12 @@ class _Run(FailureResponses):
             set_condition(st, "Ready", "False", "Finished", "training finished", now)
             self.terminal()
             return
-        exited = [p for p in trainers if p.phase == "Succeeded"]
-        if exited and not any(p.active for p in trainers):
+        exited = [p for p in trainers if ended_cleanly(p)]
+        if exited and not any(p.active for p in trainers) and not self.trainer_being_deleted():
             self.stopped_early(exited)
             return
         # A rank that exited 0 waits for rank 0 to finish publishing: still in the gang.
-        running = sum(p.running for p in trainers) + len(exited)
+        running = sum(p.running for p in trainers) + sum(p.phase == "Succeeded" for p in exited)
         scheduled = sum(p.scheduled for p in trainers)
         pending_restart = self.st.next_restart_at is not None and len(trainers) < replicas.max
         if running >= replicas.min and not pending_restart:
@@ -413,8 +425,8 @@ class _Run(FailureResponses):
         elif self.awaiting_verdicts:
             # Not a restart yet: the verdicts may fail the job instead (without_awaited_verdicts).
             st.message = (
-                "a trainer pod failed; waiting for "
-                f"{', '.join(self.awaiting_verdicts)} to end before judging the gang"
+                f"a trainer pod failed; waiting for {_some(self.awaiting_verdicts)} to end "
+                "before judging the gang"
             )
         else:
             if st.phase == "Running":
@@ -429,7 +441,9 @@ class _Run(FailureResponses):
             if st.waiting_since is None:
                 st.waiting_since = rfc3339(now)
             set_condition(st, "Progressing", "False", st.phase or "Pending", st.message, now)
-        self.scheduling(scheduled, replicas.min)
+        hold = parse_time(st.next_restart_at)
+        if hold is None or now >= hold:  # no pods to place during a restart's backoff
+            self.scheduling(scheduled, replicas.min)
         want = len(self.desired().pods)
         all_running = sum(p.running for p in live)
         if all_running == want:
@@ -438,6 +452,16 @@ class _Run(FailureResponses):
             set_condition(
                 st, "Ready", "False", "PodsNotRunning", f"{all_running} of {want} pods running", now
             )
+
+    def trainer_being_deleted(self) -> bool:
+        """A trainer pod the cluster is taking, not judged yet: its end (a preemption,
+        an eviction) or its going (lost_trainers) explains why its peers stopped, and is
+        judged then, instead of a restart counted for the stop."""
+        return any(
+            p.role == N.ROLE_TRAINER and p.deleting and p.uid not in self.handled
+            and p.name not in self.deleted
+            for p in self.pods.values()
+        )  # fmt: skip
 
     def scheduling(self, scheduled: int, need: int) -> None:
         st, now = self.st, self.now
@@ -520,24 +544,32 @@ class _Run(FailureResponses):
             return self.finish()
         self.hidden_oom()
         for pod in self.pods.values():
-            # Counted failures leave their slot for the replacement; a trainer counted
-            # while it runs belongs to a gang already restarted (an operator that died
-            # between the status write and the deletes left it running, in the old
-            # rendezvous): it goes too.
+            # Counted failures leave their slot for the replacement; a trainer or Ray
+            # pod counted while it runs belongs to a gang or instance already restarted
+            # (an operator that died between the status write and the deletes left it
+            # running: in the old rendezvous, or a head whose engine lost a node): it
+            # goes too.
             if pod.uid in self.handled and (
-                pod.phase in ("Failed", "Succeeded", "Unknown") or pod.role == N.ROLE_TRAINER
+                pod.phase in ("Failed", "Succeeded", "Unknown") or pod.role in RESTARTED_WHOLE
             ):
                 self.delete(pod)
         self.force_stuck()
         self.lost_trainers()
+        if st.phase == "Failed":  # a vanished trainer used up restartPolicy
+            self.terminal()
+            return self.finish()
         self.refresh_configs()  # before rescale: a waiting edit holds the gang's shape too
         self.rescale()
         self.ensure_children()
         self.update_phase()
+        if st.phase == "Failed":  # trainers that stopped early used up restartPolicy
+            self.terminal()
         self.settle(rescaling=st.gang_replicas not in (None, S.gang_replicas(self.spec)))
         return self.finish()
 
     def finish(self) -> Decision:
+        # The CRD's maxLength: a longer one gets the whole status write refused (422).
+        self.st.message = self.st.message[:MESSAGE_LIMIT]
         observed_uids = {p.uid for p in self.observed.pods}
         self.st.handled_pods = sorted(u for u in self.handled if u in observed_uids)
         return self.d
@@ -554,6 +586,13 @@ def reconcile(
     """Decide what to do for one job. `body` is the raw custom resource (metadata: name,
     namespace, uid, generation); `status` its parsed status."""
     return _Run(job, body, status, observed, now, settings or M.Settings()).run()
+
+
+def _some(names: tuple[str, ...], shown: int = 3) -> str:
+    """A few names of a list as long as a gang: the status message has a length limit."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])} and {len(names) - shown} more trainer pods"
 
 
 def _nnodes(pod: dict[str, Any]) -> str | None:

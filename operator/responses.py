@@ -38,6 +38,18 @@ def completed(pod: PodView) -> bool:
     return pod.verdict is not None and pod.verdict.completed and pod.verdict.exit_code == 0
 
 
+def ended_cleanly(pod: PodView) -> bool:
+    """The rank's process ended without failing: exit 0, or stopped (SIGTERM, a peer's
+    stop) in a multi-pod gang, whose ranks then exit 1 on purpose so that torchrun's agent
+    does not wait for a peer that never comes (cli/training.py): their verdict says exit 0,
+    stopped, and classify finds no failure in it."""
+    if pod.phase == "Succeeded":
+        return True
+    verdict = pod.verdict
+    stopped = verdict is not None and verdict.stopped and not verdict.exit_code
+    return pod.phase == "Failed" and stopped
+
+
 def paused(pod: PodView) -> bool:
     """The trainer's guard paused the run after a collapse (exit 0, collapsed)."""
     return pod.verdict is not None and pod.verdict.collapsed and pod.verdict.exit_code == 0
@@ -100,10 +112,11 @@ class FailureResponses:
                 failures.append(failure)
         failures = self.without_awaited_verdicts(failures)
         if failures and self.run_ended_by_rank_0():
-            # Rank 0 finished the job, or its guard paused it: a peer failing meanwhile
-            # (in its teardown) is not a failure of the run; the phase follows rank 0.
-            self.handled.update(f.uid for f in failures if f.role == N.ROLE_TRAINER)
-            failures = [f for f in failures if f.role != N.ROLE_TRAINER]
+            # Rank 0 finished the job, or its guard paused it: a peer or a rollout server
+            # failing meanwhile (in its teardown) is not a failure of the run; the phase
+            # follows rank 0.
+            self.handled.update(f.uid for f in failures)
+            return
         # The first failure judged decides a gang's fate (a gang restart marks the rest
         # handled), so the gravest goes first: a permanent error or the guard's verdict
         # is not retried because a peer's broken connection happened to sort first.
@@ -150,12 +163,12 @@ class FailureResponses:
         return left if 0 < left <= 2 * PEER_VERDICT_WAIT_SECONDS else None
 
     def run_ended_by_rank_0(self) -> bool:
-        """A trainer of this gang (not judged yet, not being deleted) exited 0 saying the
-        run is complete, or that its guard paused it after a collapse."""
+        """A trainer of this gang (not judged yet) exited 0 saying the run is complete, or
+        (not being deleted) that its guard paused it after a collapse. A completed pod
+        being deleted (a drain right after it finished) still finished the job."""
         return any(
-            p.role == N.ROLE_TRAINER and p.phase == "Succeeded"
-            and p.uid not in self.handled and not p.deleting
-            and (completed(p) or paused(p))
+            p.role == N.ROLE_TRAINER and p.phase == "Succeeded" and p.uid not in self.handled
+            and (completed(p) or (paused(p) and not p.deleting))
             for p in self.pods.values()
         )  # fmt: skip
 
@@ -353,8 +366,8 @@ class FailureResponses:
         """A trainer pod that vanished (deleted, evicted, its node gone) while the rest of
         its gang lives: the survivors' ranks are broken, so the gang restarts."""
         st = self.st
-        if self.group_restart:
-            return
+        if self.group_restart or self.run_ended_by_rank_0():
+            return  # a peer gone after rank 0 finished (its node lost, collected) broke nothing
         trainers = {p.uid: p for p in self.pods.values() if p.role == N.ROLE_TRAINER}
         gone = [entry for entry in st.gang_pods if gang_uid(entry) not in trainers]
         st.gang_pods = [entry for entry in st.gang_pods if gang_uid(entry) in trainers]

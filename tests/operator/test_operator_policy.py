@@ -125,6 +125,27 @@ def test_a_rank_stopped_after_its_emergency_checkpoint_is_no_failure_whatever_to
 def test_a_rollout_server_that_exits_is_a_failure():
     failure = P.classify(view("tiny-grpo-rollout-0", "rollout", phase="Succeeded", exit_code=0))
     assert failure is not None and failure.kind == P.ERROR and not failure.group
+    assert not failure.disruption
+    failure = P.classify(view("tiny-grpo-rollout-0", "rollout", phase="Succeeded"))
+    assert failure is not None and failure.kind == P.ERROR
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kind"),
+    [
+        (dict(disruption="EvictionByEvictionAPI", deleting=True), P.EVICTED),
+        (dict(disruption="PreemptionByScheduler", deleting=True), P.PREEMPTED),
+        (dict(disruption="TerminationTarget/Preempted", deleting=True), P.PREEMPTED),
+        (dict(pod_reason="Terminated"), P.NODE_LOST),
+    ],
+)
+def test_a_rollout_server_the_cluster_took_is_a_disruption_though_it_exited_0(kwargs, kind):
+    """`rlft rollout` exits 0 on its SIGTERM: a drained or preempted rollout pod ends
+    Succeeded. It was counted as an Error against restartPolicy (a drain over a few
+    instances used up maxRestarts), though disruptions are not counted."""
+    pod = view("tiny-grpo-rollout-0", "rollout", phase="Succeeded", exit_code=0, **kwargs)
+    failure = P.classify(pod)
+    assert failure is not None and failure.kind == kind and failure.disruption
 
 
 @pytest.mark.parametrize(

@@ -1124,3 +1124,165 @@ def test_a_rollout_pod_made_for_trainers_without_a_token_gets_none(old_trainers)
     assert ("RLFT_ROLLOUT_TOKEN" in _env_names(made[0])) is not old_trainers
     assert ("NoRolloutToken" in w.events) is old_trainers
     assert "tiny-grpo-trainer-0" in w.pods  # the trainers go on
+
+
+def _gang_of_two_stopped(w: World, peer: dict[str, Any]) -> None:
+    """A running 2-pod gang whose trainer-0 stopped (exit 1 on purpose, verdict: exit 0,
+    stopped; cli/training.py) and whose trainer-1 is as `peer` says."""
+    w.step()
+    w.run_all()
+    w.step()
+    stopped = Verdict(ExitCode.OK, stopped=True, last_checkpoint=6)
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1, verdict=stopped)
+    w.set("tiny-grpo-trainer-1", **peer)
+
+
+def test_a_gang_whose_ranks_all_stopped_is_restarted_not_left_waiting():
+    """Every rank of a multi-pod gang stopped and none was deleted (the kubelet killed
+    one, a failed startup probe, and the others stopped with it): nothing is a failure,
+    but nothing runs. The gang stayed Restarting with its Failed pods for good; it is
+    restarted, counted, as a single pod that exits 0 early is."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    stopped = Verdict(ExitCode.OK, stopped=True, rank=1, last_checkpoint=6)
+    _gang_of_two_stopped(w, dict(phase="Failed", exit_code=1, verdict=stopped))
+    d = w.step()
+    assert sorted(d.delete_pods) == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+    assert w.status.restarts == 1 and w.status.phase == "Restarting"
+    w.tick(600)
+    w.step()
+    assert {"tiny-grpo-trainer-0", "tiny-grpo-trainer-1"} <= set(w.created[-2:])
+
+
+def test_peers_stopped_by_a_preempted_rank_wait_for_its_end_and_are_not_counted():
+    """The same stops, but the cluster is taking trainer-1 (preempted, still ending): its
+    end explains them, a disruption not counted against restartPolicy."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    taken = dict(phase="Running", pod_ip="10.0.0.1", disruption="PreemptionByScheduler")
+    _gang_of_two_stopped(w, dict(taken, deleting=True))
+    d = w.step()
+    assert d.delete_pods == [] and w.status.restarts == 0
+    w.set("tiny-grpo-trainer-1", **dict(taken, phase="Failed", exit_code=143, deleting=True))
+    d = w.step()
+    assert w.status.last_failure.reason == "Preempted" and w.status.restart_history == []
+
+
+def test_a_new_leader_finishes_an_instance_restart_its_predecessor_began():
+    """The operator wrote the status of a multi-node instance's restart (its head and
+    worker counted) and died before its deletes: the next one deleted only the failed
+    worker, and the head, its engine broken, kept serving to the replacement."""
+    w = _world(rollout={"engine": "vllm", "nodesPerInstance": 2})
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-rollout-0-worker-1", phase="Failed", exit_code=1)
+    job, body = parsed(job_doc(**copy.deepcopy(w.spec)))
+    observed = Observed(
+        pods=list(w.pods.values()),
+        config_maps=frozenset(w.other),
+        services=frozenset(w.other),
+        config_data=dict(w.config),
+    )
+    first = reconcile(job, body, w.status, observed, w.now)
+    instance = ["tiny-grpo-rollout-0-head", "tiny-grpo-rollout-0-worker-1"]
+    assert sorted(first.delete_pods) == instance
+    again = reconcile(job, body, first.status, observed, w.now + timedelta(seconds=30))
+    assert sorted(again.delete_pods) == instance and again.status.restarts == 1
+
+
+@pytest.mark.parametrize(
+    "meanwhile",
+    ["peer gone", "rank 0 being deleted", "rollout failed"],
+)
+def test_what_happens_after_rank_0_finished_does_not_undo_the_success(meanwhile):
+    """Rank 0 reported the job complete, and before the operator saw it: trainer-1's pod
+    vanished (its node lost, collected), a drain began deleting rank 0's pod, or a rollout
+    server failed in its teardown. Each was judged as a failure of the running job: a
+    counted gang restart that ran the finished job again, or a Failed job."""
+    w = _world(
+        trainer={"replicas": {"min": 2, "max": 2}},
+        restartPolicy={**RESTARTS, "maxRestarts": 0},
+    )
+    w.step()
+    w.run_all()
+    w.step()
+    done = Verdict(0, completed=True, step=12, last_checkpoint=12, checkpoint_uri="s3://b/r/s")
+    finished = dict(phase="Succeeded", exit_code=0, verdict=done)
+    if meanwhile == "rank 0 being deleted":
+        finished |= dict(deleting=True, disruption="EvictionByEvictionAPI")
+    w.set("tiny-grpo-trainer-0", **finished)
+    if meanwhile == "peer gone":
+        w.pods.pop("tiny-grpo-trainer-1")
+    if meanwhile == "rollout failed":
+        w.set("tiny-grpo-rollout-0", phase="Failed", exit_code=1)
+    d = w.step()
+    assert w.status.phase == "Succeeded", w.status.message
+    assert w.status.restarts == 0 and w.status.step == 12
+    assert not any(m["kind"] == "Pod" for m in d.create)
+    assert w.step().create == []
+
+
+def test_a_vanished_trainer_that_fails_the_job_ends_it_in_the_same_round():
+    """maxRestarts 0 and trainer-1's pod vanished: the job fails, and that round created
+    a replacement pod and left trainer-0 running (nothing is made once a job failed)."""
+    w = _world(
+        trainer={"replicas": {"min": 2, "max": 2}},
+        restartPolicy={**RESTARTS, "maxRestarts": 0},
+    )
+    w.step()
+    w.run_all()
+    w.step()
+    w.pods.pop("tiny-grpo-trainer-1")
+    d = w.step()
+    assert w.status.phase == "Failed"
+    assert sorted(d.delete_pods) == ["tiny-grpo-rollout-0", "tiny-grpo-trainer-0"]
+
+
+def test_trainers_stopped_early_that_fail_the_job_are_freed_in_the_same_round():
+    w = _world(restartPolicy={**RESTARTS, "maxRestarts": 0})
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0, verdict=Verdict(0))
+    d = w.step()
+    assert w.status.phase == "Failed" and d.delete_pods == ["tiny-grpo-rollout-0"]
+
+
+def test_the_status_message_of_a_large_gang_fits_the_crd():
+    """A 64-pod gang waits for its running peers' verdicts after one failed: the message
+    named every peer, 1,440 characters, and the API server refused the status write (the
+    CRD's maxLength is 1024) until the wait ended."""
+    w = _world(trainer={"replicas": {"min": 64, "max": 64}})
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-7", phase="Failed", exit_code=1, finished_at=w.now.isoformat())
+    d = w.step()
+    assert (
+        "waiting for tiny-grpo-trainer-0, tiny-grpo-trainer-1, tiny-grpo-trainer-10 and 60 more"
+        in (d.status.message)
+    )
+    RLFineTuneStatus.model_validate(d.status.model_dump(mode="json", by_alias=True))
+
+
+def test_a_restart_backoff_longer_than_the_scheduling_timeout_is_not_unschedulable():
+    """The 7th restart in a window waits 640 s by default, past the 600 s scheduling
+    timeout: the gang was declared unschedulable during the backoff, before its pods
+    existed (a Warning, Scheduled=False). The wait for nodes begins with the pods."""
+    w = _world(
+        restartPolicy={**RESTARTS, "backoffSeconds": 400},
+        scheduling={"schedulingTimeoutSeconds": 300},
+    )
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1, finished_at=w.now.isoformat())
+    w.step()
+    for _ in range(5):
+        w.tick(100)
+        w.step()  # the pod is made again at 400 s, then waits 100 s for a node
+    assert "tiny-grpo-trainer-0" in w.pods and w.pods["tiny-grpo-trainer-0"].phase == "Pending"
+    assert "Unschedulable" not in w.events
+    assert _condition(w, "Scheduled")[0] != "False"
+    w.tick(250)  # 350 s since the pod was made: now it is unschedulable
+    w.step()
+    assert "Unschedulable" in w.events
