@@ -26,8 +26,26 @@ with its optimizer or None; stored next to the policy as `<name>` and `<name>.op
 def _one(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=_OPTIONS)}
+    fresh = not optimizer.state
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    if fresh:
+        _unstep(optimizer, optim_state)
     return {"model": model_state, "optim": optim_state}
+
+
+def _unstep(optimizer: torch.optim.Optimizer, optim_state: dict[str, Any]) -> None:
+    """Undo the step count of the step torch takes to lay out a fresh optimizer's state
+    (at learning rate 0, on zero gradients: moments stay zero). Left at 1, AdamW's bias
+    correction of every later update would differ from a run that saved nothing before
+    its first applied update (a skipped step, a group-less dynamic sampling round): the
+    trajectory would depend on when checkpoints were taken. At 0 it steps as a fresh one."""
+    for entries in (optimizer.state.values(), optim_state.get("state", {}).values()):
+        for entry in entries:
+            step = entry.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                entry["step"] = 0
 
 
 def tensor_state(
@@ -38,8 +56,9 @@ def tensor_state(
     """{"model": …, "optim": …, plus `<name>` / `<name>.optim` per extra module}: sharded
     (DTensor) under FSDP2, plain tensors otherwise.
 
-    For an optimizer that has not stepped yet, torch initialises its state with a zero
-    step at learning rate 0 (parameters unchanged), so the layout is complete.
+    For an optimizer that has not stepped yet, torch initialises its state with a step
+    at learning rate 0 on zero gradients (parameters unchanged), so the layout is
+    complete; its step count is set back to 0 (`_unstep`).
     """
     state = _one(model, optimizer)
     for name, (module, module_optimizer) in (modules or {}).items():
