@@ -399,18 +399,23 @@ def test_sigterm_while_waiting_for_the_rollout_pods_to_start_exits_0_at_once(tmp
 
 
 def test_an_error_after_a_trained_step_is_a_failure_to_retry_not_a_bad_job(tmp_path) -> None:
-    """A ValueError at step 4 (planted: a bug or a library's error on some batch) once
+    """A ValueError at step 5 (planted: a bug or a library's error on some batch) once
     steps have trained is not the job's configuration: exit 1 with its traceback and a
     verdict of 1, which the operator restarts, not exit 2, which fails the job for good
-    with the message alone. Run again, it resumes from its checkpoint and completes."""
+    with the message alone. The restart resumes from its checkpoint at step 4 and meets
+    the error again in its own first step: still exit 1 (it was 2, judged by the process
+    alone, so one restart turned a retryable failure into a permanent one). Run again
+    without the fault, it completes."""
     write_job(tmp_path, {"name": "grpo", "groupSize": 4})
-    planted = json.dumps([{"kind": "error", "rank": 0, "at": 4}])
-    process = start(tmp_path, "out", env={"RLFT_PLANT_FAULTS": planted})
-    output = process.communicate(timeout=300)[0]
-    assert process.returncode == 1, output
-    assert "Traceback" in output and "step 4 failed: planted fault" in output, output
-    verdict = termination.read((tmp_path / "out.termination").read_text())
-    assert verdict is not None and verdict.exit_code == 1 and "step 4" in verdict.message
+    planted = json.dumps([{"kind": "error", "rank": 0, "at": 5}])
+    for attempt in range(2):
+        process = start(tmp_path, "out", env={"RLFT_PLANT_FAULTS": planted})
+        output = process.communicate(timeout=300)[0]
+        assert process.returncode == 1, (attempt, output)
+        assert "Traceback" in output and "step 5 failed: planted fault" in output, output
+        verdict = termination.read((tmp_path / "out.termination").read_text())
+        assert verdict is not None and verdict.exit_code == 1 and "step 5" in verdict.message
+        assert attempt == 0 or "resum" in output.lower(), output
     again = start(tmp_path, "out")
     output = again.communicate(timeout=300)[0]
     assert again.returncode == 0, output

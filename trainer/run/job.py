@@ -173,11 +173,13 @@ def run_job(
             try:
                 train(run, phase)
             except ValueError as error:
-                if run.cursor.step == trained_before:
-                    raise  # the first step's: may be the job's (e.g. its data), exit 2
-                # The job trained a step, so its configuration is not the cause: a bug or
-                # a fault, worth a restart from the checkpoint (exit 1, traceback kept),
-                # not a permanent failure with the message alone.
+                if run.cursor.step == trained_before == 0:
+                    raise  # the run's first step: may be the job's (e.g. its data), exit 2
+                # The job trained a step (in this process or before its resume), so its
+                # configuration is not the cause: a bug or a fault, worth a restart from
+                # the checkpoint (exit 1, traceback kept), not a permanent failure with
+                # the message alone. Judged by this process alone, a failure that exited
+                # 1 became exit 2 on the restart that resumed before it.
                 raise StepFailedError(f"step {run.cursor.step + 1} failed: {error}") from error
         run.checkpoints.final(run.cursor, run.learner)
         extra = phase.source.summary(run)
