@@ -163,3 +163,24 @@ def test_rollback_with_rollout_servers_regenerates_from_the_restored_weights(tmp
     # sample of the abandoned policy would be 1 version old).
     assert by_step[rollback + 1]["staleness_max"] == 0
     assert by_step[rollback + 1]["stale_dropped"] == 0
+
+
+def test_a_paused_run_run_again_goes_on_from_its_newest_healthy_checkpoint(tmp_path) -> None:
+    """onCollapse: suspend pauses the run (exit 0) with a checkpoint of the collapse. Run
+    again with the default --resume auto, it resumed that checkpoint, whose guard state
+    holds the collapse, and paused after one step, on every try. It now goes on from the
+    newest healthy checkpoint and finishes."""
+    write_job(tmp_path, 12, checkpoint={"intervalSteps": 2}, stability={"onCollapse": "suspend"})
+    run = start(tmp_path, [{"kind": "grad_scale", "from": 5, "to": 8, "factor": 1e40}])
+    output = run.communicate(timeout=600)[0]
+    assert run.returncode == 0 and "paused (a resume goes on from the newest" in output, output
+    paused_at = max(records(tmp_path))
+    assert 5 <= paused_at < 12, output
+    again = start(tmp_path, [])
+    output = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, output
+    assert f"the newest checkpoint, step {paused_at}, is the one the collapse guard's" in output
+    assert "collapse at step" not in output, output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 12
+    assert max(records(tmp_path)) == 12

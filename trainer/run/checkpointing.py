@@ -36,6 +36,8 @@ from rlft.trainer.storage.retry import with_retries
 
 JOB_UID_ENV = "RLFT_JOB_UID"
 """Set by the operator in trainer pods: the RLFineTune's metadata.uid."""
+PAUSED = "paused"
+"""In a checkpoint's extra state: written by the collapse guard's pause."""
 
 
 class StopRequested(Exception):
@@ -191,6 +193,17 @@ class Checkpointing:
         selects; None when there is none."""
         try:
             resumed = self._load(which, learner, restore_rng=True)
+            if which == "auto" and resumed.extra.get(PAUSED):
+                # Its guard state holds the collapse: resumed, it would pause again after
+                # its first step, and again on every later try.
+                step = resumed.manifest.step
+                self.supervisor.log(
+                    f"rlft: the newest checkpoint, step {step}, is the one the collapse "
+                    "guard's pause wrote: resuming from the newest healthy checkpoint "
+                    f"(--resume {step} resumes the paused state itself)"
+                )
+                which = "latest-healthy"
+                resumed = self._load(which, learner, restore_rng=True)
         except (NoCheckpointError, DamagedCheckpointsError) as error:
             if which == "auto" and isinstance(error, NoCheckpointError):
                 return None
@@ -326,13 +339,16 @@ class Checkpointing:
         self.close()
         raise StopRequested(cursor.step, self.last_step)
 
-    def final(self, cursor: Cursor, learner) -> None:
-        """The last step's checkpoint, committed before the run reports success; not
-        again when it is the one this run resumed from (a run killed after its last
+    def final(self, cursor: Cursor, learner, paused: bool = False) -> None:
+        """The last step's checkpoint, committed before the run reports success (or
+        `paused`: the collapse guard's pause, which `auto` then resumes past); not again
+        when it is the one this run resumed from (a run killed after its last
         checkpoint): saving it again would withdraw the manifest `latest` names while
         its files are replaced."""
         self.checkpointer.wait()
-        if cursor.step != self.last_step and not self._save(cursor, learner, wait=True):
+        if cursor.step != self.last_step and not self._save(
+            cursor, learner, wait=True, paused=paused
+        ):
             # The run's model is still written (and published) as its output; what is
             # lost is the optimizer state to train on from this step.
             self.supervisor.log(
@@ -340,7 +356,9 @@ class Checkpointing:
                 f"newest committed checkpoint is step {self.last_step}"
             )
 
-    def _save(self, cursor: Cursor, learner, wait: bool, emergency: bool = False) -> bool:
+    def _save(
+        self, cursor: Cursor, learner, wait: bool, emergency: bool = False, paused: bool = False
+    ) -> bool:
         """Checkpoint the step; with `wait`, whether it committed. `emergency`: on a stop
         signal (any rank's: the manifest says so even where rank 0, which writes it, was
         not the one signalled)."""
@@ -352,6 +370,7 @@ class Checkpointing:
                 "cursor": cursor.to_json(),
                 "guard": self.supervisor.state_dict(),
                 "metrics": self._history(),
+                **({PAUSED: True} if paused else {}),
             },
             policy_version=cursor.policy_version,
             healthy=self.supervisor.healthy(),

@@ -282,7 +282,7 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
     ended = run.supervisor.ended(decision, step)
     if ended is not None:
         if ended.code == ExitCode.OK:  # pause: keep everything for a later resume
-            run.checkpoints.final(run.cursor, run.learner)
+            run.checkpoints.final(run.cursor, run.learner, paused=True)
         run.supervisor.set_phase("paused" if ended.code == ExitCode.OK else "failed")
         raise ended
     started = time.perf_counter()

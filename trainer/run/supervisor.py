@@ -125,7 +125,11 @@ class Supervisor:
         if decision.action == "fail":
             return RunEnded(f"collapse at step {step} ({reasons}); failing", ExitCode.COLLAPSED)
         if decision.action == "pause":
-            return RunEnded(f"collapse at step {step} ({reasons}); paused", ExitCode.OK)
+            return RunEnded(
+                f"collapse at step {step} ({reasons}); paused (a resume goes on from the "
+                "newest healthy checkpoint)",
+                ExitCode.OK,
+            )
         return None
 
     def set_phase(self, phase: str) -> None:
