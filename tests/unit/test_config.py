@@ -315,6 +315,11 @@ def test_micro_batch_size_zero_exact_line() -> None:
             "spec.model.init: hiddenSize must be divisible by numHeads",
             id="heads",
         ),
+        pytest.param(  # a RoPE model of 15-wide heads: passed, then a traceback, exit 1
+            manifest(model={"init": {"hiddenSize": 30, "numHeads": 2, "numKvHeads": 2}}),
+            "spec.model.init: hiddenSize / numHeads is the head size, 15: it must be even",
+            id="odd-head-size",
+        ),
         pytest.param(
             manifest(
                 model={"init": {"family": "qwen3-moe", "numExperts": 2, "expertsPerToken": 4}}

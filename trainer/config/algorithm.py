@@ -204,7 +204,9 @@ class AlgorithmSpec(Section):
     moe: MoEParams = MoEParams()
     """Mixture-of-experts terms."""
     sft: SFTParams = SFTParams()
-    """The supervised warm start that precedes RL (with `name: sft`, the whole job)."""
+    """The supervised warm start that precedes RL. Not used with `name: sft`: that job is
+    the supervised training itself, its steps, batch and learning rate spec.trainer's
+    (`steps`, `promptsPerStep`, `learningRate`, `warmupSteps`)."""
 
     @model_validator(mode="after")
     def _check_groups(self) -> AlgorithmSpec:

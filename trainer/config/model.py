@@ -39,6 +39,12 @@ class ModelInit(Section):
     def _check_shapes(self) -> ModelInit:
         if self.hidden_size % self.num_heads:
             raise ValueError("hiddenSize must be divisible by numHeads")
+        if (self.hidden_size // self.num_heads) % 2:
+            # Every family builds rotary position embeddings, which rotate dimension pairs.
+            raise ValueError(
+                f"hiddenSize / numHeads is the head size, {self.hidden_size // self.num_heads}: "
+                "it must be even (rotary position embeddings rotate pairs of dimensions)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError("numHeads must be divisible by numKvHeads")
         if self.family in ("qwen3-moe", "mixtral") and self.experts_per_token > self.num_experts:
