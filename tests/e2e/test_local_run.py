@@ -184,6 +184,28 @@ def test_grpo_learns_a_user_reward(tmp_path: Path, monkeypatch) -> None:
     assert last > first + 0.3, rewards
 
 
+def test_dpo_on_a_jsonl_source_without_an_eval_file_trains(tmp_path: Path) -> None:
+    """spec.data.jsonl.eval is optional: a DPO job without it stopped before its first
+    step with `rlft: max() arg is an empty sequence` (the held-out pair accuracy of no
+    pairs). Its held-out figures are NaN, as a GRPO job's accuracy is."""
+    prompts = tmp_path / "pairs.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(20))
+    )
+    spec = {
+        "model": TINY_MODEL,
+        "data": {"source": "jsonl", "jsonl": {"train": str(prompts)}},
+        "algorithm": {"name": "dpo", "dpo": {"pairsPerStep": 4}},
+        "trainer": {"steps": 2, "microBatchSize": 8},
+        "rollout": {"sampling": {"maxNewTokens": 4}},
+    }
+    out = tmp_path / "out"
+    assert main(["train", str(write_job(tmp_path / "job.yaml", spec)), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert summary["eval_preference_accuracy_final"] != summary["eval_preference_accuracy_final"]
+
+
 def test_bad_job_file_exits_2_naming_the_field(tmp_path: Path, capsys) -> None:
     spec = arithmetic_spec()
     spec["trainer"]["microBatchSize"] = 0

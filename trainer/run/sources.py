@@ -9,6 +9,7 @@ entry names which source an algorithm uses (`algorithms.registry`).
 from __future__ import annotations
 
 import functools
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -152,21 +153,26 @@ class PairSource(_Source):
 
 def held_out_preferences(run: Run) -> float:
     """Share of held-out pairs whose chosen answer the policy finds more likely than the
-    rejected one (summed log-probs), on rank 0."""
+    rejected one (summed log-probs), on rank 0; NaN without held-out problems (a jsonl
+    source without its optional eval file), as the held-out accuracy is."""
     run.learner.refresh_engine_model()
     value = None
     if run.dist.is_main:
         problems = run.task.eval_problems()[: min(256, run.spec.eval.max_problems)]
-        encoder = run.encoder
-        batch = preference_batch(
-            problems, encoder.prompt, encoder.answer, encoder.pad_id, random.Random(12345)
-        )
-        logp = reference_logprobs(
-            run.learner.engine_model, batch, dpo.TEMPERATURE, run.spec.trainer.micro_batch_size
-        )
-        total = (logp * batch.mask).sum(-1)
-        value = (total[0::2] > total[1::2]).float().mean().item()
+        value = _preference_accuracy(run, problems) if problems else math.nan
     return run.dist.broadcast(value)
+
+
+def _preference_accuracy(run: Run, problems: list) -> float:
+    encoder = run.encoder
+    batch = preference_batch(
+        problems, encoder.prompt, encoder.answer, encoder.pad_id, random.Random(12345)
+    )
+    logp = reference_logprobs(
+        run.learner.engine_model, batch, dpo.TEMPERATURE, run.spec.trainer.micro_batch_size
+    )
+    total = (logp * batch.mask).sum(-1)
+    return (total[0::2] > total[1::2]).float().mean().item()
 
 
 class RolloutSource(_Source):
