@@ -5,14 +5,16 @@
 | `suspend`, `restartPolicy`                       | yes               | yes                      |
 | `trainer.replicas` (min and max)                 | yes: gang restart | yes                      |
 | `model`, `algorithm.name`, `data.source`, `checkpoint.uri` | no      | not started only         |
-| all else (hyperparameters, images, resources, …) | no                | yes, applied on resume   |
+| all else (hyperparameters, images, resources, …) | no                | yes, applied on resume⁴  |
 
 ¹ a status.phase other than Succeeded or Failed, and spec.suspend false (Suspended with
 spec.suspend false is a resume under way: its pods may be being created). ² spec.suspend
 true (set by the user, or by the operator when the trainer paused after a collapse),
 whatever the phase. ³ no status.phase yet: the operator has not reconciled it. A
 Succeeded or Failed job accepts edits of all but the identity fields, and never runs
-again.
+again. ⁴ But not a model the checkpoints lack: a KL term added to a run that started
+without a reference model fails the resume with exit 2, saying so (the reference would
+be the policy as it was when the run started, which no checkpoint holds).
 
 Why:
 

@@ -291,6 +291,28 @@ def test_another_models_checkpoint_is_named_not_a_traceback(location) -> None:
     assert "--overwrite" in message
 
 
+def test_a_reference_added_to_a_run_under_way_is_named_as_that(location) -> None:
+    """A suspended job edited to add a KL term, then resumed: its checkpoints have no
+    reference model. The refusal said "another model's checkpoint" and advised
+    --overwrite, which throws the job's progress away; it now says what was added."""
+    import copy
+
+    from rlft.trainer.checkpoint.errors import ForeignCheckpointError
+
+    uri, options = location
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage)
+    _save(ckpt, model, optimizer, 2)
+    ckpt.close()
+    model, optimizer = _fresh()
+    with pytest.raises(ForeignCheckpointError) as refused:
+        load(storage, "auto", model, optimizer, modules={"reference": (copy.deepcopy(model), None)})
+    message = str(refused.value)
+    assert "step-000002 was written by a run of this job without the reference model" in message
+    assert "spec.algorithm.kl.coef" in message and "--overwrite" not in message, message
+
+
 def test_nothing_intact_is_a_clear_error(tmp_path: Path, capsys) -> None:
     storage = open_storage(str(tmp_path))
     model, optimizer = _fresh()

@@ -34,10 +34,12 @@ from rlft.trainer.checkpoint.errors import (
 )
 from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, problems_with
 from rlft.trainer.checkpoint.ranged import (
+    MODULE_NEEDS,
     BlockReader,
     Blocks,
     damage_in,
     foreign_in,
+    missing_module,
     storage_failure,
 )
 from rlft.trainer.checkpoint.saver import RANKS
@@ -159,6 +161,14 @@ class LocalCopy:
             if damage := damage_in(error):
                 return damage
             if foreign := foreign_in(error):
+                if module := missing_module(foreign):
+                    raise ForeignCheckpointError(
+                        f"{self.storage.uri}/{self.path.name} was written by a run of this "
+                        f"job without the {module} model it now has: {MODULE_NEEDS[module]} "
+                        "cannot be added to a run under way. Set the job back as it was "
+                        "when it started, or run the change as a new job (a checkpoint "
+                        "location of its own)"
+                    ) from None
                 raise ForeignCheckpointError(
                     f"{self.storage.uri}/{self.path.name} holds another model's checkpoint "
                     f"({foreign}): give this job its own checkpoint location (or --out), or "

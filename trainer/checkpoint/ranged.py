@@ -128,6 +128,22 @@ _FOREIGN = ("Size mismatch", "Missing key in checkpoint")
 """What DCP says when the checkpoint's tensors are not the model's."""
 
 
+MODULE_NEEDS = {
+    "reference": "a frozen reference (spec.algorithm.kl.coef above 0, or the algorithm's own)",
+    "critic": "a critic (algorithm ppo)",
+}
+"""The models a run may hold beside the policy (checkpoint/state.py Modules), and what
+in the job asks for each."""
+
+
+def missing_module(foreign: str) -> str | None:
+    """The model beside the policy that a checkpoint lacks entirely, from DCP's
+    `Missing key in checkpoint state_dict: reference.model.…`; None for another mismatch."""
+    key = foreign.partition("Missing key in checkpoint state_dict:")[2].strip()
+    module = key.split(".", 1)[0]
+    return module if module in MODULE_NEEDS else None
+
+
 def foreign_in(error: CheckpointException) -> str | None:
     """DCP's first word that the checkpoint holds another model, if it said one."""
     for _, (failure, _) in sorted(error.failures.items()):
