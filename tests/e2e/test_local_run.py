@@ -206,6 +206,27 @@ def test_dpo_on_a_jsonl_source_without_an_eval_file_trains(tmp_path: Path) -> No
     assert summary["eval_preference_accuracy_final"] != summary["eval_preference_accuracy_final"]
 
 
+def test_a_run_cut_by_max_steps_and_resumed_evaluates_the_steps_the_whole_run_does(
+    tmp_path: Path,
+) -> None:
+    """eval.everySteps: 1 evaluates every step but the last, whose evaluation is the final
+    one. A run cut by --max-steps 2 took step 2 for its last and left its record without
+    eval_accuracy, so the resumed run's history differed from the uninterrupted one."""
+    spec = arithmetic_spec(rl_steps=3) | {"eval": {"everySteps": 1, "maxProblems": 10}}
+    job = write_job(tmp_path / "job.yaml", spec)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert main(["train", str(job), "--out", str(whole)]) == 0
+    assert main(["train", str(job), "--out", str(cut), "--max-steps", "2"]) == 0
+    assert main(["train", str(job), "--out", str(cut)]) == 0
+
+    def evaluations(out: Path) -> dict[int, float | None]:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r.get("eval_accuracy") for r in rows}
+
+    assert evaluations(cut) == evaluations(whole)
+    assert evaluations(whole)[2] is not None
+
+
 def test_bad_job_file_exits_2_naming_the_field(tmp_path: Path, capsys) -> None:
     spec = arithmetic_spec()
     spec["trainer"]["microBatchSize"] = 0

@@ -293,10 +293,11 @@ def finish_step(run: Run, phase: Phase, outcome: Outcome) -> None:
 
 
 def _eval_due(run: Run, phase: Phase, step: int) -> bool:
-    """spec.eval.everySteps: a held-out evaluation in the record of this step (the last
-    step's is the run's final one)."""
+    """spec.eval.everySteps: a held-out evaluation in the record of this step (the job's
+    last step's is the run's final one). A run cut short by --max-steps evaluates its
+    last step too: its history is the uninterrupted run's, resumed or not."""
     every = run.spec.eval.every_steps
-    return bool(phase.guarded and every and step % every == 0 and step < phase.steps)
+    return bool(phase.guarded and every and step % every == 0 and step < run.spec.trainer.steps)
 
 
 def _progress_line(phase: Phase, record: dict) -> str:
