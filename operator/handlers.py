@@ -5,7 +5,8 @@ backoff expiring) "kicks" the job. A kick runs one reconcile per job at a time a
 kicks that arrive meanwhile into one more run, so bursts cost one reconcile. A reconcile:
 
 1. reads the RLFineTune fresh (read-your-writes for the bookkeeping in its status),
-2. takes its pods, Services and ConfigMaps from kopf's in-memory indexes,
+2. lists its pods, Services and ConfigMaps (by label: kopf's watch caches keep objects
+   deleted during a watch gap),
 3. polls the trainer's /status (running trainer pods, rank 0 answers),
 4. asks `reconcile.reconcile` what to do,
 5. writes the status first (with a resourceVersion precondition: what was counted stays
@@ -46,7 +47,7 @@ from rlft.trainer.addresses import http_url
 from rlft.trainer.config import JobFileError, parse_job
 
 log = logging.getLogger("rlft.operator")
-MANAGED = {"app.kubernetes.io/managed-by": N.MANAGED_BY}
+MANAGED = {N.LABEL_MANAGED_BY: N.MANAGED_BY}
 Key = tuple[str, str]
 
 
@@ -71,7 +72,7 @@ class _JobState:
     timer: asyncio.TimerHandle | None = None
     served: bool = False
     """kopf serves the job on this replica (its `_serve` daemon runs): false while kopf
-    pauses for a replica of higher priority, whose indexes are live where ours froze."""
+    pauses for a replica of higher priority, which leads the job meanwhile."""
     oom_killed: dict[str, tuple[PodView, float]] = field(default_factory=dict)
     """uid → (the pod's view, when seen): pods seen OOM-killed, until the planner names
     the OOM or OOM_MEMORY_SECONDS pass (see Observed.oom_killed)."""
@@ -88,7 +89,6 @@ class Runtime:
         self.kube: Kube | None = None
         self.jobs: dict[Key, _JobState] = {}
         self.metrics = OperatorMetrics()
-        self.indexes: dict[str, Any] = {}
         self.namespaces: list[str] = []
 
 
@@ -182,29 +182,6 @@ async def _cleanup(**_: Any) -> None:
         await RUNTIME.kube.close()
 
 
-# ------------------------------------------------------------------------- indexes
-
-
-@kopf.index("pods", labels=MANAGED)
-def pods_by_job(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> Any:
-    view = pod_view(dict(body))
-    return {(namespace, labels.get(N.LABEL_JOB, "")): view} if view else None
-
-
-@kopf.index("services", labels=MANAGED)
-def services_by_job(namespace: str, name: str, labels: dict[str, str], **_: Any) -> Any:
-    return {(namespace, labels.get(N.LABEL_JOB, "")): name}
-
-
-@kopf.index("configmaps", labels=MANAGED)
-def config_maps_by_job(
-    namespace: str, name: str, labels: dict[str, str], body: Any, **_: Any
-) -> Any:
-    # The job file too: the planner re-renders a ConfigMap whose file is not the spec's.
-    text = (body.get("data") or {}).get("job.yaml")
-    return {(namespace, labels.get(N.LABEL_JOB, "")): (name, text)}
-
-
 # ------------------------------------------------------------------------ triggers
 
 
@@ -212,7 +189,6 @@ def config_maps_by_job(
 async def _job_event(
     event: dict[str, Any], namespace: str, name: str, meta: Any, **kwargs: Any
 ) -> None:
-    _remember_indexes(kwargs)
     if event.get("type") == "DELETED":
         _forget((namespace, name))
         return
@@ -222,7 +198,6 @@ async def _job_event(
 
 @kopf.on.event("pods", labels=MANAGED)
 async def _pod_event(namespace: str, labels: dict[str, str], body: Any, **kwargs: Any) -> None:
-    _remember_indexes(kwargs)
     job = labels.get(N.LABEL_JOB)
     if job:
         view = pod_view(dict(body))
@@ -234,7 +209,6 @@ async def _pod_event(namespace: str, labels: dict[str, str], body: Any, **kwargs
 
 @kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=15.0, initial_delay=1.0)
 async def _poll(namespace: str, name: str, meta: Any, **kwargs: Any) -> None:
-    _remember_indexes(kwargs)
     if not meta.get("deletionTimestamp"):
         await kick((namespace, name))
 
@@ -243,8 +217,8 @@ async def _poll(namespace: str, name: str, meta: Any, **kwargs: Any) -> None:
 async def _serve(namespace: str, name: str, stopped: Any, **_: Any) -> None:
     """Runs while this replica serves the job: kopf stops it when it pauses (another
     replica leads) or the job goes. The job's own wake-ups (`_schedule`) kick only
-    meanwhile: they went on through a pause, reconciling from indexes frozen at its
-    start, and deleted gangs the leader had restarted since."""
+    meanwhile: they went on through a pause, reconciling beside the leader from what
+    they saw, and deleted gangs the leader had restarted since."""
     key = (namespace, name)
     RUNTIME.jobs.setdefault(key, _JobState()).served = True
     try:
@@ -281,12 +255,6 @@ async def _finalize(body: Any, namespace: str, name: str, spec: Any, **kwargs: A
 
 
 # ------------------------------------------------------------------------- the loop
-
-
-def _remember_indexes(kwargs: dict[str, Any]) -> None:
-    for key in ("pods_by_job", "services_by_job", "config_maps_by_job"):
-        if key in kwargs:
-            RUNTIME.indexes[key] = kwargs[key]
 
 
 def _forget(key: Key) -> None:
@@ -351,14 +319,26 @@ def _recent_ooms(state: _JobState) -> list[PodView]:
     return [view for view, _ in state.oom_killed.values()]
 
 
-def _index_items(index_name: str, key: Key) -> list[Any]:
-    index = RUNTIME.indexes.get(index_name)
-    if index is None:
-        return []
-    try:
-        return list(index.get(key, []))
-    except TypeError:
-        return []
+async def observe_children(
+    namespace: str, job: str
+) -> tuple[list[PodView], frozenset[str], dict[str, str | None]]:
+    """The job's pods, Service names and ConfigMaps (name → job file) as the API server
+    stores them now. Listed at each reconcile, not taken from watch caches: after a watch
+    gap (410 Gone) or a pause for another replica, kopf's relist adds and updates what it
+    caches but keeps what was deleted meanwhile, and a pod that stayed there filled its
+    slot for good (never made again; a ghost Running trainer counted towards the gang)."""
+    kube = _kube()
+    selector = f"{N.LABEL_JOB}={job},{N.LABEL_MANAGED_BY}={N.MANAGED_BY}"
+    pods, services, config_maps = await asyncio.gather(
+        *(kube.list_objects(kind, namespace, selector) for kind in ("Pod", "Service", "ConfigMap"))
+    )
+    views = [view for view in map(pod_view, pods) if view is not None]
+    return (
+        views,
+        frozenset(s["metadata"]["name"] for s in services),
+        # The job file too: the planner re-renders a ConfigMap whose file is not the spec's.
+        {c["metadata"]["name"]: (c.get("data") or {}).get("job.yaml") for c in config_maps},
+    )
 
 
 async def poll_trainer(pods: list[PodView], port: int) -> TrainerReport | None:
@@ -389,7 +369,7 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
         "metadata": {"name": name, "namespace": namespace},
         "spec": body.get("spec"),
     }
-    pods: list[PodView] = _index_items("pods_by_job", key)
+    pods, services, config_maps = await observe_children(namespace, name)
     try:
         job = parse_job(document, f"{namespace}/{name}")
         if problems := spec_problems(job):
@@ -397,11 +377,10 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
     except JobFileError as error:
         decision = invalid_spec(status, error.problems, now, pods)
     else:
-        config_maps = dict(_index_items("config_maps_by_job", key))
         observed = Observed(
             pods=pods,
             config_maps=frozenset(config_maps),
-            services=frozenset(_index_items("services_by_job", key)),
+            services=services,
             report=None
             if status.phase == "Suspended"
             else await poll_trainer(pods, RUNTIME.options.settings.status_port),
@@ -415,7 +394,7 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
                 uid: seen for uid, seen in state.oom_killed.items() if seen[0].name != named.pod
             }
     # The pods the decision saw, by uid: one created since under a name (another
-    # replica's replacement, or this one's before the index caught up) is not deleted.
+    # replica's replacement) is not deleted.
     uids = {pod.name: pod.uid for pod in pods}
     retry = await _apply(key, body, status, decision, now, uids)
     poll = RUNTIME.options.poll_seconds

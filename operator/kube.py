@@ -222,10 +222,16 @@ class Kube:
             raise
         return True
 
-    async def list_names(self, kind: str, namespace: str, selector: str) -> list[str]:
+    async def list_objects(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The namespaced core objects of `kind` the label `selector` matches, as stored now."""
         path = _core_path(namespace, _PLURALS[kind]) + f"?labelSelector={selector}"
         listing = await self._request("GET", path)
-        return [item["metadata"]["name"] for item in listing.get("items", [])]
+        return list(listing.get("items") or [])
+
+    async def list_names(self, kind: str, namespace: str, selector: str) -> list[str]:
+        return [
+            item["metadata"]["name"] for item in await self.list_objects(kind, namespace, selector)
+        ]
 
     async def post_event(
         self, job: dict[str, Any], type_: str, reason: str, message: str, instance: str

@@ -17,6 +17,7 @@ LABEL_ROLE = "rlft.dev/role"
 LABEL_INDEX = "rlft.dev/index"
 LABEL_SERVES = "rlft.dev/serves"
 MANAGED_BY = "rlft-operator"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 
 ROLE_TRAINER = "trainer"
 ROLE_ROLLOUT = "rollout"
@@ -87,7 +88,7 @@ def labels(job: str, role: str | None = None, index: int | None = None) -> dict[
     out = {
         "app.kubernetes.io/name": "rlft",
         "app.kubernetes.io/instance": job,
-        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_MANAGED_BY: MANAGED_BY,
         LABEL_JOB: job,
     }
     if role is not None:

@@ -78,12 +78,13 @@ PERMISSIONS: tuple[Permission, ...] = (
         ("list", "watch", "create", "delete"),
         "served",
         BOTH,
-        "index and watch the jobs' pods (kopf); create them, delete failed or surplus ones",
+        "watch the jobs' pods (kopf: a change reconciles its job) and list them at each "
+        "reconcile; create them, delete failed or surplus ones",
     ),
     Permission(
         "",
         "services",
-        ("list", "watch", "create", "delete"),
+        ("list", "create", "delete"),
         "served",
         BOTH,
         "headless Services of the trainer rendezvous and the rollout instances",
@@ -91,7 +92,7 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission(
         "",
         "configmaps",
-        ("list", "watch", "create", "patch", "delete"),
+        ("list", "create", "patch", "delete"),
         "served",
         BOTH,
         "the ConfigMap with the rendered job file; re-rendered after an edit while no pod reads it",

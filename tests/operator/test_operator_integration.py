@@ -435,8 +435,8 @@ def test_leader_election_between_two_replicas(tmp_path):
         _started(api, "default", "second", 2)
         assert "default/second: Creating" in standby.log()
         # A replica of higher priority comes back: the standby pauses, and nothing of
-        # it reconciles any more (its own wake-ups went on, from pods frozen in its
-        # indexes, and killed gangs the new leader had restarted).
+        # it reconciles any more (its own wake-ups went on, beside the new leader, and
+        # killed gangs the new leader had restarted).
         leader = OperatorProcess(api, *args, "--priority", "300", name="newer")
         wait_for(lambda: standby.log().count("Pausing operations") == 2, "the standby to pause")
         before = _reconciles(standby)

@@ -85,6 +85,9 @@ class RecordingKube:
     async def post_event(self, *args: Any) -> None:
         pass
 
+    async def list_objects(self, *args: Any) -> list[dict[str, Any]]:
+        return []  # nothing observed yet
+
 
 def _stored(doc: dict[str, Any]) -> dict[str, Any]:
     """The custom resource as the API server returns it after `kubectl apply`."""
@@ -104,7 +107,6 @@ def _operator_creates(monkeypatch, doc: dict[str, Any], settings: M.Settings) ->
     kube = RecordingKube(_stored(doc))
     monkeypatch.setattr(handlers.RUNTIME, "kube", kube)
     monkeypatch.setattr(handlers.RUNTIME, "options", handlers.Options(settings=settings))
-    monkeypatch.setattr(handlers.RUNTIME, "indexes", {})  # nothing observed yet
     monkeypatch.setattr(handlers.RUNTIME, "jobs", {})
     key = (doc["metadata"]["namespace"], doc["metadata"]["name"])
 
