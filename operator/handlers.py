@@ -245,13 +245,18 @@ async def _finalize(body: Any, namespace: str, name: str, spec: Any, **kwargs: A
             removed += await kube.delete(kind, namespace, child)
             RUNTIME.metrics.children.labels(kind=kind, action="delete").inc()
     uri = (spec.get("checkpoint") or {}).get("uri") or "(the trainer's default location)"
-    await kube.post_event(
-        dict(body),
-        "Normal",
-        "Deleted",
-        f"removed {removed} children; checkpoints kept at {uri}",
-        RUNTIME.options.identity,
-    )
+    try:
+        await kube.post_event(
+            dict(body),
+            "Normal",
+            "Deleted",
+            f"removed {removed} children; checkpoints kept at {uri}",
+            RUNTIME.options.identity,
+        )
+    except ApiError as error:
+        # A namespace being deleted refuses new Events (403): raising would keep the
+        # finalizer, retried for ever, and the namespace Terminating for good.
+        log.warning(f"{namespace}/{name}: could not post the Deleted Event: {error}")
 
 
 # ------------------------------------------------------------------------- the loop

@@ -24,6 +24,8 @@ serves the resource endpoints itself, with the semantics kopf and kubectl rely o
 - `v1/namespaces` in discovery, `groupVersion: v1` for the core group;
 - the Eviction subresource of pods (what `kubectl drain` uses): the DisruptionTarget
   condition, then a graceful delete (no PodDisruptionBudget is checked);
+- NamespaceLifecycle admission: a create in a namespace being deleted is refused 403
+  (`terminate_namespace` marks one Terminating; removing its content is not emulated);
 - ResourceQuota admission of creates (quota.py): a create over a namespace's quota is
   refused 403 Forbidden with the real message (`pods "x" is forbidden: exceeded quota:
   …`), before the AlreadyExists check, as admission runs before storage.
@@ -650,6 +652,36 @@ class Emulator(kmock.KubernetesEmulator):
         if self.changed is not None:
             self.changed.set()
 
+    def terminate_namespace(self, name: str) -> None:
+        """Mark a namespace Terminating, as its deletion does while its content goes (the
+        namespace controller's part, removing that content, is not emulated)."""
+        namespace = self.store[("", "namespaces", None, name)]
+        namespace["metadata"]["deletionTimestamp"] = _now()
+        namespace.setdefault("status", {})["phase"] = "Terminating"
+        self._bump(namespace)
+        self._emit(self.types[("", "namespaces")], "MODIFIED", namespace)
+
+    def _refuse_in_terminating(self, rt: ResourceType, meta: dict[str, Any]) -> None:
+        """The NamespaceLifecycle admission plugin: nothing new in a namespace being deleted."""
+        namespace = self.store.get(("", "namespaces", None, meta["namespace"]))
+        if namespace is not None and namespace["metadata"].get("deletionTimestamp"):
+            raise ApiStatus(
+                403,
+                "Forbidden",
+                f'{rt.plural} "{meta["name"]}" is forbidden: unable to create new content in '
+                f"namespace {meta['namespace']} because it is being terminated",
+            )
+
+    def lose(self, group: str, plural: str, namespace: str | None, name: str) -> None:
+        """Delete an object as a watch gap loses it: no DELETED event is ever sent, and
+        the event log is cut, so a watch resuming from before gets 410 Gone (what a real
+        API server answers once its watch cache has moved on) and lists again."""
+        del self.store[(group, plural, namespace, name)]
+        self.rv += 1
+        # The log starts after the gap: one entry of no type, which no watch sends.
+        self.log_rvs[:] = [self.rv]
+        self.log[:] = [(("", ""), "MODIFIED", {"metadata": {}})]
+
     def _bump(self, obj: dict[str, Any]) -> None:
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
@@ -706,6 +738,7 @@ class Emulator(kmock.KubernetesEmulator):
             meta.pop("namespace", None)
         key = (*rt.key, meta.get("namespace"), meta["name"])
         if rt.namespaced:
+            self._refuse_in_terminating(rt, meta)
             self._admit_quota(rt, obj)
         if key in self.store:
             raise ApiStatus(
