@@ -73,12 +73,16 @@ class _JobState:
     served: bool = False
     """kopf serves the job on this replica (its `_serve` daemon runs): false while kopf
     pauses for a replica of higher priority, which leads the job meanwhile."""
+    reconciled_at: float = -float("inf")
+    """When its last reconcile ended (time.monotonic)."""
     oom_killed: dict[str, tuple[PodView, float]] = field(default_factory=dict)
     """uid → (the pod's view, when seen): pods seen OOM-killed, until the planner names
     the OOM or OOM_MEMORY_SECONDS pass (see Observed.oom_killed)."""
 
 
 OOM_MEMORY_SECONDS = 120.0
+TIMER_SECONDS = 15.0
+"""kopf's timer for every job: the longest a job goes unreconciled with --poll-seconds 15."""
 
 
 class Runtime:
@@ -180,6 +184,7 @@ async def _cleanup(**_: Any) -> None:
             state.timer.cancel()
     if RUNTIME.kube is not None:
         await RUNTIME.kube.close()
+    RUNTIME.metrics.close()
 
 
 # ------------------------------------------------------------------------ triggers
@@ -207,10 +212,17 @@ async def _pod_event(namespace: str, labels: dict[str, str], body: Any, **kwargs
         await kick((namespace, job))
 
 
-@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=15.0, initial_delay=1.0)
+@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=TIMER_SECONDS, initial_delay=1.0)
 async def _poll(namespace: str, name: str, meta: Any, **kwargs: Any) -> None:
-    if not meta.get("deletionTimestamp"):
-        await kick((namespace, name))
+    """Every job now and then, events or none. The timer's interval is fixed when this
+    module is imported; a job reconciled within --poll-seconds is left alone, so a longer
+    --poll-seconds does space the reconciles and /status polls out."""
+    if meta.get("deletionTimestamp"):
+        return
+    state = RUNTIME.jobs.get((namespace, name))
+    if state is not None and time.monotonic() - state.reconciled_at < RUNTIME.options.poll_seconds:
+        return
+    await kick((namespace, name))
 
 
 @kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, cancellation_timeout=5.0)
@@ -297,6 +309,7 @@ async def kick(key: Key) -> None:
                 # traceback; the job's timer tries again within 15 s.
                 result = "error"
                 log.exception(f"{key[0]}/{key[1]}: reconcile failed")
+            state.reconciled_at = time.monotonic()
             RUNTIME.metrics.reconciles.labels(result=result).inc()
             RUNTIME.metrics.reconcile_seconds.observe(time.perf_counter() - started)
 
@@ -438,6 +451,9 @@ async def _apply(
             d.status.rollbacks - old.rollbacks
         )
     metrics.set_phase(key, d.status.phase)
+    # The decision's Events go with its status: the next reconcile starts from that
+    # status and says none of them again, so a failure below must not lose them.
+    await _post_events(body, [(e.type, e.reason, e.message) for e in d.events])
     if d.set_suspend:
         written = await kube.patch_job(namespace, name, {"spec": {"suspend": True}})
         version = _version(written, version)
@@ -448,7 +464,7 @@ async def _apply(
         if await kube.delete("Pod", namespace, pod, grace_seconds=0, uid=uids.get(pod)):
             metrics.children.labels(kind="Pod", action="force-delete").inc()
     refusal = await _write_children(namespace, d)
-    events = [(e.type, e.reason, e.message) for e in d.events]
+    events = []
     generation = body["metadata"].get("generation")
     after = C.after_writes(d.status, refusal, bool(d.create or d.update), generation, now)
     if after is not None:
@@ -462,14 +478,19 @@ async def _apply(
             )
         except ApiError as error:  # the job changed meanwhile: the next reconcile sees it
             log.warning(f"{namespace}/{name}: could not record the refused write: {error}")
+    await _post_events(body, events)
+    return C.backoff_seconds(after[0].create_failure.attempts) if refusal and after else None
+
+
+async def _post_events(body: dict[str, Any], events: list[tuple[str, str, str]]) -> None:
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     for type_, reason, message in events:
-        metrics.decisions.labels(reason=reason).inc()
+        RUNTIME.metrics.decisions.labels(reason=reason).inc()
         log.info(f"{namespace}/{name}: {reason}: {message}")
         try:
-            await kube.post_event(body, type_, reason, message, RUNTIME.options.identity)
+            await _kube().post_event(body, type_, reason, message, RUNTIME.options.identity)
         except ApiError as error:  # an Event is a courtesy; the status already says it
             log.warning(f"{namespace}/{name}: could not post an Event: {error}")
-    return C.backoff_seconds(after[0].create_failure.attempts) if refusal and after else None
 
 
 def _drawn(manifest: dict[str, Any]) -> dict[str, Any]:

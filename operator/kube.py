@@ -127,14 +127,19 @@ class Kube:
         session = await self._session_for(connection)
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
-        async with session.request(
-            method,
-            connection.server + path,
-            data=data,
-            headers=headers,
-            ssl=connection.ssl_context,
-        ) as response:
-            return response.status, await response.text()
+        try:
+            async with session.request(
+                method,
+                connection.server + path,
+                data=data,
+                headers=headers,
+                ssl=connection.ssl_context,
+            ) as response:
+                return response.status, await response.text()
+        except (aiohttp.ClientError, TimeoutError) as error:
+            # The API server out of reach is its trouble, not a bug of ours: retried as
+            # its 5xx are (a traceback every poll, counted as an error, before).
+            raise ApiError(503, f"no answer from the API server: {error!r}"[:500]) from None
 
     async def close(self) -> None:
         if self._session is not None:

@@ -58,6 +58,7 @@ class OperatorMetrics:
             registry=r,
         )
         self._phases: dict[tuple[str, str], str] = {}
+        self.server: HTTPServer | None = None
 
     def set_phase(self, key: tuple[str, str], phase: str | None) -> None:
         if phase is None:
@@ -68,8 +69,16 @@ class OperatorMetrics:
             self.jobs.labels(phase=known).set(sum(p == known for p in self._phases.values()))
 
     def serve(self, host: str, port: int) -> int:
-        """Serve /metrics; returns the bound port (0 picks a free one). `::` is every
-        address, IPv6 and IPv4 (as the trainers' endpoints bind it)."""
-        server = HTTPServer((host, port), MetricsHandler.factory(self.registry))
-        server.serve_in_background("rlft-metrics")
-        return server.server_address[1]
+        """Serve /metrics, once: a second call (kopf retrying a startup that failed after
+        it) returns the bound port, where binding again would fail for good. 0 picks a
+        free port; `::` is every address, IPv6 and IPv4 (as the trainers' endpoints bind)."""
+        if self.server is None:
+            self.server = HTTPServer((host, port), MetricsHandler.factory(self.registry))
+            self.server.serve_in_background("rlft-metrics")
+        return self.server.server_address[1]
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None

@@ -371,6 +371,9 @@ class Emulator(kmock.KubernetesEmulator):
     log: list[tuple[tuple[str, str], str, dict[str, Any]]] = attrs.field(factory=list, init=False)
     changed: asyncio.Event | None = attrs.field(default=None, init=False)
     request_count: int = attrs.field(default=0, init=False)
+    faults: list[tuple[str, str, int]] = attrs.field(factory=list, init=False)
+    """(method, plural, status): the next such request is answered with that status, once
+    each, as an API server in trouble answers (503 while etcd elects a leader, …)."""
     graceful_pods: bool = attrs.field(default=False, kw_only=True)
     """Delete pods bound to a node the way a real API server does: mark them Terminating
     (deletionTimestamp, deletionGracePeriodSeconds) and let their kubelet remove them
@@ -419,6 +422,10 @@ class Emulator(kmock.KubernetesEmulator):
         if self.changed is None:
             self.changed = asyncio.Event()
         try:
+            for planted in list(self.faults):
+                if planted[:2] == (raw.method, route.plural):
+                    self.faults.remove(planted)
+                    raise ApiStatus(planted[2], "ServiceUnavailable", "planted: try again later")
             rt = self.types.get((route.group, route.plural))
             if rt is None or rt.version != route.version:
                 raise ApiStatus(

@@ -102,3 +102,25 @@ def test_without_fresh_credentials_the_401_is_an_api_error(api, token_file):
     asyncio.run(calls())
     assert api.seen[-1] == "Bearer again"
     assert job_path("ml", "job").endswith("/namespaces/ml/rlfinetunes/job")
+
+
+def test_an_api_server_out_of_reach_is_an_api_error_not_a_bug():
+    """Nothing listens where the API server should be: the connection error escaped as
+    itself, and the reconcile loop took it for a bug of the operator (a traceback every
+    poll, counted as `error`, no retry of its own); it is the server's trouble, a 503."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+
+    async def call() -> None:
+        kube = Kube(Connection(server=f"http://127.0.0.1:{port}", headers={}), timeout=5)
+        try:
+            await kube.get_job("ml", "job")
+        finally:
+            await kube.close()
+
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(call())
+    assert refused.value.status == 503 and "no answer from the API server" in str(refused.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -35,9 +36,13 @@ TRAINER = ("", "pods", "ml", "tiny-grpo-trainer-0")
 
 
 async def _call(url: str, method: str, path: str, body: dict | None = None) -> None:
+    """A request as kubectl sends it (a PATCH is a merge patch)."""
+    kind = "application/merge-patch+json" if method == "PATCH" else "application/json"
     async with (
         aiohttp.ClientSession() as session,
-        session.request(method, url + path, json=body) as response,
+        session.request(
+            method, url + path, data=json.dumps(body), headers={"Content-Type": kind}
+        ) as response,
     ):
         assert response.status < 300, await response.text()
 
@@ -115,3 +120,91 @@ def test_a_job_deleted_in_a_terminating_namespace_lets_it_go(tmp_path, monkeypat
             assert TRAINER not in emulator.store  # its pods went first
 
     _run(tmp_path, monkeypatch, scenario)
+
+
+def test_a_startup_kopf_retries_serves_metrics_once(tmp_path, monkeypatch):
+    """kopf retries a startup handler that raised (a 503 creating the peering object):
+    the retry bound the metrics port the first try held, failed with EADDRINUSE on every
+    try, and kopf never started watching, while the probes on /metrics, served by the
+    first try, said the operator was fine."""
+    import logging
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(handlers, "RUNTIME", handlers.Runtime())
+    handlers.configure(handlers.Options(metrics_host="127.0.0.1", metrics_port=port), ["ml"])
+    monkeypatch.setattr(handlers, "_login", lambda **_: None)  # no API server needed
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = True
+    try:
+        for _ in range(2):  # the first try, then kopf's retry
+            asyncio.run(handlers._startup(settings=settings, logger=logging.getLogger("t")))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert b"rlft_operator" in response.read()
+    finally:
+        handlers.RUNTIME.metrics.close()
+
+
+def test_a_decisions_events_are_posted_though_a_later_write_fails(tmp_path, monkeypatch):
+    """A trainer exits 2 (a bad job): the operator writes the status Failed, then deletes
+    the rollout pod, which the API server answers 503. The Events were posted after the
+    deletes, so the failure lost them, and the next reconcile, starting from the Failed
+    status, had none to say: `kubectl describe` never showed why the job failed."""
+    failed = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {
+                "name": "main",
+                "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": "bad"}},
+                "ready": False,
+                "restartCount": 0,
+                "image": "x",
+                "imageID": "",
+            }
+        ],
+    }
+
+    def reasons(emulator: KE.Emulator) -> list[str]:
+        return [o.get("reason") for k, o in emulator.store.items() if k[1] == "events"]
+
+    async def scenario() -> None:
+        async with _operator(tmp_path) as (emulator, url):
+            await _call(url, "POST", JOBS, job_doc())
+            await _until(lambda: emulator.store.get(TRAINER), "the trainer pod", 30)
+            emulator.faults.append(("DELETE", "pods", 503))
+            await _call(
+                url,
+                "PATCH",
+                "/api/v1/namespaces/ml/pods/tiny-grpo-trainer-0/status",
+                {"status": failed},
+            )
+            await _until(lambda: "Failed" in reasons(emulator), "the Failed Event", 15)
+            assert emulator.faults == []  # the delete was refused (and done later)
+
+    _run(tmp_path, monkeypatch, scenario)
+
+
+def test_the_timer_leaves_alone_a_job_reconciled_within_poll_seconds(monkeypatch):
+    """kopf's timer fires every 15 s whatever --poll-seconds says: a --poll-seconds of 60
+    still reconciled every job and polled its /status every 15 s."""
+    kicked: list[tuple[str, str]] = []
+
+    async def kick(key: tuple[str, str]) -> None:
+        kicked.append(key)
+
+    monkeypatch.setattr(handlers, "RUNTIME", handlers.Runtime())
+    monkeypatch.setattr(handlers, "kick", kick)
+    handlers.configure(handlers.Options(poll_seconds=60.0), ["ml"])
+    state = handlers.RUNTIME.jobs.setdefault(("ml", "job"), handlers._JobState())
+
+    def fire(ago: float) -> bool:
+        state.reconciled_at = time.monotonic() - ago
+        kicked.clear()
+        asyncio.run(handlers._poll(namespace="ml", name="job", meta={}))
+        return kicked == [("ml", "job")]
+
+    assert not fire(15.0)
+    assert fire(61.0)
