@@ -6,6 +6,7 @@ tested with hand-written values and hypothesis without building whole pod object
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +196,10 @@ class TrainerReport:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
@@ -227,9 +232,9 @@ def trainer_report(document: Any, pod_uid: str) -> TrainerReport | None:
         policy_version=_int(document.get("policyVersion")),
         phase=str(document.get("phase") or ""),
         health=health if health in ("ok", "warning", "collapsed") else "ok",
-        reward=float(reward)
-        if isinstance(reward, int | float) and not isinstance(reward, bool)
-        else None,
+        # NaN or ±inf (Python's json reads them) would make every status patch invalid
+        # JSON: the API server refuses it, and the job would not reconcile until it changed.
+        reward=float(reward) if _finite_number(reward) else None,
         last_checkpoint=_checkpoint(document.get("lastCheckpoint")),
         last_healthy_checkpoint=_checkpoint(document.get("lastHealthyCheckpoint")),
         rollbacks=_int(document.get("rollbacks")),

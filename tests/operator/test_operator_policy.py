@@ -3,6 +3,7 @@ restart budget and backoff do what the docs say."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -224,6 +225,9 @@ def test_trainer_report_parsing():
     assert report.last_checkpoint == {"step": 100, "uri": "s3://b/x/step-000100", "time": "t"}
     assert report.reward == 0.5 and report.events == [{"kind": "spike"}]
     assert trainer_report("<html>502</html>", "uid-1") is None
+    for unwritable in ("NaN", "Infinity", "-Infinity"):  # as Python's json reads them
+        parsed = trainer_report(json.loads(f'{{"step": 3, "reward": {unwritable}}}'), "u")
+        assert parsed is not None and parsed.reward is None
     assert trainer_report({"step": "x", "health": "??", "lastCheckpoint": {"uri": 1}}, "u") == (
         trainer_report({"step": None}, "u")
     )
