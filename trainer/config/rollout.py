@@ -12,12 +12,17 @@ from rlft.trainer.config.containers import EnvVar, Resources, unique_names
 from rlft.trainer.config.locations import location_problem
 from rlft.trainer.config.pods import PodCustomisation
 
+MIN_TEMPERATURE = 1e-3
+"""The lowest sampling temperature, here and in the rollout protocol: logits divided by
+much less overflow float32 (NaN probabilities, which fail the request in the engine)."""
+
 
 class Sampling(Section):
     """How completions are sampled during RL."""
 
-    temperature: float = Field(1.0, gt=0, le=10)
-    """Softmax temperature; behaviour log-probs are those of this distribution."""
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10)
+    """Softmax temperature; behaviour log-probs are those of this distribution. At least
+    0.001: logits divided by less overflow."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass. Below 1 the engines' behaviour log-probs differ: the
     in-process engine reports the temperature-scaled distribution's (as the trainer

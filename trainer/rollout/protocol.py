@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rlft.trainer.config.rollout import MIN_TEMPERATURE
 from rlft.trainer.rollout.engine import Completion, SamplingParams
 
 
@@ -57,8 +58,14 @@ def sampling_from_dict(body: Any) -> SamplingParams:
     greedy = body.get("greedy", False)
     if not isinstance(greedy, bool):
         raise ProtocolError("sampling.greedy: must be true or false")
+    temperature = _number(body, "temperature", 0.0, 10.0, 1.0)
+    if temperature < MIN_TEMPERATURE:  # the engine would divide the logits into NaN
+        raise ProtocolError(
+            f"sampling.temperature: must be at least {MIN_TEMPERATURE} (logits divided by "
+            f"less overflow; greedy: true samples greedily), got {temperature!r}"
+        )
     return SamplingParams(
-        temperature=_number(body, "temperature", 0.0, 10.0, 1.0),
+        temperature=temperature,
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0),
         max_new_tokens=_int(body, "max_new_tokens", 1, 1_000_000, 16),
         greedy=greedy,
@@ -87,7 +94,11 @@ class GenerateRequest:
         }
 
     @classmethod
-    def from_json(cls, body: Any, vocab_size: int | None = None) -> GenerateRequest:
+    def from_json(
+        cls, body: Any, vocab_size: int | None = None, max_positions: int | None = None
+    ) -> GenerateRequest:
+        """The request `body` names; `vocab_size` and `max_positions` (the served model's
+        context) bound its tokens where known."""
         if not isinstance(body, dict):
             raise ProtocolError("the request body must be a JSON object")
         prompts = body.get("prompts")
@@ -112,14 +123,28 @@ class GenerateRequest:
             isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= limit for t in stop_ids
         ):
             raise ProtocolError(f"stop_ids: must be a list of token ids in [0, {limit}]")
+        sampling = sampling_from_dict(body.get("sampling", {}))
+        if max_positions:
+            _check_context(prompts, sampling.max_new_tokens, max_positions)
         return cls(
             prompts=prompts,
             stop_ids=stop_ids,
             n=_int(body, "n", 1, 4096, 1),
-            sampling=sampling_from_dict(body.get("sampling", {})),
+            sampling=sampling,
             seed=seed,
             request_id=request_id,
         )
+
+
+def _check_context(prompts: list[list[int]], max_new_tokens: int, max_positions: int) -> None:
+    """Refuse a request the model has no positions for: the engine would fail it (vLLM) or
+    sample from positions it was never trained at, on every instance alike."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + max_new_tokens > max_positions:
+            raise ProtocolError(
+                f"prompts[{i}]: {len(prompt)} tokens + sampling.max_new_tokens "
+                f"{max_new_tokens} exceed the model's {max_positions} positions"
+            )
 
 
 def completion_to_json(c: Completion) -> dict[str, Any]:

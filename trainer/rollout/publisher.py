@@ -10,6 +10,12 @@ instance serves at least that version (the pipeline's start rule needs this).
 A failed shipment (the object store down, every instance refusing the load) is retried
 with backoff until `timeout_s`, or until a newer version is pending, which replaces it:
 an outage of the store stalls generation for its length instead of ending the run.
+
+Between publications the thread brings instances that fell behind up to date: one whose
+load of the newest version failed (a transient store error) while another took it, or
+one with no weights yet, is sent that version's store copy again (`_catch_up`). Without
+it, it took no requests (it serves an older version) and got nothing until the next
+publication, which needs samples: generation stalled once the up-to-date ones died.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class WeightPublisher:
         mode: str = "store",
         timeout_s: float = 600.0,
         host: str | None = None,
+        catch_up_every_s: float = 1.0,
     ):
         if mode not in ("store", "broadcast"):
             raise ValueError(f"publication mode {mode!r}: use store or broadcast")
@@ -60,6 +67,10 @@ class WeightPublisher:
         self._group = None
         self._members: tuple[tuple[str, str | None], ...] = ()
         """(URL, server id) of the group's instances."""
+        self._latest: tuple[int, str] | None = None
+        """(version, URI) of the newest acknowledged version with a store copy: what an
+        instance behind is sent."""
+        self.catch_up_every_s = catch_up_every_s
         self.last_publish_s = 0.0
         """Seconds from snapshot to the last instance's acknowledgement (last publication)."""
         self.published = 0
@@ -118,15 +129,17 @@ class WeightPublisher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
+                self._cond.wait_for(self._woken, self.catch_up_every_s)
                 if self._closed:
                     return
-                version, snapshot, config = self._pending
-                self._pending = None
+                pending, self._pending = self._pending, None
+            if pending is None:
+                self._catch_up()
+                continue
+            version, snapshot, config = pending
             started = time.perf_counter()
             try:
-                shipped = self._ship_retrying(version, snapshot, config)
+                shipped, uri = self._ship_retrying(version, snapshot, config)
             except BaseException as error:  # surfaced to the trainer on its next call
                 with self._cond:
                     self._error = error
@@ -138,19 +151,42 @@ class WeightPublisher:
                 self.last_publish_s = time.perf_counter() - started
                 self.published += 1
                 self._acked = max(self._acked, version)
+                if uri is not None:
+                    self._latest = (version, uri)
                 self._cond.notify_all()
 
-    def _ship_retrying(self, version: int, snapshot, config: str) -> bool:
-        """Ship `version`, retried until `timeout_s`; False if a newer version became
-        pending first (it is shipped instead)."""
+    def _woken(self) -> bool:
+        return self._pending is not None or self._closed
+
+    def _catch_up(self) -> None:
+        """Send the newest acknowledged version's store copy to the instances that answer
+        but serve an older version or none. On this thread, the one writer of the
+        instances' weights: a catch-up and a publication never land out of order."""
+        if self._latest is None:
+            return
+        version, uri = self._latest
+        behind = self.client.behind(version)
+        if not behind:
+            return
+        request = WeightsRequest(version=version, uri=uri)
+        try:
+            with ThreadPoolExecutor(max_workers=len(behind)) as pool:
+                list(
+                    pool.map(lambda i: self.client.load_weights(i, request, self.timeout_s), behind)
+                )
+        except Exception as error:  # a refused load (400): the next publication may do
+            log.warning("weights of version %d: catch-up failed: %s", version, error)
+
+    def _ship_retrying(self, version: int, snapshot, config: str) -> tuple[bool, str | None]:
+        """Ship `version`, retried until `timeout_s`: (False if a newer version became
+        pending first (it is shipped instead), the URI of its store copy if it has one)."""
         deadline = time.monotonic() + self.timeout_s
         delays = backoff_delays(0.5, 10.0, jitter=0.2)
         attempt = 0
         while True:
             attempt += 1
             try:
-                self._ship(version, snapshot, config)
-                return True
+                return True, self._ship(version, snapshot, config)
             except Exception as error:
                 delay = next(delays)
                 if time.monotonic() + delay > deadline:
@@ -163,16 +199,17 @@ class WeightPublisher:
                     delay,
                 )
             with self._cond:
-                if self._cond.wait_for(lambda: self._pending is not None or self._closed, delay):
-                    return False
+                if self._cond.wait_for(self._woken, delay):
+                    return False, None
 
-    def _ship(self, version: int, snapshot, config: str) -> None:
+    def _ship(self, version: int, snapshot, config: str) -> str | None:
+        """Ship `version`; the URI of its store copy, if one was written."""
         if isinstance(snapshot, bytes):
             uri = self.store.write(version, snapshot, config)
             self._post_all(WeightsRequest(version=version, uri=uri))
-            return
+            return uri
         try:
-            self._broadcast(version, snapshot, config)
+            return self._broadcast(version, snapshot, config)
         except Exception as error:  # a member died mid-broadcast: fall back to the store
             log.warning(
                 "weights of version %d: broadcast failed (%s); by the store", version, error
@@ -180,21 +217,31 @@ class WeightPublisher:
             self._group, self._members = None, ()
             uri = self.store.write(version, save(snapshot), config)
             self._post_all(WeightsRequest(version=version, uri=uri))
+            return uri
 
     def _post_all(self, request: WeightsRequest) -> None:
-        # An instance whose last load failed (the store was down) is marked down; ask
-        # again rather than count a version no instance loaded as published.
-        live = self.client.live() or [i for i in self.client.instances if self.client.probe(i)]
-        if not live:
+        # Every instance that answers, weights or not (a fresh one answers 503, and only
+        # a load brings it up). One whose last load failed is marked down until the next
+        # probe: ask now rather than count a version no instance loaded as published.
+        targets = self.client.loadable()
+        if not targets:
+            for instance in self.client.instances:
+                self.client.probe(instance)
+            targets = self.client.loadable()
+        if not targets:
             raise RuntimeError(
-                f"no live rollout instance to load weights version {request.version}"
+                f"no live rollout instance to load weights version {request.version} (none "
+                f"answers){self.client.failures()}"
             )
-        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
             results = list(
-                pool.map(lambda i: self.client.load_weights(i, request, self.timeout_s), live)
+                pool.map(lambda i: self.client.load_weights(i, request, self.timeout_s), targets)
             )
         if not any(results):
-            raise RuntimeError(f"no rollout instance accepted weights version {request.version}")
+            raise RuntimeError(
+                f"no rollout instance accepted weights version {request.version}"
+                f"{self.client.failures()}"
+            )
 
     def _members_now(self) -> list[Instance]:
         """The live instances, each asked which server process answers at its URL: one
@@ -205,20 +252,23 @@ class WeightPublisher:
             list(pool.map(self.client.probe, live))
         return self.client.live()
 
-    def _broadcast(self, version: int, state: dict[str, torch.Tensor], config: str) -> None:
+    def _broadcast(self, version: int, state: dict[str, torch.Tensor], config: str) -> str | None:
         """Send over the group; (re)form it when the live instances changed. A store copy
         is written whenever the group is re-formed, for instances that catch up later (a
-        restarted one reads the store's newest: without it, the first version's)."""
+        restarted one reads the store's newest: without it, the first version's), and
+        when a member fell out (`_catch_up` sends it that copy); its URI is returned."""
         from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
 
         live = self._members_now()
         if not live:  # a group of the trainer alone "sends" to nobody, and succeeds
-            raise RuntimeError(f"no live rollout instance to send weights version {version}")
+            raise RuntimeError(
+                f"no live rollout instance to send weights version {version}"
+                f"{self.client.failures()}"
+            )
         members = tuple((i.url, i.server_id) for i in live)
         if members != self._members:
             self._group = None
-        if self._group is None:
-            self.store.write(version, save(state), config)
+        uri = self.store.write(version, save(state), config) if self._group is None else None
         address = (
             GroupAddress(self.host, free_port(self.host), len(live) + 1)
             if self._group is None
@@ -249,4 +299,9 @@ class WeightPublisher:
         if not all(results):  # someone fell out: re-form the group next time
             self._group, self._members = None, ()
         if not any(results):  # published to nobody: by the store, and retried from there
-            raise RuntimeError(f"no rollout instance accepted weights version {version}")
+            raise RuntimeError(
+                f"no rollout instance accepted weights version {version}{self.client.failures()}"
+            )
+        if uri is None and not all(results):
+            uri = self.store.write(version, save(state), config)
+        return uri

@@ -21,6 +21,8 @@ class ServedEngine(Protocol):
     name: str
     policy_version: int
     vocab_size: int
+    max_positions: int | None
+    """Prompt plus completion tokens the model has positions for (None: unknown)."""
 
     def generate(
         self,
@@ -65,6 +67,7 @@ class TransformersServed:
         self.model = AutoModelForCausalLM.from_pretrained(folder).eval()
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         eos = config.eos_token_id
         self.default_stops = [eos] if isinstance(eos, int) else list(eos or [])

@@ -11,7 +11,10 @@ until then `/healthz` answers 503 (a rollout pod's readiness). `/livez` answers 
 soon as the server serves, weights or not (its startup probe: a job whose model is built
 by the trainer has no weights until the trainer's first publication, after its warm
 start), and 503 once ENGINE_FAILURES requests in a row failed in the engine (its liveness
-probe: a dead engine behind a live HTTP server was never replaced).
+probe: a dead engine behind a live HTTP server was never replaced). A request refused for
+its own content (a prompt longer than the model's context, a temperature that overflows
+the logits, a ValueError the engine raises) is answered 400 and is no engine failure: the
+trainer re-sends it nowhere, and one bad request does not get every instance restarted.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ from rlft.trainer.rollout.protocol import (
 from rlft.trainer.rollout.ray_cluster import RayClusterError
 
 MAX_BODY = 64 << 20
+
+HANDLER_TIMEOUT_S = 30.0
+"""Seconds a connection may send nothing (headers or body) before its thread drops it: a
+client that announces a body and never sends it held a thread and a socket forever."""
 
 
 ENGINE_FAILURES = 5
@@ -108,6 +115,8 @@ class EngineHost:
                 completions = self.engine.generate(
                     request.prompts, request.n, request.sampling, request.seed, request.stop_ids
                 )
+            except ValueError as error:  # the request's own fault (vLLM: a prompt too long)
+                raise ProtocolError(f"the engine refused the request: {error}") from error
             except Exception as error:
                 self.failed_in_a_row += 1
                 if self.failed_in_a_row >= ENGINE_FAILURES:
@@ -143,19 +152,29 @@ class EngineHost:
                     with self._damaging(version):
                         self.engine.load_tensors(tensors, version)
         else:
-            from rlft.trainer.weights.store import fetched
-
-            with fetched(request.uri) as folder, self._use(writer=True):
-                if self.engine is None:
-                    self.engine = self._build(folder, request.version)
-                elif not self._older(request.version):
-                    with self._damaging(request.version):
-                        self.engine.load_folder(folder, request.version)
+            self._load_uri(request)
         seconds = time.perf_counter() - started
         version = self.engine.policy_version
         if self._metrics is not None:
             self._metrics.version(version)
         return {"policy_version": version, "seconds": seconds}
+
+    def _load_uri(self, request: WeightsRequest) -> None:
+        """Load a published folder. Its tensors are read before the update in place
+        begins (outside the lock when an engine serves): a file that cannot be read (cut
+        short, missing) fails the load with the served weights intact, not damaged."""
+        from rlft.trainer.weights.store import fetched, read_tensors
+
+        with fetched(request.uri) as folder:
+            tensors = read_tensors(folder) if self.engine is not None else None
+            with self._use(writer=True):
+                if self.engine is None:
+                    self.engine = self._build(folder, request.version)
+                elif not self._older(request.version):
+                    if tensors is None:  # a first load built the engine meanwhile
+                        tensors = read_tensors(folder)
+                    with self._damaging(request.version):
+                        self.engine.load_tensors(tensors, request.version)
 
     def _older(self, version: int) -> bool:
         """Whether `version` is older than the weights served (call under the writer lock):
@@ -244,6 +263,10 @@ class ServerMetrics:
 class _Handler(BaseHTTPRequestHandler):
     server: RolloutHTTPServer
 
+    def setup(self) -> None:
+        self.timeout = self.server.handler_timeout_s  # the socket's, set by setup()
+        super().setup()
+
     def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise
         pass
 
@@ -263,8 +286,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _length(self) -> int:
+        """The announced body length; ProtocolError for one that is no count (a negative
+        one was read to the end of a connection that may never end)."""
+        text = self.headers.get("Content-Length") or "0"
+        try:
+            length = int(text)
+        except ValueError:
+            raise ProtocolError(f"Content-Length: not a number ({text[:40]!r})") from None
+        if length < 0:
+            raise ProtocolError(f"Content-Length: negative ({length})")
+        return length
+
     def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
+        length = self._length()
         if length > MAX_BODY:
             raise ProtocolError(f"request body over {MAX_BODY} bytes")
         try:
@@ -308,8 +343,8 @@ class _Handler(BaseHTTPRequestHandler):
         if authorized(self.headers.get("Authorization"), self.server.token):
             return False
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
+            length = self._length()
+        except ProtocolError:
             length = 0
         if 0 < length <= MAX_BODY:
             self.rfile.read(length)
@@ -325,7 +360,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if self.path == "/generate":
                 vocab = getattr(host.engine, "vocab_size", None)
-                request = GenerateRequest.from_json(self._body(), vocab)
+                positions = getattr(host.engine, "max_positions", None)
+                request = GenerateRequest.from_json(self._body(), vocab, positions)
                 self._reply(200, host.generate(request))
                 metrics.request("ok")
             elif self.path == "/weights":
@@ -359,6 +395,8 @@ class RolloutHTTPServer(HTTPServer):
         self.server_id = uuid.uuid4().hex
         """Drawn per process: a server restarted at the same address (a container
         restarted in its pod) has a new one, and is not in the trainer's broadcast group."""
+        self.handler_timeout_s = HANDLER_TIMEOUT_S
+        """Read by each connection's handler as it starts (a test shortens it)."""
 
 
 def start_server(

@@ -136,6 +136,7 @@ class VllmEngine:
             raise
         config = self.llm.llm_engine.model_config.hf_config
         self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(self.llm.llm_engine.model_config.max_model_len)
         eos = config.eos_token_id
         self.default_stops = [eos] if isinstance(eos, int) else list(eos or [])
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
