@@ -160,6 +160,44 @@ def test_sigterm_writes_an_emergency_checkpoint_within_the_grace_period(
     assert Catalog(open_storage(uri, s3_options(s3_env))).verify(scan.manifests[step]) == []
 
 
+def test_sigterm_while_a_save_retries_an_outage_still_ends_with_a_verdict(
+    s3_env, bucket, workers
+) -> None:
+    """SIGTERM while a scheduled save retries uploads the store refuses: the emergency
+    checkpoint first waited out that save's own deadline (uploadRetryMinutes, 15 min by
+    default), the grace watchdog fired, and the run exited 1 without a verdict. The save
+    in flight must give up within the grace left, and the run exit 0 saying that its
+    emergency checkpoint failed."""
+    from s3_proxy import S3Proxy
+
+    uri, grace = f"s3://{bucket}/run", 10.0
+    proxy = S3Proxy(s3_env.endpoint)
+    try:
+        proxy.refuse("/")  # every upload answered 503: a store that is down for writes
+        worker = workers(
+            uri,
+            "--every",
+            "2",
+            "--grace",
+            str(grace),
+            "--step-seconds",
+            "0.1",
+            endpoint=proxy.url,
+        )
+        worker.wait_for("EVENT retry 2")
+        sent = time.monotonic()
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(grace + 10) == 0, "\n".join(worker.lines[-20:])
+        assert time.monotonic() - sent < grace
+    finally:
+        proxy.stop()
+    report = json.loads(worker.wait_for('{"stopped_at"'))
+    assert report["committed"] is False
+    assert "EVENT failed 2" in worker.lines  # the save in flight gave up, then the stop's
+    assert f"EVENT failed {report['stopped_at']}" in worker.lines
+    assert Catalog(open_storage(uri, s3_options(s3_env))).scan().manifests == {}
+
+
 def test_an_s3_outage_during_training_is_retried_and_the_save_commits_later(
     tmp_path: Path, monkeypatch, caplog
 ) -> None:

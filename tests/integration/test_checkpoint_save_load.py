@@ -139,6 +139,36 @@ def test_a_corrupted_shard_is_detected_and_the_previous_one_used(location, caplo
     assert all(torch.equal(v, before[k]) for k, v in params_of(model3).items())
 
 
+def test_a_truncated_or_emptied_shard_is_damage_and_the_older_checkpoint_is_used(
+    location, tmp_path: Path, capsys
+) -> None:
+    """A shard object shorter than its manifest says: on S3 the pieces past its end were
+    a 416 (InvalidRange), a permanent store error, and resume and export failed (exit 1,
+    retried forever by the operator) instead of falling back to the intact step 1."""
+    uri, options = location
+    flags = []
+    if options is not None:
+        flags = ["--endpoint-url", options.endpoint_url, "--addressing-style", "path"]
+    storage = open_storage(uri, options)
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, keep_last=5, hf_files=hf_files_of(model), block_bytes=4096)
+    _save(ckpt, model, optimizer, 1)
+    at_one = params_of(model)
+    train_step(model, optimizer, batch_for(2))
+    _save(ckpt, model, optimizer, 2)
+    ckpt.close()
+    key = "step-000002/__0_0.distcp"
+    shard = storage.get_bytes(key)
+    for damaged in (shard[: len(shard) // 2 // 4096 * 4096], b""):
+        storage.put_bytes(key, damaged)
+        model2, optimizer2 = _fresh(seed=3)
+        assert load(storage, "auto", model2, optimizer2, retry_s=5).step == 1
+        assert all(torch.equal(v, at_one[k]) for k, v in params_of(model2).items())
+    out = tmp_path / "hf"
+    assert rlft(["export", "--latest-checkpoint", uri, str(out), *flags]) == 0
+    assert "exported step-000001" in capsys.readouterr().out
+
+
 def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> None:
     """Committed checkpoints that are all damaged must not read as "no checkpoint" (a
     fresh start would move `latest` back and abandon their steps): every choice raises,
@@ -172,7 +202,9 @@ def test_checkpoints_of_a_newer_rlft_are_refused_and_never_removed(location, cap
     to skip (the run would go on from an older one and its commits would move `latest`
     below the newer run's steps) nor a leftover for retention to delete."""
     uri, options = location
-    storage, ckpt, model, optimizer = _steps_two_and_four(location, keep_last=1)
+    # keepLast 2: step 2 stays for the load by name; the newer step 4 would be a leftover
+    # below `latest` to delete either way
+    storage, ckpt, model, optimizer = _steps_two_and_four(location, keep_last=2)
     manifest = storage.get_bytes("step-000004/manifest.json")
     storage.put_bytes(
         "step-000004/manifest.json", manifest.replace(b'"formatVersion": 1', b'"formatVersion": 7')
@@ -442,6 +474,119 @@ def test_an_export_keeps_the_generation_config_and_is_readable(tmp_path: Path, c
     (tmp_path / "afile").write_text("mine")
     assert rlft(["export", f"file://{tmp_path}/ckpts", str(tmp_path / "afile" / "hf")]) == 1
     assert f"cannot make {tmp_path / 'afile'}" in capsys.readouterr().err
+
+
+def test_a_file_uri_rlft_prints_is_taken_back(tmp_path: Path, capsys) -> None:
+    """rlft names a local location by its percent-encoded file:// URI (a space is %20),
+    and such a URI given back to rlft named a folder with `%20` in its name: `verify`
+    found no folder, and `export` of a step found no checkpoint, with advice about
+    `--resume`, a flag that export does not have."""
+    root = tmp_path / "my run" / "checkpoints"
+    storage = open_storage(str(root))
+    assert "my%20run" in storage.uri
+    assert open_storage(storage.uri).root == root
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, hf_files=hf_files_of(model))
+    _save(ckpt, model, optimizer, 1)
+    ckpt.close()
+    assert rlft(["checkpoints", "verify", storage.uri]) == 0
+    assert capsys.readouterr().out.splitlines() == ["step-000001: ok"]
+    assert rlft(["export", f"{storage.uri}/step-000001", str(tmp_path / "hf")]) == 0
+    assert "exported step-000001" in capsys.readouterr().out
+    assert rlft(["export", f"{storage.uri}/step-000009", str(tmp_path / "hf9")]) == 1
+    error = capsys.readouterr().err
+    assert "no intact checkpoint for export of step-000009" in error, error
+    assert "--resume" not in error and "committed steps: 1" in error
+
+
+def test_every_exported_file_is_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    """The folder was made readable for a model server run by another user, but
+    transformers writes model.safetensors for its owner alone (0600)."""
+    import os
+
+    storage = open_storage(f"file://{tmp_path}/ckpts")
+    model, optimizer = _fresh()
+    ckpt = Checkpointer(storage, hf_files=hf_files_of(model))
+    _save(ckpt, model, optimizer, 3)
+    ckpt.close()
+    out = tmp_path / "hf"
+    before = os.umask(0o022)
+    try:
+        assert rlft(["export", f"file://{tmp_path}/ckpts", str(out)]) == 0
+    finally:
+        os.umask(before)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [out, *out.rglob("*")]}
+    assert "model.safetensors" in modes and "config.json" in modes
+    expected = {p.name: oct(0o755 if p.is_dir() else 0o644) for p in [out, *out.rglob("*")]}
+    assert modes == expected
+
+
+class RacedByALiveRun:
+    """A reader's view of a location a live run writes to: after the `nth` call of its
+    `method`, `race` runs once (the run commits, and its retention deletes what the
+    reader just listed or is fetching)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.armed = inner, None
+
+    def __getattr__(self, name: str):
+        call = getattr(self.inner, name)
+        if self.armed is None or self.armed[0] != name:
+            return call
+
+        def raced(*args, **kwargs):
+            result = call(*args, **kwargs)
+            method, nth, race = self.armed
+            self.armed = (method, nth - 1, race) if nth > 1 else None
+            if nth == 1:
+                race()
+            return result
+
+        return raced
+
+    def arm(self, method: str, nth: int, race) -> None:
+        self.armed = (method, nth, race)
+
+
+def test_checkpoints_deleted_while_read_are_gone_not_damaged_nor_a_crash(
+    location, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`rlft checkpoints list/verify` and `rlft export` on the location of a running job
+    (keepLast 1): its retention deleted a checkpoint between their listing and their
+    reads, and they ended in a traceback (ObjectMissingError) or called it damaged."""
+    from rlft.trainer.checkpoint import commands
+    from rlft.trainer.checkpoint.export import export_hf
+
+    uri, options = location
+    model, optimizer = _fresh()
+    live = Checkpointer(open_storage(uri, options), keep_last=1, hf_files=hf_files_of(model))
+    steps = iter(range(1, 100))
+
+    def commit() -> None:
+        _save(live, model, optimizer, next(steps), healthy=False)
+
+    commit()
+    reader = RacedByALiveRun(open_storage(uri, options))
+    catalog = Catalog(reader)
+    reader.arm("list", 1, commit)  # 2 commits; 1, just listed, goes
+    scan = catalog.scan()
+    assert scan.manifests == {} and scan.vanished == {1} and not scan.unreadable
+    scan = catalog.scan()
+    reader.arm("list", 1, commit)  # 3 commits; 2 goes while checked
+    assert catalog.verify(scan.manifests[2]) and catalog.gone(scan.manifests[2])
+
+    monkeypatch.setattr(commands, "open_storage", lambda *_: reader)
+    reader.arm("list", 2, commit)  # 4 commits; 3 goes between the scan and the check
+    assert rlft(["checkpoints", "verify", uri]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "step-000003: deleted meanwhile (retention), not checked"
+    ]
+    # An export takes the newest checkpoint there is, however the race falls.
+    reader.arm("list", 1, commit)  # 5 commits; 4 goes before its manifest is read
+    assert export_hf(uri, tmp_path / "a", storage=reader).step == 5
+    reader.arm("get_file", 1, commit)  # 6 commits; 5 goes while fetched
+    assert export_hf(uri, tmp_path / "b", storage=reader).step == 6
+    live.close()
 
 
 def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket) -> None:

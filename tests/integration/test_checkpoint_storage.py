@@ -56,6 +56,21 @@ def test_put_get_list_exists_delete(store, tmp_path: Path) -> None:
         store.get_bytes("step-000001/manifest.json")
 
 
+def test_a_range_past_the_end_reads_short_not_an_error(store) -> None:
+    """As the Storage interface says and a file reads: fewer bytes at the object's end,
+    none past it. S3 answered 416 (InvalidRange), a permanent error, for a range past
+    the end of a truncated or emptied shard: resume and export failed on it instead of
+    finding the damage and taking an older checkpoint."""
+    store.put_bytes("step-000001/x", b"0123456789")
+    store.put_bytes("step-000001/empty", b"")
+    assert store.get_range("step-000001/x", 6, 8) == b"6789"
+    assert store.get_range("step-000001/x", 10, 4) == b""
+    assert store.get_range("step-000001/x", 64, 4) == b""
+    assert store.get_range("step-000001/empty", 0, 4096) == b""
+    with pytest.raises(ObjectMissingError):
+        store.get_range("step-000001/gone", 0, 4)
+
+
 def test_large_bytes_go_up_in_parts(s3_env, bucket) -> None:
     """A published model is one object written from memory: above the part size it is a
     multipart upload (one PUT stops at 5 GB on AWS)."""

@@ -161,23 +161,37 @@ def test_retention_keeps_last_n_and_healthy_and_drops_leftovers() -> None:
     assert retention_plan(committed, {1}, None, keep_last=1) == set()
 
 
+def test_retention_keeps_the_newest_healthy_ones_not_every_one() -> None:
+    """A long healthy run: every checkpoint tagged healthy was kept, and its storage
+    grew without bound."""
+    healthy = {step: True for step in range(10, 110, 10)}
+    assert retention_plan(healthy, set(), 100, keep_last=2) == set(range(10, 90, 10))
+    # the newest keep_last healthy ones stay besides the newest keep_last: the rollback
+    # targets (and their fallbacks) of a run whose newest checkpoints are unhealthy
+    mixed = {10: True, 20: True, 30: True, 40: False, 50: False, 60: False}
+    assert retention_plan(mixed, set(), 60, keep_last=2) == {10, 40}
+    assert retention_plan(mixed, set(), 60, keep_last=1) == {10, 20, 40, 50}
+
+
 @given(
     st.dictionaries(st.integers(0, 50), st.booleans(), min_size=1, max_size=15),
     st.sets(st.integers(0, 60), max_size=6),
     st.integers(1, 5),
     st.data(),
 )
-def test_retention_never_deletes_the_newest_or_a_healthy_one_on_the_timeline(
+def test_retention_keeps_latest_the_newest_and_the_newest_healthy_and_no_more(
     committed: dict[int, bool], uncommitted: set[int], keep: int, data
 ) -> None:
     latest = data.draw(st.sampled_from(sorted(committed)))
     doomed = retention_plan(committed, uncommitted - set(committed), latest, keep)
     assert latest not in doomed
     timeline = sorted((s for s in committed if s <= latest), reverse=True)
+    healthy = [s for s in timeline if committed[s]]
     assert not doomed & set(timeline[:keep])
-    assert not doomed & {s for s in timeline if committed[s]}
-    kept = [s for s in timeline if s not in doomed]
-    assert len(kept) >= min(keep, len(timeline))
+    assert not doomed & set(healthy[:keep])
+    kept = [s for s in committed if s not in doomed]
+    assert len(kept) <= 2 * keep + 1  # bounded, however long the run
+    assert set(kept) == set(timeline[:keep]) | set(healthy[:keep]) | {latest}
     assert not doomed & {s for s in uncommitted if s > latest and s not in committed}
 
 
@@ -246,6 +260,32 @@ def test_retries_transient_errors_until_the_deadline() -> None:
             sleep=lambda s: now.__setitem__(0, now[0] + s),
         )
     assert now[0] <= 10
+
+
+def test_a_deadline_brought_closer_while_retrying_stops_the_retries() -> None:
+    """A stop signal bounds a save in flight to the grace period left (`until`): no
+    attempt starts past it, also when it came during a wait."""
+    now, until, calls = [0.0], [900.0], []
+
+    def always():
+        calls.append(now[0])
+        raise StorageError("down", transient=True)
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        if len(calls) == 3:
+            until[0] = now[0]  # the stop, during the third wait
+
+    with pytest.raises(StorageError, match="down"):
+        with_retries(
+            always, deadline_s=900, clock=lambda: now[0], sleep=sleep, until=lambda: until[0]
+        )
+    assert len(calls) == 3
+    calls.clear()
+    until[0] = now[0] + 0.1  # closer than the next wait: no wait at all
+    with pytest.raises(StorageError):
+        with_retries(always, deadline_s=900, clock=lambda: now[0], until=lambda: until[0])
+    assert len(calls) == 1
 
 
 def test_permanent_errors_are_not_retried() -> None:

@@ -229,13 +229,15 @@ def test_a_retried_storage_call_beats_on_each_attempt(installed):
 def test_waiting_for_a_checkpoint_in_flight_beats_until_its_retry_deadline(installed):
     upload = threading.Thread(target=time.sleep, args=(1.5,))
     upload.start()
-    saver = SimpleNamespace(_thread=upload, _inflight=(12, time.monotonic() + 600))
+    job = SimpleNamespace(step=12, deadline=time.monotonic() + 600)
+    saver = SimpleNamespace(_thread=upload, _job=job)
     installed.now += 59
     assert Checkpointer.wait(saver)
     assert liveness.current().state().last == "waiting for the checkpoint of step 12"
     stuck = threading.Thread(target=time.sleep, args=(1.5,))
     stuck.start()
-    past = SimpleNamespace(_thread=stuck, _inflight=(14, time.monotonic() - 1))
+    job = SimpleNamespace(step=14, deadline=time.monotonic() - 1)
+    past = SimpleNamespace(_thread=stuck, _job=job)
     installed.now += 59
     assert Checkpointer.wait(past)  # past its deadline the upload is stuck, not slow
     assert liveness.current().state().idle_s == 59

@@ -49,6 +49,9 @@ class Scan:
     """Folders without a manifest: interrupted or in-flight saves."""
     latest: int | None = None
     """The step the `latest` pointer names."""
+    vanished: set[int] = field(default_factory=set)
+    """Folders whose manifest was listed but deleted before it was read (the retention
+    of a run writing there): in none of the sets above."""
 
     @property
     def committed(self) -> dict[int, bool]:
@@ -69,6 +72,9 @@ RESUME_ADVICE = (
     "restore or delete the damaged folders (a location without checkpoints starts the job "
     "afresh), or give the job another checkpoint location"
 )
+RESCANS = 3
+"""Scans again of a location whose checkpoints were all deleted while checked (a run
+writing there commits and prunes faster than they are read)."""
 STEP_ADVICE = (
     "restore that folder, or resume another step (`rlft checkpoints verify` checks them; "
     "`--resume auto` takes the newest intact one)"
@@ -108,23 +114,31 @@ class Catalog:
             if MANIFEST not in names:
                 scan.uncommitted.add(step)
                 continue
-            where = f"{self.storage.uri}/{step_dir(step)}/{MANIFEST}"
-            try:
-                manifest = Manifest.from_json(
-                    self.storage.get_bytes(f"{step_dir(step)}/{MANIFEST}"), where
-                )
-                if manifest.step != step:
-                    raise ManifestError(f"{where}: says step {manifest.step}")
-                scan.manifests[step] = manifest
-            except ManifestError as error:
-                scan.unreadable[step] = str(error)
-                if isinstance(error, NewerFormatError):
-                    scan.newer.add(step)
+            self._read_manifest(step, scan)
         return scan
+
+    def _read_manifest(self, step: int, scan: Scan) -> None:
+        """Add the listed manifest of `step` to `scan` (to `vanished` when it went since
+        the listing: the retention of a run writing here deletes manifests first)."""
+        where = f"{self.storage.uri}/{step_dir(step)}/{MANIFEST}"
+        try:
+            manifest = Manifest.from_json(
+                self.storage.get_bytes(f"{step_dir(step)}/{MANIFEST}"), where
+            )
+            if manifest.step != step:
+                raise ManifestError(f"{where}: says step {manifest.step}")
+            scan.manifests[step] = manifest
+        except ObjectMissingError:
+            scan.vanished.add(step)
+        except ManifestError as error:
+            scan.unreadable[step] = str(error)
+            if isinstance(error, NewerFormatError):
+                scan.newer.add(step)
 
     def verify(self, manifest: Manifest, *, checksums: bool = True) -> list[str]:
         """Problems with a committed checkpoint's files (empty: intact). Without
-        `checksums` only presence and sizes are checked (one listing, no reads)."""
+        `checksums` only presence and sizes are checked (one listing, no reads). A file
+        deleted while checked is missing; `gone` tells whether retention deleted it."""
         folder = manifest.folder
         listed = {
             info.key[len(folder) + 1 :]: info.size for info in self.storage.list(f"{folder}/")
@@ -136,12 +150,28 @@ class Catalog:
             if not checksums or listed[entry.path] != entry.size:
                 found[entry.path] = (listed[entry.path], None)
                 continue
-            digest = hashlib.sha256()
-            with self.storage.open_read(f"{folder}/{entry.path}") as stream:
-                while chunk := stream.read(CHUNK):
-                    digest.update(chunk)
-            found[entry.path] = (entry.size, digest.hexdigest())
+            try:
+                found[entry.path] = (entry.size, self._sha256(f"{folder}/{entry.path}"))
+            except ObjectMissingError:
+                continue
         return problems_with(manifest, found)
+
+    def _sha256(self, key: str) -> str:
+        digest = hashlib.sha256()
+        with self.storage.open_read(key) as stream:
+            while chunk := stream.read(CHUNK):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    def gone(self, manifest: Manifest) -> bool:
+        """Whether a checkpoint found with missing files was deleted since it was listed
+        (not damaged): its manifest is gone too. Retention, and a save withdrawing an old
+        manifest of its step, delete the manifest before the files. A store that does
+        not answer: not known to be gone."""
+        try:
+            return not self.storage.exists(f"{manifest.folder}/{MANIFEST}")
+        except StorageError:
+            return False
 
     def choose(
         self,
@@ -153,10 +183,25 @@ class Catalog:
     ) -> Manifest:
         """The checkpoint a resume takes: the first in resume order that `check` (default:
         full checksum verification) finds intact. Each damaged one is skipped with a
-        warning naming it and why; when all are, DamagedCheckpointsError, its message
-        naming `purpose` (default: the resume) and ending with `advice`."""
-        scan = scan or self.scan()
+        warning naming it and why; when all are, DamagedCheckpointsError (none at all:
+        NoCheckpointError), its message naming `purpose` (default: the resume) and
+        ending with `advice`. One deleted while checked (the retention of a run writing
+        here) is skipped as gone, not damaged; when that leaves none and the scan was
+        this call's own, the location is scanned again (retention made room for a newer
+        commit)."""
         check = check or self.verify
+        rescans = RESCANS if scan is None else 0
+        while True:
+            current = scan or self.scan()
+            self._refuse_newer(which, current)
+            found, damaged, gone = self._first_intact(which, current, check)
+            if found is not None:
+                return found
+            if not (gone or current.vanished) or rescans == 0:
+                raise self._none_usable(which, current, damaged, purpose, advice)
+            rescans -= 1
+
+    def _refuse_newer(self, which: Which, scan: Scan) -> None:
         if isinstance(which, int):
             newer = sorted({which} & scan.newer)
         else:  # those a resume would otherwise pass over: above every readable one
@@ -170,6 +215,12 @@ class Catalog:
                 f"({', '.join(step_dir(s) for s in newer)}): upgrade rlft, or name an "
                 "older step with --resume, or give the job another checkpoint location"
             )
+
+    def _first_intact(
+        self, which: Which, scan: Scan, check: Callable[[Manifest], list[str]]
+    ) -> tuple[Manifest | None, dict[int, str], set[int]]:
+        """The first intact checkpoint in resume order (None: none), the damaged ones
+        before it with their problems, and those deleted while checked."""
         order = resume_order(scan.committed, scan.latest, which)
         for step, reason in sorted(scan.unreadable.items(), reverse=True):
             log.warning(
@@ -179,11 +230,16 @@ class Catalog:
                 reason,
             )
         damaged: dict[int, str] = {}
+        gone: set[int] = set()
         for position, step in enumerate(order, 1):
             manifest = scan.manifests[step]
             problems = check(manifest)
             if not problems:
-                return manifest
+                return manifest, damaged, gone
+            if self.gone(manifest):
+                gone.add(step)
+                log.info("checkpoint %s/%s was deleted meanwhile", self.storage.uri, step_dir(step))
+                continue
             damaged[step] = "; ".join(problems[:3]) + (" …" if len(problems) > 3 else "")
             log.warning(
                 "checkpoint %s/%s is damaged (%s)%s",
@@ -192,22 +248,34 @@ class Catalog:
                 damaged[step],
                 "; falling back to the previous one" if position < len(order) else "",
             )
+        return None, damaged, gone
+
+    def _none_usable(
+        self,
+        which: Which,
+        scan: Scan,
+        damaged: dict[int, str],
+        purpose: str | None,
+        advice: str | None,
+    ) -> CheckpointError:
+        """The error of a choice that found nothing intact."""
         if not isinstance(which, int):
             # An unreadable manifest may be the checkpoint asked for (healthy or newest).
-            damaged |= scan.unreadable
+            damaged = damaged | scan.unreadable
         elif which in scan.unreadable:
-            damaged[which] = scan.unreadable[which]
+            damaged = damaged | {which: scan.unreadable[which]}
+        wanted = purpose or f"--resume={which}"
         if damaged:
             found = "; ".join(f"{step_dir(s)}: {why}" for s, why in sorted(damaged.items()))
-            raise DamagedCheckpointsError(
-                f"no usable checkpoint for {purpose or f'--resume={which}'} at "
-                f"{self.storage.uri} ({found}). Nothing was changed there: "
+            return DamagedCheckpointsError(
+                f"no usable checkpoint for {wanted} at {self.storage.uri} ({found}). Nothing "
+                "was changed there: "
                 + (advice or (STEP_ADVICE if isinstance(which, int) else RESUME_ADVICE)),
                 found,
             )
         available = ", ".join(str(s) for s in sorted(scan.manifests)) or "none"
-        raise NoCheckpointError(
-            f"no intact checkpoint for --resume={which} at {self.storage.uri} "
+        return NoCheckpointError(
+            f"no intact checkpoint for {wanted} at {self.storage.uri} "
             f"(committed steps: {available})"
         )
 

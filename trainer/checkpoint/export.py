@@ -18,7 +18,14 @@ import torch
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import CheckpointError
 from rlft.trainer.checkpoint.loader import LocalCopy
-from rlft.trainer.checkpoint.manifest import HF_DIR, OUTPUTS, Manifest, Which, split_location
+from rlft.trainer.checkpoint.manifest import (
+    HF_DIR,
+    OUTPUTS,
+    Manifest,
+    Which,
+    split_location,
+    step_dir,
+)
 from rlft.trainer.checkpoint.state import apply_tensor_state, tensor_state
 from rlft.trainer.storage.backends import S3Options, Storage, open_storage
 
@@ -79,7 +86,7 @@ def export_hf(
         manifest = catalog.choose(
             which,
             check=check,
-            purpose="export",
+            purpose=f"export of {step_dir(which)}" if isinstance(which, int) else "export",
             advice="export another step (`rlft checkpoints verify` checks them)",
         )
         chosen_manifest.append(manifest)
@@ -143,11 +150,7 @@ def _into_new_folder(out_dir: Path, fill: Callable[[Path], None]) -> None:
     exported = False
     try:
         fill(work)
-        # mkdtemp's folder is the owner's alone (0700): a model server of another user
-        # could not read the export. The permissions a new folder gets here instead.
-        umask = os.umask(0)
-        os.umask(umask)
-        work.chmod(0o777 & ~umask)
+        _as_new_files(work)
         if out_dir.exists():
             out_dir.rmdir()
         work.rename(out_dir)
@@ -157,6 +160,18 @@ def _into_new_folder(out_dir: Path, fill: Callable[[Path], None]) -> None:
         for folder in [] if exported else reversed(made):
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def _as_new_files(folder: Path) -> None:
+    """The permissions new files and folders get here (the umask's), on `folder` and all
+    in it: mkdtemp's folder is the owner's alone (0700), and so is the model.safetensors
+    transformers writes (0600), and a model server of another user could not read the
+    export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _hf_problems(manifest: Manifest) -> list[str]:

@@ -259,17 +259,21 @@ def retention_plan(
 ) -> set[int]:
     """Steps whose folders retention deletes, right after `latest` was committed.
 
-    Kept: the newest `keep_last` committed checkpoints up to `latest`, every healthy one
-    up to `latest`, and always `latest` itself. Deleted: older committed ones beyond
-    those, committed ones above `latest` (an abandoned timeline after a rollback), and
-    uncommitted leftovers (interrupted saves) below `latest`.
+    Kept, on the timeline (up to `latest`): the newest `keep_last` committed checkpoints,
+    the newest `keep_last` healthy ones (what a resume with latest-healthy and a
+    collapse rollback restore, with as many fallbacks), and always `latest` itself: at
+    most 2·keep_last + 1. Every healthy one was kept before, and a long healthy run's
+    storage grew without bound. Deleted: older committed ones beyond those, committed
+    ones above `latest` (an abandoned timeline after a rollback), and uncommitted
+    leftovers (interrupted saves) below `latest`.
     """
     if keep_last < 1:
         raise ValueError("keep_last must be ≥ 1")
     if latest is None:
         return set()
     timeline = sorted((s for s in committed if s <= latest), reverse=True)
-    keep = set(timeline[:keep_last]) | {s for s in timeline if committed[s]} | {latest}
+    healthy = [s for s in timeline if committed[s]]
+    keep = set(timeline[:keep_last]) | set(healthy[:keep_last]) | {latest}
     doomed = {s for s in committed if s not in keep}
     doomed |= {s for s in uncommitted if s < latest and s not in committed}
     return doomed

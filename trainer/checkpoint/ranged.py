@@ -84,7 +84,9 @@ class Blocks:
             )
         except ObjectMissingError:
             raise BlockDamaged(f"{entry.path}: missing") from None
-        if len(data) != length or hashlib.sha256(data).hexdigest() != entry.blocks[index]:
+        if len(data) != length:  # the stored file is shorter than the manifest says
+            raise BlockDamaged(f"{entry.path}: truncated ({len(data)} of {span} stored)")
+        if hashlib.sha256(data).hexdigest() != entry.blocks[index]:
             raise BlockDamaged(f"{entry.path}: checksum mismatch (corrupted) in {span}")
         fd = os.open(self.folder / entry.path, os.O_WRONLY)
         try:
@@ -119,8 +121,14 @@ def storage_failure(error: CheckpointException) -> StorageError | None:
 
 
 def damage_in(error: CheckpointException) -> list[str]:
-    """The damaged pieces a failed load found, on any rank (empty: another failure)."""
-    found = (str(f) for _, (f, _) in sorted(error.failures.items()) if isinstance(f, BlockDamaged))
+    """The damaged pieces a failed load found, on any rank (empty: another failure). A
+    shard file of a local checkpoint that vanished once checked (deleted meanwhile, by
+    the retention of a run writing there) is missing, as one found absent is."""
+    found = (
+        str(f) if isinstance(f, BlockDamaged) else f"{Path(f.filename or '?').name}: missing"
+        for _, (f, _) in sorted(error.failures.items())
+        if isinstance(f, BlockDamaged | FileNotFoundError)
+    )
     return list(dict.fromkeys(found))
 
 

@@ -108,6 +108,29 @@ class _Job:
     side_files: dict[str, bytes] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     retry_s: float = 900.0
+    deadline: float = field(init=False)
+    """When its retries stop (monotonic): `retry_s` after it started, or sooner once a
+    stop signal bounded it (`bound`)."""
+    moved: threading.Condition = field(default_factory=threading.Condition)
+    """Notified when the deadline moves closer: a retry's wait then ends at it."""
+
+    def __post_init__(self) -> None:
+        self.deadline = self.started + self.retry_s
+
+    def bound(self, seconds: float) -> None:
+        """No retry of this save waits past `seconds` from now."""
+        with self.moved:
+            deadline = time.monotonic() + seconds
+            if deadline < self.deadline:
+                self.deadline = deadline
+                self.moved.notify_all()
+
+    def nap(self, seconds: float) -> None:
+        """A retry's wait, over at the deadline should a stop signal bring it closer."""
+        end = time.monotonic() + seconds
+        with self.moved:
+            while (left := min(end, self.deadline) - time.monotonic()) > 0:
+                self.moved.wait(left)
 
 
 class Checkpointer:
@@ -145,8 +168,8 @@ class Checkpointer:
         self.on_event = on_event
         self.stats = CheckpointStats()
         self._thread: threading.Thread | None = None
-        self._inflight: tuple[int, float] = (0, 0.0)
-        """Step and retry deadline (monotonic) of the checkpoint in flight."""
+        self._job: _Job | None = None
+        """The checkpoint in flight (or the last one)."""
         self._last_error: str | None = None
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -219,9 +242,12 @@ class Checkpointer:
         `extra` is rank 0's JSON-able run state (LR schedule, data cursor, detector…);
         `rank_state` is per-rank JSON-able state stored next to each rank's RNG states.
         Returns after staging (False) or, with `wait`, after the commit (True if it
-        committed). A previous save still in flight is waited for first.
+        committed). A previous save still in flight is waited for first; for an
+        `emergency` one, only until `retry_seconds` from now (`hurry`).
         """
         started = time.monotonic()
+        if emergency and retry_seconds is not None:
+            self.hurry(retry_seconds)
         self.wait()
         extra_text = _json_or_error(extra, "extra")
         mine = {"rng": rng.capture(), "state": rank_state or {}}
@@ -261,7 +287,7 @@ class Checkpointer:
         self.policy.saved()
         self.stats.started += 1
         self.stats.last_blocking_s = time.monotonic() - started
-        self._inflight = (step, job.started + job.retry_s)
+        self._job = job
         committed: list[bool] = []
         self._thread = threading.Thread(
             target=lambda: committed.append(self._run(job)),
@@ -281,18 +307,26 @@ class Checkpointer:
         """Wait for the checkpoint in flight, if any; False if it is still running.
         Waiting is progress (liveness) until the checkpoint's own retry deadline: past
         it the upload is not slow but stuck."""
-        if self._thread is not None:
+        if self._thread is not None and self._job is not None:
             end = None if timeout is None else time.monotonic() + timeout
-            step, deadline = self._inflight
+            job = self._job
             while self._thread.is_alive():
                 now = time.monotonic()
                 if end is not None and now >= end:
                     return False
-                if now < deadline:
-                    liveness.beat(f"waiting for the checkpoint of step {step}")
+                if now < job.deadline:
+                    liveness.beat(f"waiting for the checkpoint of step {job.step}")
                 self._thread.join(1.0 if end is None else min(1.0, end - now))
             self._thread = None
         return True
+
+    def hurry(self, seconds: float) -> None:
+        """A stop signal: the checkpoint in flight stops retrying within `seconds` (the
+        grace period left). It waited out its own deadline (uploadRetryMinutes) during
+        an outage, the grace watchdog fired first, and the run exited 1 without the
+        verdict of its emergency checkpoint."""
+        if self.busy and self._job is not None:
+            self._job.bound(seconds)
 
     def close(self) -> None:
         """Wait for the last checkpoint and release the process groups."""
@@ -312,7 +346,7 @@ class Checkpointer:
             except Exception:
                 log.exception("checkpoint event handler failed on %r", name)
 
-    def _retried(self, what: str, call: Callable[[], Any], deadline: float, step: int) -> Any:
+    def _retried(self, what: str, call: Callable[[], Any], job: _Job) -> Any:
         def on_retry(attempt: int, error: BaseException, delay: float) -> None:
             self.stats.upload_retries += 1
             log.warning(
@@ -324,16 +358,20 @@ class Checkpointer:
             )
             self._emit("retry", step=step, what=what, attempt=attempt, error=str(error))
 
+        step = job.step
         # Backoff capped at 10 s: a store back from an outage is used again within
-        # seconds, at the price of one log line per 10 s while it is down.
+        # seconds, at the price of one log line per 10 s while it is down. The deadline
+        # is read before each wait: a stop signal may bring it closer.
         return with_retries(
             call,
-            deadline_s=max(0.0, deadline - time.monotonic()),
+            deadline_s=float("inf"),
+            until=lambda: job.deadline,
             cap=10.0,
             on_retry=on_retry,
+            sleep=job.nap,
         )
 
-    def _upload(self, job: _Job, deadline: float) -> list[FileEntry]:
+    def _upload(self, job: _Job) -> list[FileEntry]:
         """Write rank 0's side files into the staging folder, then upload this rank's
         files, several at once, each retried until the deadline."""
         for name, data in job.side_files.items():
@@ -346,9 +384,7 @@ class Checkpointer:
             # A stale manifest (a save of this step on an abandoned timeline) must not
             # vouch for the files about to replace the ones it lists.
             stale = f"{folder}/{MANIFEST}"
-            self._retried(
-                f"clearing {stale}", lambda: self.storage.delete_prefix(stale), deadline, job.step
-            )
+            self._retried(f"clearing {stale}", lambda: self.storage.delete_prefix(stale), job)
 
         def one(path: Path) -> FileEntry:
             rel = path.relative_to(job.stage).as_posix()
@@ -360,8 +396,7 @@ class Checkpointer:
             self._retried(
                 f"uploading {folder}/{rel}",
                 lambda: self.storage.put_file(f"{folder}/{rel}", path, move=True),
-                deadline,
-                job.step,
+                job,
             )
             return FileEntry(rel, size, digest, blocks)
 
@@ -375,13 +410,12 @@ class Checkpointer:
         return self.rank == 0 and not rel.startswith("__")
 
     def _run(self, job: _Job) -> bool:
-        deadline = job.started + job.retry_s
         entries: list[FileEntry] = []
         error: str | None = None
         retries_before = self.stats.upload_retries
         try:
             job.future.result()
-            entries = self._upload(job, deadline)
+            entries = self._upload(job)
         except (StorageError, CheckpointError) as failure:
             error = str(failure)
         except dcp.CheckpointException as failure:  # a BaseException: staging disk full…
@@ -400,7 +434,7 @@ class Checkpointer:
             peers = sum(r for _, _, r in results[1:])
             if peers:
                 self._emit("peer_retries", step=job.step, count=peers)
-            committed = self._commit(job, results, deadline)
+            committed = self._commit(job, results)
         if self.distributed:
             verdict = [committed]
             dist.broadcast_object_list(verdict, src=0, group=self._io)
@@ -416,13 +450,13 @@ class Checkpointer:
             self.stats.failed += 1
         return committed
 
-    def _commit(self, job: _Job, results: list, deadline: float) -> bool:
+    def _commit(self, job: _Job, results: list) -> bool:
         folder = f"{self.storage.uri}/{step_dir(job.step)}"
         errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(results) if e]
         if errors:
             log.error("checkpoint %s failed and was not committed: %s", folder, "; ".join(errors))
             self._emit("failed", step=job.step, uri=folder, error="; ".join(errors))
-            self._remove_uncommitted(job, deadline)
+            self._remove_uncommitted(job)
             return False
         files = tuple(
             sorted((e for _, entries, _ in results for e in entries), key=lambda e: e.path)
@@ -439,13 +473,11 @@ class Checkpointer:
             block_bytes=self.block_bytes,
         )
         try:
-            self._retried(
-                f"committing {folder}", lambda: self.catalog.commit(manifest), deadline, job.step
-            )
+            self._retried(f"committing {folder}", lambda: self.catalog.commit(manifest), job)
         except (StorageError, CheckpointError) as failure:
             log.error("checkpoint %s uploaded but not committed: %s", folder, failure)
             self._emit("failed", step=job.step, uri=folder, error=str(failure))
-            self._remove_uncommitted(job, deadline)
+            self._remove_uncommitted(job)
             return False
         retries = self.stats.upload_retries
         log.info(
@@ -462,13 +494,13 @@ class Checkpointer:
             log.info("checkpoint retention deleted steps %s", sorted(deleted))
         return True
 
-    def _remove_uncommitted(self, job: _Job, deadline: float) -> None:
+    def _remove_uncommitted(self, job: _Job) -> None:
         """What a failed save uploaded (every rank's uploads have ended by now), unless
         its manifest made it (the pointer failed after: then it is committed). Retention
         removes leftovers only below `latest`, so the last failed save of a run stayed.
         Not past the save's deadline, nor for an emergency save: a store that refused
         the uploads refuses the deletes too, slowly, and the grace period is short."""
-        if job.emergency or time.monotonic() >= deadline:
+        if job.emergency or time.monotonic() >= job.deadline:
             return
         folder = step_dir(job.step)
         try:

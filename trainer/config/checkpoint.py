@@ -22,7 +22,9 @@ class CheckpointSpec(Section):
     interval_minutes: float = Field(30.0, gt=0, le=10080)
     """...and at least every this many minutes."""
     keep_last: int = Field(3, ge=1, le=1000)
-    """Committed checkpoints kept besides those tagged healthy."""
+    """How many of the newest committed checkpoints are kept, and as many of the newest
+    the collapse detector tagged healthy (what `latest-healthy` and a rollback restore)
+    besides them: at most twice this many; older ones are deleted after each commit."""
     credentials_secret: DnsSubdomain | None = None
     """Name of a Secret with the object store's credentials (Kubernetes only)."""
     credentials_dir: str | None = Field(None, min_length=1, max_length=4096)

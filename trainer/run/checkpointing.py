@@ -333,6 +333,8 @@ class Checkpointing:
         step finished last, unless a checkpoint of it is committed or in flight (saving
         it again would withdraw its manifest while the files are replaced), and raise
         StopRequested. Every rank calls this (the loop broadcast the stop)."""
+        # A save in flight retries within the grace left, not its own whole deadline.
+        self.checkpointer.hurry(self.stop.remaining())
         self.checkpointer.wait()
         if cursor.step not in (self.last_step, 0):
             self._save(cursor, learner, wait=True, emergency=True)

@@ -18,7 +18,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from rlft.trainer.config.locations import shown
 from rlft.trainer.storage.errors import (
@@ -172,25 +172,33 @@ class FileStorage:
             raise _os_error(error, f"writing {key}", self.uri) from None
 
     def put_file(self, key: str, path: Path, *, move: bool = False) -> None:
-        target = self._path(key)
-        if move:
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                same_device = os.stat(path).st_dev == os.stat(target.parent).st_dev
-                if same_device:
-                    with open(path, "rb+") as src:
-                        os.fsync(src.fileno())
-                    os.replace(path, target)
-                    _fsync_dir(target.parent)
-                    return
-            except OSError as error:
-                raise _os_error(error, f"writing {key}", self.uri) from None
+        if move and self._moved(key, path):
+            return
 
         def copy(out: BinaryIO) -> None:
             with open(path, "rb") as src:
                 shutil.copyfileobj(src, out, CHUNK)
 
         self._write_atomically(key, copy)
+
+    def _moved(self, key: str, path: Path) -> bool:
+        """Rename `path` into place; False (copy it instead) when it is on another file
+        system, or on another mount of the same one: the device numbers match across a
+        bind mount, and the rename is refused there (EXDEV)."""
+        target = self._path(key)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if os.stat(path).st_dev != os.stat(target.parent).st_dev:
+                return False
+            with open(path, "rb+") as src:
+                os.fsync(src.fileno())
+            os.replace(path, target)
+            _fsync_dir(target.parent)
+        except OSError as error:
+            if error.errno == errno.EXDEV:
+                return False
+            raise _os_error(error, f"writing {key}", self.uri) from None
+        return True
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._write_atomically(key, lambda out: out.write(data))
@@ -283,7 +291,8 @@ def parse_file_uri(uri: str) -> Path:
             f"{shown(uri)}: a file URI needs an absolute path with three slashes, "
             "e.g. file:///data/checkpoints"
         )
-    return Path(parsed.path)
+    # Percent-decoded: the URIs rlft prints (`Path.as_uri`: a space is %20) come back.
+    return Path(unquote(parsed.path))
 
 
 def open_storage(uri: str, s3: S3Options | None = None) -> Storage:

@@ -44,12 +44,15 @@ def with_retries(
     on_retry: Callable[[int, BaseException, float], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    until: Callable[[], float] | None = None,
 ) -> T:
     """`call()`, retried on transient errors until `deadline_s` seconds have passed.
 
     `on_retry(attempt, error, delay)` is told about every retry (for logs and counters).
-    The last error is raised when the deadline would be passed by the next wait.
-    """
+    The last error is raised when the deadline would be passed by the next wait. `until`,
+    read around each wait, is a second deadline on `clock` that may move closer while
+    retrying (a stop signal bounding a save in flight to its grace period): past it, no
+    further attempt is made."""
     start = clock()
     delays = backoff_delays(base, cap, jitter=0.2)
     attempt = 0
@@ -61,10 +64,14 @@ def with_retries(
             if not is_transient(error):
                 raise
             delay = next(delays)
-            if clock() - start + delay > deadline_s:
+            if clock() - start + delay > deadline_s or (
+                until is not None and clock() + delay > until()
+            ):
                 raise
             if on_retry is not None:
                 on_retry(attempt, error, delay)
             # Retrying within a deadline is slow, not stuck (counts only on the loop's thread).
             liveness.beat(f"retrying a storage call (attempt {attempt})")
             sleep(delay)
+            if until is not None and clock() >= until():
+                raise  # the deadline came closer during the wait

@@ -134,6 +134,14 @@ def _error_code(error: BaseException) -> tuple[str | None, str]:
     return (match.group(1) if match else None), ""
 
 
+def _past_the_end(error: BaseException) -> bool:
+    """A ranged read that starts at or after the object's end (HTTP 416)."""
+    if not isinstance(error, bex.ClientError):
+        return False
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status == 416 or error.response.get("Error", {}).get("Code") == "InvalidRange"
+
+
 # One loader of botocore's service descriptions for the process: each session otherwise
 # parses S3's JSON model again (~70 ms of CPU per storage opened; a rollout server opens
 # one per weight version it loads). Sessions stay per storage: a shared one would keep
@@ -296,13 +304,16 @@ class S3Storage:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         what = f"reading bytes {start}-{start + length - 1} of {key}"
-        response = self._call(
-            what,
-            self._client.get_object,
-            Bucket=self.bucket,
-            Key=self._key(key),
-            Range=f"bytes={start}-{start + length - 1}",
-        )
+        try:
+            response = self._client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
+            )
+        except (bex.BotoCoreError, bex.ClientError, Boto3Error) as error:
+            if _past_the_end(error):
+                # As a file reads: nothing past the end (a truncated or emptied object is
+                # damage for the manifest's sizes to find, not a failing store).
+                return b""
+            raise self._translate(error, what) from None
         try:
             return response["Body"].read()
         except (bex.BotoCoreError, bex.ClientError) as error:
