@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from rlft.trainer.cli.main import main
@@ -35,12 +34,7 @@ SPEC = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def train(tmp_path: Path, name: str, spec_changes: dict | None = None, **rollout) -> list[dict]:

@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from tiny_jobs import TINY_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -45,12 +44,7 @@ def write_job(path: Path, spec: dict, name: str = "tiny") -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def arithmetic_spec(rl_steps: int = 3, kl: float = 0.0) -> dict:

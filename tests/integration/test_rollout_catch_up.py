@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from rollout_fixtures import PROMPTS, ThreadServer, publish, store_at, tiny_model
 
 from rlft.trainer.rollout import SamplingParams
@@ -26,12 +25,7 @@ from rlft.trainer.rollout.server import EngineHost
 GREEDY = SamplingParams(max_new_tokens=4, greedy=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

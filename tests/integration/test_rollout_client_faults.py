@@ -14,13 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from processes import descendants, kill_tree
 from rollout_fixtures import PROMPTS, ThreadServer, publish, redraw, store_at, tiny_model
 
@@ -39,12 +38,7 @@ from rlft.trainer.rollout.publisher import WeightPublisher
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from rollout_fixtures import PROMPTS, ThreadServer, publish, store_at, tiny_model
 
 from rlft.trainer.config import JobFileError, parse_job
@@ -28,12 +27,7 @@ from rlft.trainer.rollout.server import ENGINE_FAILURES
 GREEDY = SamplingParams(max_new_tokens=4, greedy=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -23,12 +23,7 @@ from rlft.trainer.rollout.remote import RemoteEngine
 GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -1189,6 +1189,18 @@ def test_a_new_leader_finishes_an_instance_restart_its_predecessor_began():
     assert sorted(again.delete_pods) == instance and again.status.restarts == 1
 
 
+def _running_pair_without_restarts() -> World:
+    """A running 2-pod gang whose restartPolicy allows none."""
+    w = _world(
+        trainer={"replicas": {"min": 2, "max": 2}},
+        restartPolicy={**RESTARTS, "maxRestarts": 0},
+    )
+    w.step()
+    w.run_all()
+    w.step()
+    return w
+
+
 @pytest.mark.parametrize(
     "meanwhile",
     ["peer gone", "rank 0 being deleted", "rollout failed"],
@@ -1198,13 +1210,7 @@ def test_what_happens_after_rank_0_finished_does_not_undo_the_success(meanwhile)
     vanished (its node lost, collected), a drain began deleting rank 0's pod, or a rollout
     server failed in its teardown. Each was judged as a failure of the running job: a
     counted gang restart that ran the finished job again, or a Failed job."""
-    w = _world(
-        trainer={"replicas": {"min": 2, "max": 2}},
-        restartPolicy={**RESTARTS, "maxRestarts": 0},
-    )
-    w.step()
-    w.run_all()
-    w.step()
+    w = _running_pair_without_restarts()
     done = Verdict(0, completed=True, step=12, last_checkpoint=12, checkpoint_uri="s3://b/r/s")
     finished = dict(phase="Succeeded", exit_code=0, verdict=done)
     if meanwhile == "rank 0 being deleted":
@@ -1224,13 +1230,7 @@ def test_what_happens_after_rank_0_finished_does_not_undo_the_success(meanwhile)
 def test_a_vanished_trainer_that_fails_the_job_ends_it_in_the_same_round():
     """maxRestarts 0 and trainer-1's pod vanished: the job fails, and that round created
     a replacement pod and left trainer-0 running (nothing is made once a job failed)."""
-    w = _world(
-        trainer={"replicas": {"min": 2, "max": 2}},
-        restartPolicy={**RESTARTS, "maxRestarts": 0},
-    )
-    w.step()
-    w.run_all()
-    w.step()
+    w = _running_pair_without_restarts()
     w.pods.pop("tiny-grpo-trainer-1")
     d = w.step()
     assert w.status.phase == "Failed"
