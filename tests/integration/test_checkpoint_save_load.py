@@ -47,6 +47,13 @@ def location(request, tmp_path: Path) -> tuple[str, object]:
     return f"s3://{bucket}/run", s3_options(server)
 
 
+def _cli_flags(options) -> list[str]:
+    """The `rlft checkpoints` flags that reach the location (S3: the test server)."""
+    if options is None:
+        return []
+    return ["--endpoint-url", options.endpoint_url, "--addressing-style", "path"]
+
+
 def _fresh(seed: int = 0):
     model = tiny_model(seed)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -146,9 +153,7 @@ def test_a_truncated_or_emptied_shard_is_damage_and_the_older_checkpoint_is_used
     a 416 (InvalidRange), a permanent store error, and resume and export failed (exit 1,
     retried forever by the operator) instead of falling back to the intact step 1."""
     uri, options = location
-    flags = []
-    if options is not None:
-        flags = ["--endpoint-url", options.endpoint_url, "--addressing-style", "path"]
+    flags = _cli_flags(options)
     storage = open_storage(uri, options)
     model, optimizer = _fresh()
     ckpt = Checkpointer(storage, keep_last=5, hf_files=hf_files_of(model), block_bytes=4096)
@@ -220,9 +225,7 @@ def test_checkpoints_of_a_newer_rlft_are_refused_and_never_removed(location, cap
     assert load(storage, "auto", *_fresh(seed=3)).step == 6
     assert storage.get_bytes("step-000004/manifest.json").count(b'"formatVersion": 7') == 1
     assert {info.key for info in storage.list("step-000004/")} >= {"step-000004/__0_0.distcp"}
-    flags = []
-    if options is not None:
-        flags = ["--endpoint-url", options.endpoint_url, "--addressing-style", "path"]
+    flags = _cli_flags(options)
     capsys.readouterr()
     assert rlft(["checkpoints", "list", uri, *flags]) == 0
     assert "written by a newer rlft" in capsys.readouterr().out
@@ -388,9 +391,7 @@ def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> Non
     from transformers import AutoModelForCausalLM
 
     uri, options = location
-    flags = []
-    if options is not None:
-        flags = ["--endpoint-url", options.endpoint_url, "--addressing-style", "path"]
+    flags = _cli_flags(options)
     storage = open_storage(uri, options)
     model, optimizer = _fresh()
     ckpt = Checkpointer(storage, hf_files=hf_files_of(model))
