@@ -69,6 +69,7 @@ def float64_model(family: str, vocab: int, **init: Any):
 
     from rlft.trainer.config import ModelInit
     from rlft.trainer.model.build import model_config, to_float64
+    from rlft.trainer.model.construct import from_config
 
     spec = ModelInit(
         family=family,
@@ -81,4 +82,4 @@ def float64_model(family: str, vocab: int, **init: Any):
         **init,
     )
     torch.manual_seed(0)
-    return to_float64(AutoModelForCausalLM.from_config(model_config(spec, vocab, 0, 1))).train()
+    return to_float64(from_config(AutoModelForCausalLM, model_config(spec, vocab, 0, 1))).train()

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlft.operator import names as N
 from rlft.trainer.config import load_job
 from rlft.trainer.data import build_task
+from rlft.trainer.model.construct import from_pretrained
 from rlft.trainer.model.encoding import Encoder
 from rlft.trainer.model.tokenizer import stop_token_ids
 from rlft.trainer.rollout import TransformersEngine
@@ -191,7 +192,7 @@ def held_out_accuracy(job: dict[str, Any], model_dir: Path, tmp_path: Path) -> f
     here with the trainer's own task and evaluation code."""
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     spec = load_job(tmp_path / "job.yaml").spec
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = from_pretrained(AutoModelForCausalLM, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stops = stop_token_ids(tokenizer)
     encoder = Encoder(tokenizer, spec.data, int(stops[0]))

@@ -29,6 +29,8 @@ from testcluster import wait_for
 from tiny_jobs import TINY_INIT
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rlft.trainer.model.construct import from_pretrained
+
 
 def post_without_the_token(cluster, pod_name: str) -> int | None:
     """The status of a weight load posted to the rollout pod without the job's token
@@ -119,7 +121,7 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
             target = model_dir / key.removeprefix(f"{name}/outputs/model/")
             target.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, key, str(target))
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = from_pretrained(AutoModelForCausalLM, model_dir)
     expected = AutoConfig.from_pretrained(warm) if learns else None
     hidden = expected.hidden_size if learns else TINY_INIT["hiddenSize"]
     assert model.config.hidden_size == hidden

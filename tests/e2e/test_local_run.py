@@ -16,6 +16,7 @@ from tiny_jobs import TINY_MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlft.trainer.cli.main import main
+from rlft.trainer.model.construct import from_pretrained
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +79,7 @@ def test_train_writes_metrics_summary_and_a_loadable_model(tmp_path: Path) -> No
     assert summary["steps"] == 3 and summary["eval_problems"] == 40
     assert 0.0 <= summary["eval_accuracy_final"] <= 1.0
 
-    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    model = from_pretrained(AutoModelForCausalLM, out / "model")
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     ids = tokenizer("12+34=", return_tensors="pt").input_ids
     generated = model.generate(ids, max_new_tokens=3, do_sample=False)

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from rlft.trainer.cli.main import main as rlft
 from rlft.trainer.config import load_job
+from rlft.trainer.model.construct import from_pretrained
 from rlft.trainer.run import job as job_module
 from rlft.trainer.run.job import run_job
 from rlft.trainer.storage.backends import open_storage
@@ -47,15 +48,15 @@ def test_outputs_are_kept_under_the_checkpoint_location(
         storage.get_file(key, kept / key.removeprefix("outputs/"))
     assert json.loads((kept / "summary.json").read_text()) == summary
     assert (kept / "metrics.jsonl").read_text() == (out / "metrics.jsonl").read_text()
-    model = AutoModelForCausalLM.from_pretrained(kept / "model")
-    local = AutoModelForCausalLM.from_pretrained(out / "model")
+    model = from_pretrained(AutoModelForCausalLM, kept / "model")
+    local = from_pretrained(AutoModelForCausalLM, out / "model")
     _same_weights(model, local)
 
     # `rlft export` of the location gives the final model, not the latest checkpoint...
     flags = ["--endpoint-url", s3_env.endpoint, "--addressing-style", "path"]
     assert rlft(["export", uri, str(tmp_path / "final"), *flags]) == 0
     assert "exported the final model (outputs/model/)" in capsys.readouterr().out
-    _same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "final"), local)
+    _same_weights(from_pretrained(AutoModelForCausalLM, tmp_path / "final"), local)
     # ...unless asked for the checkpoint; and without a summary (publication cut short)
     # the outputs are not trusted and the latest checkpoint is used.
     assert rlft(["export", uri, str(tmp_path / "ckpt"), "--latest-checkpoint", *flags]) == 0

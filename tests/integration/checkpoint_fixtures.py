@@ -45,8 +45,10 @@ def tiny_config():
 def tiny_model(seed: int = 0, config=None):
     from transformers import AutoModelForCausalLM
 
+    from rlft.trainer.model.construct import from_config
+
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config or tiny_config())
+    return from_config(AutoModelForCausalLM, config or tiny_config())
 
 
 def batch_for(step: int, rows: int = 4, length: int = 16) -> torch.Tensor:

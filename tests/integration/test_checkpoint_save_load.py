@@ -390,6 +390,8 @@ def test_retention_healthy_tags_and_rollback_timeline(tmp_path: Path) -> None:
 def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> None:
     from transformers import AutoModelForCausalLM
 
+    from rlft.trainer.model.construct import from_pretrained
+
     uri, options = location
     flags = _cli_flags(options)
     storage = open_storage(uri, options)
@@ -415,7 +417,7 @@ def test_cli_lists_verifies_and_exports(location, tmp_path: Path, capsys) -> Non
     out = tmp_path / "hf"
     assert rlft(["export", uri, str(out), *flags]) == 0  # the location → its latest
     assert "exported step-000004" in capsys.readouterr().out
-    exported = AutoModelForCausalLM.from_pretrained(out)
+    exported = from_pretrained(AutoModelForCausalLM, out)
     for name, value in exported.state_dict().items():
         assert torch.equal(value, model.state_dict()[name]), name
     assert rlft(["export", f"{uri}/step-000004", str(out), *flags]) == 1

@@ -20,6 +20,7 @@ from rlft.trainer.config import parse_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.launch import worker_env
 from rlft.trainer.learner.learner import Learner
+from rlft.trainer.model.construct import from_pretrained
 from rlft.trainer.verify.check import prepare
 
 WORKER = """
@@ -27,7 +28,7 @@ import json, sys
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
-from rlft.trainer.algorithms.registry import build_objective
+from rlft.trainer.model.construct import from_pretrained
 from rlft.trainer.algorithms.registry import build_objective
 from rlft.trainer.config import parse_job
 from rlft.trainer.distributed.runtime import exit_worker, init_from_env, shutdown
@@ -36,7 +37,7 @@ from rlft.trainer.learner.learner import Learner
 folder = Path(sys.argv[1])
 job = parse_job(json.loads((folder / "job.json").read_text()))
 dist = init_from_env()
-learner = Learner(AutoModelForCausalLM.from_pretrained(folder / "policy"), job.spec.trainer, dist)
+learner = Learner(from_pretrained(AutoModelForCausalLM, folder / "policy"), job.spec.trainer, dist)
 batch = torch.load(folder / "batch.pt", weights_only=False)
 spec = job.spec
 objective = build_objective(spec.algorithm, spec.rollout.sampling.temperature, 4)
@@ -93,7 +94,7 @@ def test_an_update_leaves_rank_0s_engine_behind_until_it_is_refreshed(tmp_path, 
 
 def test_in_one_process_the_engine_is_the_policy_and_always_current(tmp_path, monkeypatch):
     job = _job(tmp_path, monkeypatch)
-    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    policy = from_pretrained(AutoModelForCausalLM, tmp_path / "policy")
     learner = Learner(policy, job.spec.trainer, Dist())
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     objective = build_objective(job.spec.algorithm, job.spec.rollout.sampling.temperature, 4)

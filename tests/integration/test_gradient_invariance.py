@@ -240,11 +240,13 @@ def test_moe_router_loss_ignores_the_filler_of_a_rank_with_fewer_micro_batches(t
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rlft.trainer.model.construct import from_pretrained
+
     job = job_for({"name": "grpo", "groupSize": 3, "moe": {"routerAuxCoef": 0.05}}, MOE)
     prepare(job, tmp_path, 9)
     # A filler row holds token 0, whose embedding a model built here has at zero (its pad
     # token's); a pretrained model's has not, and that gives its router loss a gradient.
-    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    policy = from_pretrained(AutoModelForCausalLM, tmp_path / "policy")
     with torch.no_grad():
         policy.get_input_embeddings().weight[0] = policy.get_input_embeddings().weight[7]
     policy.save_pretrained(tmp_path / "policy")

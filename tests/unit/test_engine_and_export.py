@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rlft.trainer.config import ModelInit, ModelSpec, TokenizerSpec
 from rlft.trainer.model.build import ModelLoadError, build_policy, count_parameters
+from rlft.trainer.model.construct import from_pretrained
 from rlft.trainer.model.tokenizer import stop_token_ids
 from rlft.trainer.rollout import Completion, SamplingParams, TransformersEngine
 
@@ -294,7 +295,7 @@ def test_export_and_reload_gives_the_same_greedy_tokens(policy, tmp_path: Path) 
     assert (tmp_path / "config.json").is_file()
     assert list(tmp_path.glob("*.safetensors"))
 
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    reloaded = from_pretrained(AutoModelForCausalLM, tmp_path, local_files_only=True)
     loaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     assert type(reloaded) is type(model)
     assert count_parameters(reloaded) == count_parameters(model)
@@ -348,7 +349,7 @@ def test_published_configs_hold_no_local_path(tmp_path: Path) -> None:
     model, _ = build_policy(tiny_spec("qwen3"), corpus=[], seed=0)
     folder = tmp_path / "private-models" / "mine"
     model.save_pretrained(folder)
-    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    loaded = from_pretrained(AutoModelForCausalLM, folder)
     text = config_json(loaded)
     assert "private-models" not in text and "_name_or_path" not in json.loads(text)
     assert json.loads(text)["architectures"] == [type(loaded).__name__]

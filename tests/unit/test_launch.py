@@ -6,6 +6,9 @@ from __future__ import annotations
 import signal
 import subprocess
 
+import pytest
+
+from rlft.trainer.distributed import launch
 from rlft.trainer.distributed.launch import (
     _child_subreaper,
     _SignalRelay,
@@ -53,3 +56,25 @@ def test_a_launch_in_process_leaves_the_callers_own_children_and_reaper_alone():
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_signal_that_killed_torchrun_before_it_had_a_group_ends_the_launch_cleanly(
+    monkeypatch,
+):
+    """A Ctrl-C reaches the terminal's whole group, torchrun's child too if it comes
+    between its fork and its own setpgid: it dies there, with no group of its own to
+    kill. `rlft train` ended in a ProcessLookupError traceback; it ends as any stop
+    before the workers started does."""
+    real_popen = subprocess.Popen
+
+    def dies_before_its_group(command, **kwargs):
+        child = real_popen(["true"])  # in this process's group, as before setpgid
+        child.wait()  # gone: no group numbered by its pid
+        child.returncode = None  # ...as the relay sees it (not waited for yet)
+        signal.raise_signal(signal.SIGTERM)  # the signal came while it was being started
+        return child
+
+    monkeypatch.setattr(launch.subprocess, "Popen", dies_before_its_group)
+    with pytest.raises(launch.StoppedBeforeStart) as stopped:
+        run_workers(2, "this", [], timeout_s=30)
+    assert stopped.value.signum == signal.SIGTERM

@@ -15,6 +15,7 @@ from rlft.trainer.algorithms.registry import algorithm
 from rlft.trainer.config import ModelSpec
 from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.model.build import build_critic, build_policy
+from rlft.trainer.model.construct import from_config
 
 TINY = TINY_INIT | {"maxPositionEmbeddings": 128}
 
@@ -73,7 +74,7 @@ def test_a_critic_from_a_policy_with_dropout_in_its_config_has_none() -> None:
         attention_dropout=0.5,
     )
     torch.manual_seed(0)
-    critic = _trained_head(build_critic(AutoModelForCausalLM.from_config(config))).train()
+    critic = _trained_head(build_critic(from_config(AutoModelForCausalLM, config))).train()
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         first = critic(input_ids=ids, attention_mask=torch.ones_like(ids)).logits

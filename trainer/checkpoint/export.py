@@ -60,6 +60,8 @@ def export_hf(
     on failure; an existing non-empty `out_dir` is refused."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from rlft.trainer.model.construct import from_config
+
     base, chosen = split_location(location)
     which = chosen if which is None else which
     storage = storage or open_storage(base, s3)
@@ -74,7 +76,7 @@ def export_hf(
             return problems
         assert local.path is not None
         config = AutoConfig.from_pretrained(local.path / HF_DIR, local_files_only=True)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
+        model = from_config(AutoModelForCausalLM, config, dtype=getattr(config, "dtype", None))
         state = tensor_state(model, None)
         if damage := local.read(state):
             return damage

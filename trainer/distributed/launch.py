@@ -79,7 +79,10 @@ def run_workers(
             # which passes it on (_SignalRelay).
             relay.agent = subprocess.Popen(command, env=environment, process_group=0)
             if relay.early is not None:  # the signal came while it was being started
-                os.killpg(relay.agent.pid, signal.SIGKILL)
+                # A Ctrl-C to the terminal's group can kill the child before it has a
+                # group of its own (between fork and setpgid): nothing is left to stop.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(relay.agent.pid, signal.SIGKILL)
             try:
                 code = relay.agent.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -230,7 +230,9 @@ def _same_model(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch
         raise ValueError("the policy state is empty")
     from transformers import AutoModelForCausalLM
 
+    from rlft.trainer.model.construct import from_config
+
     dtype = next(iter(state.values())).dtype
-    copy_ = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    copy_ = from_config(AutoModelForCausalLM, model.config, dtype=dtype)
     copy_.load_state_dict(state)
     return copy_

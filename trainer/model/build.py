@@ -22,6 +22,7 @@ from transformers import (
 
 from rlft.trainer.algorithms.objectives import expert_count
 from rlft.trainer.config import ModelInit, ModelSpec
+from rlft.trainer.model.construct import from_config, from_pretrained
 from rlft.trainer.model.tokenizer import build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,7 +81,7 @@ def build_policy(
     tokenizer = build_tokenizer(spec.tokenizer, corpus)
     config = model_config(spec.init, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[spec.dtype])
+    model = from_config(AutoModelForCausalLM, config, dtype=DTYPES[spec.dtype])
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return disable_dropout(model), tokenizer
@@ -93,8 +94,8 @@ def _load_local(path: Path, dtype: str) -> tuple[PreTrainedModel, PreTrainedToke
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], local_files_only=True
+        model = from_pretrained(
+            AutoModelForCausalLM, path, dtype=DTYPES[dtype], local_files_only=True
         )
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"spec.model.path: cannot load {path}: {error}") from None
@@ -150,7 +151,7 @@ def build_critic(policy: PreTrainedModel) -> PreTrainedModel:
     # has neither `classifier_dropout` nor `hidden_dropout` (Qwen3, Llama, ...). Set in
     # the config, it also holds for the critic saved to and reloaded from a checkpoint.
     config.classifier_dropout = 0.0
-    critic = AutoModelForTokenClassification.from_config(config, dtype=policy.dtype)
+    critic = from_config(AutoModelForTokenClassification, config, dtype=policy.dtype)
     backbone = getattr(critic, critic.base_model_prefix)
     backbone.load_state_dict(getattr(policy, policy.base_model_prefix).state_dict())
     head = critic.score if hasattr(critic, "score") else critic.classifier

@@ -64,7 +64,9 @@ class TransformersServed:
     def __init__(self, folder: Path, version: int = 0):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        from rlft.trainer.model.construct import from_pretrained
+
+        self.model = from_pretrained(AutoModelForCausalLM, folder).eval()
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
         self.max_positions = getattr(config, "max_position_embeddings", None)

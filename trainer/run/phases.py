@@ -88,7 +88,8 @@ def _critic_from(config, state):
     from transformers import AutoModelForCausalLM
 
     from rlft.trainer.model.build import build_critic
+    from rlft.trainer.model.construct import from_config
 
-    base = AutoModelForCausalLM.from_config(config)
+    base = from_config(AutoModelForCausalLM, config)
     base.load_state_dict(state)
     return build_critic(base)

@@ -103,12 +103,13 @@ def _load_models(folder: Path, dist: Dist, job: RLFineTune) -> Models:
 
     from rlft.trainer.distributed.fsdp import shard_model
     from rlft.trainer.model.build import to_float64
+    from rlft.trainer.model.construct import from_pretrained
 
     parallelism = job.spec.trainer.parallelism
-    policy = to_float64(AutoModelForCausalLM.from_pretrained(folder / "policy"))
+    policy = to_float64(from_pretrained(AutoModelForCausalLM, folder / "policy"))
     critic = None
     if (folder / "critic").is_dir():
-        critic = to_float64(AutoModelForTokenClassification.from_pretrained(folder / "critic"))
+        critic = to_float64(from_pretrained(AutoModelForTokenClassification, folder / "critic"))
         shard_model(critic, parallelism, dist)
     return Models(shard_model(policy, parallelism, dist), critic)
 
