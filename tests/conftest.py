@@ -41,6 +41,21 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True)
+def transformers_tying_left_on():
+    """A test that left transformers' weight tying off (a `from_pretrained` on a thread,
+    outside `rlft.trainer.model.construct`) fails itself, not a later test of its worker
+    whose tied model then came out untied."""
+    yield
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is not None:
+        for name in ("tie_weights", "init_weights"):
+            method = getattr(modeling.PreTrainedModel, name)
+            assert method.__qualname__ == f"PreTrainedModel.{name}", (
+                f"transformers' PreTrainedModel.{name} was left replaced by {method.__qualname__}"
+            )
+
+
 # make test runs the suite on pytest-xdist workers (`-n`, `--dist loadfile`): a test file
 # at a time per worker, so each module-scoped fixture (a server, a test cluster) is built
 # once. The test cluster's files run in two lanes, each one file after another on one
