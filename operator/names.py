@@ -24,6 +24,10 @@ ROLE_ROLLOUT = "rollout"
 ROLE_RAY_HEAD = "ray-head"
 ROLE_RAY_WORKER = "ray-worker"
 ROLES = (ROLE_TRAINER, ROLE_ROLLOUT, ROLE_RAY_HEAD, ROLE_RAY_WORKER)
+RAY_ROLES = (ROLE_RAY_HEAD, ROLE_RAY_WORKER)
+"""The pods of a Ray cluster: a multi-node rollout instance."""
+API_SERVERS = (ROLE_ROLLOUT, ROLE_RAY_HEAD)
+"""Roles that serve the rollout API (a multi-node instance serves it from its Ray head)."""
 
 
 def child_name(job: str, suffix: str, limit: int = MAX_LABEL) -> str:

@@ -151,13 +151,9 @@ def container_resources(spec_resources: Any, gpus: int) -> dict[str, Any]:
     return out
 
 
-TOKEN_ROLES = (N.ROLE_TRAINER, N.ROLE_ROLLOUT, N.ROLE_RAY_HEAD)
+TOKEN_ROLES = (N.ROLE_TRAINER, *N.API_SERVERS)
 """Pods given the rollout token: those that call the rollout API or serve it (a Ray
 worker only lends its node to an instance)."""
-RAY_ROLES = (N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
-"""Pods of a Ray cluster: Ray's token authentication on (Ray 2.52 and later), with the
-job's Ray token. Without it any pod that reaches the head can run code in the cluster
-(its jobs API and GCS take whoever connects)."""
 
 
 def without_rollout_token(pod: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +191,10 @@ def operator_env(
     ]
     if samples(job) and role in TOKEN_ROLES:
         env.append({"name": ROLLOUT_TOKEN_ENV, "valueFrom": _token_ref(body, N.TOKEN_KEY)})
-    if role in RAY_ROLES:
+    if role in N.RAY_ROLES:
+        # Ray's token authentication (Ray 2.52 and later), with the job's Ray token:
+        # without it any pod that reaches the head can run code in the cluster (its jobs
+        # API and GCS take whoever connects).
         env.append({"name": "RAY_AUTH_MODE", "value": "token"})
         env.append({"name": "RAY_AUTH_TOKEN", "valueFrom": _token_ref(body, N.RAY_TOKEN_KEY)})
     secret = job.spec.checkpoint.credentials_secret

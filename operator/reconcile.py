@@ -36,6 +36,7 @@ from rlft.operator import spec_changes as S
 from rlft.operator.decision import Decision, Observed
 from rlft.operator.responses import FailureResponses, completed, ended_cleanly
 from rlft.operator.status import (
+    MESSAGE_LENGTH,
     TERMINAL_PHASES,
     CheckpointRef,
     parse_time,
@@ -46,14 +47,8 @@ from rlft.operator.status import RLFineTuneStatus as Status
 from rlft.trainer.config import JobFileError, RLFineTune, parse_job, read_yaml
 from rlft.trainer.termination import Verdict
 
-RESTARTED_WHOLE = (N.ROLE_TRAINER, N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
+RESTARTED_WHOLE = (N.ROLE_TRAINER, *N.RAY_ROLES)
 """Roles whose pods restart together (the trainer gang, a multi-node rollout instance)."""
-
-MESSAGE_LIMIT = 1024
-"""status.message's maxLength in the CRD."""
-
-TOKEN_SERVERS = (N.ROLE_ROLLOUT, N.ROLE_RAY_HEAD)
-"""Roles that serve the rollout API (a multi-node instance serves it from its Ray head)."""
 
 SCHEDULER_REASON_POLL_SECONDS = 2.0
 """After the scheduling timeout, how soon to look again for the scheduler's reason."""
@@ -340,7 +335,7 @@ class _Run(FailureResponses):
         tokenless = self.tokenless_trainers()
         for name in missing:
             pod = desired.pods[name]
-            if tokenless and pod["metadata"]["labels"][N.LABEL_ROLE] in TOKEN_SERVERS:
+            if tokenless and pod["metadata"]["labels"][N.LABEL_ROLE] in N.API_SERVERS:
                 pod = pod_spec.without_rollout_token(pod)
                 self.event("Normal", "NoRolloutToken", f"{name}: {tokenless}")
             self.d.create.append(pod)
@@ -569,7 +564,7 @@ class _Run(FailureResponses):
 
     def finish(self) -> Decision:
         # The CRD's maxLength: a longer one gets the whole status write refused (422).
-        self.st.message = self.st.message[:MESSAGE_LIMIT]
+        self.st.message = self.st.message[:MESSAGE_LENGTH]
         observed_uids = {p.uid for p in self.observed.pods}
         self.st.handled_pods = sorted(u for u in self.handled if u in observed_uids)
         return self.d

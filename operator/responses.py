@@ -14,7 +14,6 @@ from rlft.operator.status import FailureRecord, parse_time, rfc3339, set_conditi
 from rlft.operator.status import RLFineTuneStatus as Status
 from rlft.trainer.config import RLFineTuneSpec
 
-RAY_ROLES = (N.ROLE_RAY_HEAD, N.ROLE_RAY_WORKER)
 """The pods of a rollout instance that spans nodes (nodesPerInstance > 1)."""
 STUCK_TERMINATING_SECONDS = 15.0
 """How long past its grace period a Terminating pod may stay before it is force-deleted."""
@@ -237,7 +236,7 @@ class FailureResponses:
         # A Ray head and its workers are one rollout instance: vLLM spans them, and none
         # serves without the others (a worker's Ray node gone breaks the head's engine, a
         # head gone leaves its workers on a dead cluster): restart them together, once.
-        instance = not gang and f.role in RAY_ROLES and f.pod in self.pods
+        instance = not gang and f.role in N.RAY_ROLES and f.pod in self.pods
         scope = (
             "the trainer gang"
             if gang
@@ -321,7 +320,7 @@ class FailureResponses:
         """Delete every pod of multi-node rollout instance `index`; their exits meanwhile
         are this restart's, not new failures (each was counted as one)."""
         for pod in self.pods.values():
-            if pod.role in RAY_ROLES and pod.index == index:
+            if pod.role in N.RAY_ROLES and pod.index == index:
                 self.handled.add(pod.uid)
                 self.delete(pod)
 

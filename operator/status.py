@@ -23,6 +23,10 @@ ConditionType = Literal[
 ]
 CONDITION_TYPES: tuple[str, ...] = ConditionType.__args__  # type: ignore[attr-defined]
 
+MESSAGE_LENGTH = 1024
+"""The most characters of a message (the job's, a condition's): the CRD's maxLength, past
+which the API server refuses the whole status write."""
+
 
 class _Status(BaseModel):
     model_config = ConfigDict(
@@ -48,7 +52,7 @@ class Condition(_Status):
     """Whether the condition holds."""
     reason: str = Field("", max_length=128)
     """One CamelCase word saying why."""
-    message: str = Field("", max_length=1024)
+    message: str = Field("", max_length=MESSAGE_LENGTH)
     """Human-readable details."""
     last_transition_time: str | None = None
     """When `status` last changed (RFC 3339)."""
@@ -79,7 +83,7 @@ class FailureRecord(_Status):
     """When it was handled (RFC 3339)."""
     exit_code: int | None = None
     """The container's exit code, when it exited."""
-    message: str = Field("", max_length=1024)
+    message: str = Field("", max_length=MESSAGE_LENGTH)
     """Details (the end of the container's termination message)."""
     action: str = ""
     """What the operator did about it."""
@@ -96,7 +100,7 @@ class CreateFailure(_Status):
     """QuotaExceeded, Forbidden, Invalid, BadRequest or Refused."""
     code: int = Field(ge=100, le=599)
     """The HTTP status of the refusal (403, 422, …)."""
-    message: str = Field("", max_length=1024)
+    message: str = Field("", max_length=MESSAGE_LENGTH)
     """The API server's message (e.g. `pods "x" is forbidden: exceeded quota: …`)."""
     attempts: int = Field(1, ge=1)
     """Refused writes in a row; the wait before the next one doubles with each."""
@@ -111,7 +115,7 @@ class RLFineTuneStatus(_Status):
 
     phase: Phase | None = None
     """Pending, Running, Restarting, Suspended, Succeeded or Failed."""
-    message: str = Field("", max_length=1024)
+    message: str = Field("", max_length=MESSAGE_LENGTH)
     """One line on what the job is doing or why it stopped."""
     conditions: list[Condition] = Field(default_factory=list)
     """Scheduled, Ready, Progressing, Checkpointed, Healthy; Created and SpecApplied once
@@ -228,7 +232,7 @@ def set_condition(
                 type=kind,
                 status=status,
                 reason=reason,
-                message=message[:1024],
+                message=message[:MESSAGE_LENGTH],
                 last_transition_time=rfc3339(now) if changed else cond.last_transition_time,
             )
             return changed
@@ -237,7 +241,7 @@ def set_condition(
             type=kind,
             status=status,
             reason=reason,
-            message=message[:1024],
+            message=message[:MESSAGE_LENGTH],
             last_transition_time=rfc3339(now),
         )
     )
