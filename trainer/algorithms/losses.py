@@ -90,7 +90,8 @@ class PolicyTerms:
     loss: torch.Tensor
     """Per-token loss; reduce it with `aggregation.aggregate`."""
     ratio: torch.Tensor
-    """The clipped importance ratio (per token, or the sequence's ratio on each token)."""
+    """The importance ratio π/π_old, unclipped (per token, or the sequence's ratio on each
+    token): what the metrics report; `clipped` says where the clip took over."""
     clipped: torch.Tensor
     """1.0 where the clipped branch was taken (no gradient flows there)."""
     is_weight: torch.Tensor
@@ -145,7 +146,8 @@ def importance_ratio(
     ratio_level: Literal["token", "sequence"] = "token",
 ) -> torch.Tensor:
     """π/π_old per token, unclipped and with its gradient; with `sequence` (GSPO) every
-    token carries its sequence's exp(mean log-ratio). Masked tokens get 1."""
+    token carries its sequence's exp(mean log-ratio). Masked tokens get 1 at token level and
+    their sequence's ratio at sequence level: every use applies the mask."""
     log_ratio = (logp - old_logp) * mask
     if ratio_level == "sequence":
         log_ratio = sequence_mean(log_ratio, mask).expand_as(logp)
