@@ -164,3 +164,123 @@ def test_a_failed_checkpoint_in_a_real_exporter_fires_checkpoint_failing(tmp_pat
     exporter.configure(staleness_limit=2, checkpoint_interval_s=3600)
     exporter.checkpoint(2, ok=False)
     _promtool_expects(tmp_path, _series_of(exporter, 20), "15m", {"RLFTCheckpointFailing"})
+
+
+def _scraped(scrapes: list[tuple[bytes, int]], labels: dict[str, str]) -> list[dict]:
+    """Successive /metrics answers, each held for its minutes, as promtool input series:
+    a series absent from a scrape (a labelled child not yet used) is absent (`_`) there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, list[str]] = {}
+    minutes = 0
+    for text, held in scrapes:
+        seen = set()
+        for family in text_string_to_metric_families(text.decode()):
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                every = {**labels, **sample.labels}
+                inner = ",".join(f'{k}="{v}"' for k, v in sorted(every.items()))
+                key = f"{sample.name}{{{inner}}}"
+                seen.add(key)
+                values.setdefault(key, ["_"] * minutes).extend([str(sample.value)] * held)
+        for key, column in values.items():
+            if key not in seen:
+                column.extend(["_"] * held)
+        minutes += held
+    return [{"series": key, "values": " ".join(column)} for key, column in values.items()]
+
+
+def _promtool_alerts(tmp_path: Path, series: list[dict], cases: list[dict]) -> None:
+    test = {
+        "rule_files": [str(REPO / RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}],
+    }
+    path = tmp_path / "scraped.test.yaml"
+    path.write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_restart_storm_counts_the_operators_first_restart_of_a_job(tmp_path: Path):
+    """The operator's rlft_restarts_total{rlfinetune} series appears at a job's first
+    restart, already at 1 (prometheus_client exports a labelled child once it is used):
+    increase() cannot see that first step, so the third restart of an hour read as two
+    and RLFTRestartStorm waited for a fourth."""
+    from prometheus_client import generate_latest
+
+    from rlft.operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    scrapes = [(generate_latest(metrics.registry), 5)]  # the job runs: no series yet
+    for held in (5, 5, 60):  # a restart at 5m, 10m and 15m
+        metrics.restarts.labels(rlfinetune="ml/storm").inc()
+        scrapes.append((generate_latest(metrics.registry), held))
+    storm = next(a for a in ALERTS if a.name == "RLFTRestartStorm")
+    fired = {
+        "exp_labels": {"severity": storm.severity, "rlfinetune": "ml/storm"},
+        "exp_annotations": {"summary": storm.summary, "description": storm.description},
+    }
+    series = _scraped(scrapes, {"job": "operator", "instance": "op"})
+    _promtool_alerts(
+        tmp_path,
+        series,
+        [
+            {"eval_time": "14m", "alertname": storm.name, "exp_alerts": []},
+            {"eval_time": "16m", "alertname": storm.name, "exp_alerts": [fired]},
+            {"eval_time": "64m", "alertname": storm.name, "exp_alerts": [fired]},
+            {"eval_time": "66m", "alertname": storm.name, "exp_alerts": []},  # 5m: out
+        ],
+    )
+
+
+def test_a_collapse_rolled_back_between_two_scrapes_fires_collapsed(tmp_path: Path):
+    """The health gauge says `collapsed` only from the collapse's decision to the next
+    step's (the rollback restores a healthy detector): a scrape before and one after
+    never saw it. The collapse is counted (rlft_detector_alarms_total, level critical
+    of a trend check), and RLFTCollapsed fires on that count."""
+    from rlft.trainer.stability.actions import StepGuard
+    from rlft.trainer.telemetry.exporter import MetricsExporter
+    from rlft.trainer.telemetry.hub import Telemetry
+
+    telemetry = Telemetry(MetricsExporter(start_time=0.0))
+    telemetry.configure(staleness_limit=2, checkpoint_interval_s=3600)
+    guard = StepGuard(listener=telemetry)
+
+    def step(n: int, entropy: float) -> str:
+        record = {"step": n, "grad_norm": 1.0, "entropy": entropy, "reward_mean": 0.5}
+        decision = guard.check(record)
+        telemetry.record(record)
+        return decision.action
+
+    for n in range(1, 31):
+        assert step(n, 1.0 + 0.01 * (n % 3)) == "apply"
+    checkpoint = guard.state_dict()  # a healthy checkpoint
+    scrapes = [(telemetry.exporter.exposition(), 10)]
+    n = 30
+    while (action := step(n := n + 1, 0.05)) != "rollback":
+        assert action == "apply" and n < 60
+    guard.restore_detector(checkpoint["detector"])
+    guard.rolled_back()
+    telemetry.on_rollback(guard.counters)
+    assert step(n + 1, 1.0) == "apply"
+    scrapes.append((telemetry.exporter.exposition(), 20))
+    assert b"rlft_health_level 0.0" in scrapes[-1][0]  # collapsed in neither scrape
+    series = _scraped(scrapes, {"job": "trainer", "instance": "a"})
+    _promtool_alerts(
+        tmp_path,
+        series,
+        [
+            {
+                "eval_time": at,
+                "alertname": alert.name,
+                "exp_alerts": [_firing_on_a(alert)] if firing else [],
+            }
+            for alert in ALERTS
+            if alert.name in ("RLFTCollapsed", "RLFTRolledBack")
+            for at, firing in (("9m", False), ("11m", True))
+        ],
+    )

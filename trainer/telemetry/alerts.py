@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlft.trainer.stability.detector import TREND_CHECKS
 from rlft.trainer.telemetry import metrics as M
 
 GROUP = "rlft"
@@ -41,6 +42,12 @@ def _alarms(check: str) -> str:
     return f'{M.ALARMS.name}{{check="{check}"}}'
 
 
+# A trend check at critical level is the detector's collapse; counted, it outlives the
+# health gauge, which a rollback sets back at the next step (before a scrape, often).
+_COLLAPSES = f'{M.ALARMS.name}{{check=~"{"|".join(TREND_CHECKS)}",level="critical"}}'
+_RESTARTS = M.RESTARTS.name
+
+
 ALERTS: tuple[Alert, ...] = (
     Alert(
         "RLFTGradientSpike",
@@ -62,7 +69,8 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "RLFTCollapsed",
-        f"max_over_time({M.HEALTH.name}[5m]) >= {M.HEALTH_LEVELS['collapsed']}",
+        f"max_over_time({M.HEALTH.name}[5m]) >= {M.HEALTH_LEVELS['collapsed']} "
+        f"or sum without (check, level) (increase({_COLLAPSES}[5m])) > 0",
         "0m",
         "critical",
         "Training run {{ $labels.instance }} collapsed",
@@ -113,7 +121,11 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "RLFTRestartStorm",
-        f"sum by (rlfinetune) (increase({M.RESTARTS.name}[1h])) >= 3 "
+        # The operator's series of a job appears at its first restart, already at 1:
+        # increase() misses that one, the difference with an hour ago does not (but
+        # misses restarts across a reset of the operator's counter: hence both).
+        f"sum by (rlfinetune) (increase({_RESTARTS}[1h])) >= 3 "
+        f"or sum by (rlfinetune) ({_RESTARTS} - ({_RESTARTS} offset 1h or {_RESTARTS} * 0)) >= 3 "
         f"or changes({M.START_TIME.name}[1h]) >= 3",
         "0m",
         "critical",
