@@ -14,6 +14,8 @@ from rlft.trainer.telemetry import metrics as M
 
 UID = "rlft-training"
 _SELECTOR = 'job=~"$job", instance=~"$instance"'
+_ANY = '{__name__=~"rlft_.*"}'
+"""Every series rlft exports."""
 _UNITS = {
     "seconds": "s",
     "tokens": "short",
@@ -86,13 +88,17 @@ def dashboard() -> dict[str, Any]:
             panels.append(_panel(metric, panel_id, x, y))
             panel_id += 1
         y += 8
+    # The choices come from every rlft series (trainers, rollout pods, the operator), and
+    # "All" is any value: a trainer's series alone left the rollout and operator panels
+    # empty, their job and instance labels not among the choices.
     variable = {
         "type": "query",
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "includeAll": True,
+        "allValue": ".*",
         "multi": True,
         "refresh": 2,
-        "current": {},
+        "current": {"selected": True, "text": "All", "value": "$__all"},
     }
     return {
         "uid": UID,
@@ -107,11 +113,11 @@ def dashboard() -> dict[str, Any]:
         "templating": {
             "list": [
                 {"name": "datasource", "type": "datasource", "query": "prometheus", "current": {}},
-                {**variable, "name": "job", "query": f"label_values({M.TRAIN_STEP.name}, job)"},
+                {**variable, "name": "job", "query": f"label_values({_ANY}, job)"},
                 {
                     **variable,
                     "name": "instance",
-                    "query": f'label_values({M.TRAIN_STEP.name}{{job=~"$job"}}, instance)',
+                    "query": f'label_values({_ANY[:-1]}, job=~"$job"}}, instance)',
                 },
             ]
         },
