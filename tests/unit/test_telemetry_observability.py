@@ -237,6 +237,33 @@ def test_restart_storm_counts_the_operators_first_restart_of_a_job(tmp_path: Pat
     )
 
 
+def test_restart_storm_counts_an_operator_scraped_twice_once(tmp_path: Path):
+    """The chart can scrape the operator through its ServiceMonitor and its PodMonitor
+    both: each restart is then in two series (job labels apart). Summed as they were,
+    two restarts read as four and RLFTRestartStorm fired."""
+    from prometheus_client import generate_latest
+
+    from rlft.operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    scrapes = [(generate_latest(metrics.registry), 5)]
+    for held in (5, 60):  # a restart at 5m and 10m
+        metrics.restarts.labels(rlfinetune="ml/twice").inc()
+        scrapes.append((generate_latest(metrics.registry), held))
+    series = [
+        *_scraped(scrapes, {"job": "operator-service", "instance": "10.0.0.5:8080"}),
+        *_scraped(scrapes, {"job": "operator-pods", "instance": "10.0.0.5:8080"}),
+    ]
+    _promtool_alerts(
+        tmp_path,
+        series,
+        [
+            {"eval_time": time, "alertname": "RLFTRestartStorm", "exp_alerts": []}
+            for time in ("11m", "30m", "60m")
+        ],
+    )
+
+
 def test_a_collapse_rolled_back_between_two_scrapes_fires_collapsed(tmp_path: Path):
     """The health gauge says `collapsed` only from the collapse's decision to the next
     step's (the rollback restores a healthy detector): a scrape before and one after

@@ -48,6 +48,10 @@ _COLLAPSES = f'{M.ALARMS.name}{{check=~"{"|".join(TREND_CHECKS)}",level="critica
 _RESTARTS = M.RESTARTS.name
 
 
+def _per_job(restarts: str) -> str:
+    return f"sum by (rlfinetune) (max by (rlfinetune, instance) ({restarts}))"
+
+
 ALERTS: tuple[Alert, ...] = (
     Alert(
         "RLFTGradientSpike",
@@ -123,9 +127,11 @@ ALERTS: tuple[Alert, ...] = (
         "RLFTRestartStorm",
         # The operator's series of a job appears at its first restart, already at 1:
         # increase() misses that one, the difference with an hour ago does not (but
-        # misses restarts across a reset of the operator's counter: hence both).
-        f"sum by (rlfinetune) (increase({_RESTARTS}[1h])) >= 3 "
-        f"or sum by (rlfinetune) ({_RESTARTS} - ({_RESTARTS} offset 1h or {_RESTARTS} * 0)) >= 3 "
+        # misses restarts across a reset of the operator's counter: hence both). One
+        # operator scraped twice (a ServiceMonitor and a PodMonitor) counts once: max per
+        # instance, summed over instances (a new leader's count adds to the last's).
+        f"{_per_job(f'increase({_RESTARTS}[1h])')} >= 3 "
+        f"or {_per_job(f'{_RESTARTS} - ({_RESTARTS} offset 1h or {_RESTARTS} * 0)')} >= 3 "
         f"or changes({M.START_TIME.name}[1h]) >= 3",
         "0m",
         "critical",
