@@ -310,3 +310,45 @@ def test_jsonl_keeps_what_the_file_says(tmp_path: Path) -> None:
     path.write_text('{"prompt": "yes?", "answer": true}\n')
     with pytest.raises(DataFileError, match="key 'answer' is missing or not text or a number"):
         read_problems(str(path), "prompt", "answer")
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        (
+            '{"prompt": "a", "answer": "1", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "JSON nested too deeply to read",
+        ),
+        (
+            '{"prompt": "caf\\ud800", "answer": "1"}',
+            "key 'prompt' holds \\ud800, half of a UTF-16 surrogate pair, which is no text",
+        ),
+        (
+            '{"prompt": "a", "answer": "\\udc00 1"}',
+            "key 'answer' holds \\udc00, half of a UTF-16 surrogate pair, which is no text",
+        ),
+        ('{"prompt": "", "answer": "1"}', "key 'prompt' is empty; give each line a prompt"),
+    ],
+    ids=["nested-too-deeply", "lone-high-surrogate", "lone-low-surrogate", "empty-prompt"],
+)
+def test_jsonl_lines_no_run_could_use_are_named_when_read(
+    tmp_path: Path, line: str, problem: str
+) -> None:
+    """Each passed the reader and failed later: a RecursionError traceback; a TypeError
+    traceback from the tokenizer at the first RL step, after the warm start; "every prompt
+    needs at least one token" at the first step, naming no file or line."""
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps({"prompt": "p", "answer": "a"}), line])
+    with pytest.raises(DataFileError) as caught:
+        read_problems(path, "prompt", "answer")
+    assert str(caught.value).startswith(f"{path}:2: {problem}")
+
+
+def test_jsonl_escaped_surrogate_pairs_and_blank_prompts_are_text(tmp_path: Path) -> None:
+    """A whole escaped pair is one character, and a prompt of a space is a token: both
+    stay accepted."""
+    path = write_lines(
+        tmp_path / "t.jsonl",
+        ['{"prompt": "smile \\ud83d\\ude00", "answer": "1"}', '{"prompt": " ", "answer": ""}'],
+    )
+    problems = read_problems(path, "prompt", "answer")
+    assert [(p.prompt, p.answer) for p in problems] == [("smile \U0001f600", "1"), (" ", "")]

@@ -406,12 +406,38 @@ def test_micro_batch_size_zero_exact_line() -> None:
             "spec.checkpoint.uri: must look like s3://bucket/prefix, the bucket 3–63",
             id="checkpoint-bucket",
         ),
+        pytest.param(
+            manifest(
+                model={"init": {"maxPositionEmbeddings": 64}},
+                rollout={"sampling": {"maxNewTokens": 200}},
+            ),
+            "spec: rollout.sampling.maxNewTokens 200 leaves no position for a prompt in the "
+            "model's 64 (model.init.maxPositionEmbeddings",
+            id="completions-past-the-context",
+        ),
+        pytest.param(
+            manifest(rollout={"sampling": {"maxNewTokens": 512}}),
+            "spec: rollout.sampling.maxNewTokens 512 leaves no position for a prompt in the "
+            "model's 512 (model.init.maxPositionEmbeddings",
+            id="completions-fill-the-default-context",
+        ),
     ],
 )
 def test_bad_field_is_named(document: dict[str, Any], expected: str) -> None:
     lines = problems(document)
     assert len(lines) == 1, lines
     assert lines[0].startswith(expected), lines
+
+
+def test_completions_that_leave_a_prompt_room_are_accepted() -> None:
+    """One position short of the context is a one-token prompt's room; a `path` model's
+    context is only known once it loads, so its maxNewTokens is not bounded here."""
+    document = manifest(
+        model={"init": {"maxPositionEmbeddings": 64}}, rollout={"sampling": {"maxNewTokens": 63}}
+    )
+    assert parse_job(document).spec.rollout.sampling.max_new_tokens == 63
+    document = manifest(model={"path": "/models/x"}, rollout={"sampling": {"maxNewTokens": 4096}})
+    assert parse_job(document).spec.rollout.sampling.max_new_tokens == 4096
 
 
 def test_unknown_field_line_suggests_camel_case() -> None:
@@ -583,6 +609,74 @@ def test_cli_train_refuses_resume_with_overwrite(
     path = str(repo_root / "examples" / "tiny-grpo.yaml")
     assert cli.main(["train", path, "--resume", "1", "--overwrite"]) == 2
     assert "--resume 1 with --overwrite: give one of them" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tolerance", ["-1", "nan", "inf"])
+def test_cli_verify_refuses_a_tolerance_no_gradient_can_be_judged_by(
+    repo_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tolerance
+) -> None:
+    """`rlft verify --tolerance -1` (or nan) compared for a minute, then printed `FAIL`
+    with every layer `above tolerance`, a verdict on the gradient for a mistyped flag;
+    `inf` passed whatever the gradients were."""
+    compared: list[float] = []
+
+    def comparison(job, world, micro_batches, tolerance, sequences, fault) -> bool:
+        compared.append(tolerance)
+        return tolerance >= 0
+
+    monkeypatch.setattr("rlft.trainer.verify.check.verify", comparison)
+    path = str(repo_root / "examples" / "tiny-grpo.yaml")
+    assert cli.main(["verify", path, "--tolerance", tolerance]) == 2
+    assert capsys.readouterr().err.splitlines() == ["rlft: --tolerance must be a finite number ≥ 0"]
+    assert compared == []
+
+
+@pytest.mark.parametrize(
+    "uid", ["x y", "'6f1c2a7e-93d4-4b1e-8a52-0c9d3e7b1f20'", "6F1C2A7E-93D4-4B1E-8A52-0C9D3E7B1F20"]
+)
+def test_cli_plan_refuses_a_uid_no_object_can_have(
+    repo_root: Path, capsys: pytest.CaptureFixture[str], uid: str
+) -> None:
+    """A mistyped --uid (quotes copied along, a stray word) was written into every
+    ownerReference: applied, those objects name an owner that does not exist, and
+    Kubernetes garbage-collects them."""
+    path = str(repo_root / "examples" / "s3-checkpoints.yaml")
+    assert cli.main(["plan", path, "--uid", uid]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"rlft: --uid {uid!r} is not a Kubernetes uid (a lower-case UUID); copy the job's "
+        "own: kubectl get rlft NAME -o jsonpath='{.metadata.uid}'"
+    ]
+    good = "6f1c2a7e-93d4-4b1e-8a52-0c9d3e7b1f20"
+    assert cli.main(["plan", path, "--uid", good]) == 0
+    assert f"uid: {good}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("out", "problem"),
+    [("a-file/crd.yaml", "File exists (a-file)"), ("a-folder", "Is a directory (a-folder)")],
+)
+def test_cli_crd_out_that_cannot_be_written_is_named_not_a_traceback(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    out: str,
+    problem: str,
+) -> None:
+    """`rlft crd --out` under a file, or at a folder, ended in a FileExistsError or
+    IsADirectoryError traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("kept\n")
+    (tmp_path / "a-folder").mkdir()
+    assert cli.main(["crd", "--out", out]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"rlft: --out {out}: {problem}: choose a file path rlft can create and write"
+    ]
+    assert captured.out == ""
+    assert (tmp_path / "a-file").read_text() == "kept\n"
+    assert list((tmp_path / "a-folder").iterdir()) == []
 
 
 def test_cli_train_bad_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -297,3 +297,30 @@ def test_rlft_train_exits_1_for_a_reward_call_that_failed_and_2_for_a_wrong_rewa
     job = Path(__file__).parents[2] / "examples" / "tiny-grpo.yaml"
     assert yaml.safe_load(job.read_text())["kind"] == "RLFineTune"
     assert main(["train", str(job), "--out", str(tmp_path / "out")]) == code
+
+
+@pytest.mark.parametrize(
+    ("terms", "shown"),
+    [
+        (((1e308, 2.0),), "returned 1e+308, which with weight 2 makes the total reward inf"),
+        (((1e308, 1.0), (1e308, 1.0)), "returned 1e+308, which with weight 1 makes the total"),
+        (((-1e308, 1.0), (-1e308, 1.0)), "returned -1e+308, which with weight 1 makes the total"),
+    ],
+    ids=["weighted", "summed", "summed-negative"],
+)
+def test_a_total_reward_that_overflows_is_refused_naming_the_term(
+    user_module, terms: tuple[tuple[float, float], ...], shown: str
+) -> None:
+    """Each term finite, their weighted sum inf: every step's update was skipped as
+    non-finite and `rlft train` ended 0 with an untrained model."""
+    source = "".join(
+        f"def r{i}(completion, answer):\n    return {v!r}\n" for i, (v, _) in enumerate(terms)
+    )
+    name = user_module(source)
+    model = RewardModel(spec(*((f"{name}:r{i}", w) for i, (_, w) in enumerate(terms))))
+    with pytest.raises(RewardError) as caught:
+        model.score(["579"], ["579"])
+    message = str(caught.value)
+    assert message.startswith(f"reward '{name}:r{len(terms) - 1}' {shown}"), message
+    assert "for completion '579'" in message
+    assert not caught.value.retryable

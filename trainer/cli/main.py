@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 from rlft.trainer.cli.training import add_training_commands
 from rlft.trainer.config import JobFileError, RLFineTune, load_job
 from rlft.trainer.exit_codes import ExitCode
+
+_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+"""What the API server gives every object as metadata.uid (a UUID, lower-case)."""
 
 
 def _load_or_report(path: str) -> RLFineTune | None:
@@ -37,8 +41,16 @@ def cmd_crd(args: argparse.Namespace) -> int:
     if args.out in (None, "-"):
         sys.stdout.write(text)
     else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text)
+        except OSError as error:  # a file where a folder goes, a folder, no permission…
+            print(
+                f"rlft: --out {args.out}: {error.strerror} ({error.filename}): choose a file "
+                "path rlft can create and write",
+                file=sys.stderr,
+            )
+            return ExitCode.INVALID_CONFIG
         print(f"rlft: wrote {args.out}")
     return ExitCode.OK
 
@@ -49,6 +61,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     job = _load_or_report(args.job)
     if job is None:
+        return ExitCode.INVALID_CONFIG
+    if args.uid and not _UID.match(args.uid):
+        # Applied, objects owned by a uid no object has are garbage-collected.
+        print(
+            f"rlft: --uid {args.uid!r} is not a Kubernetes uid (a lower-case UUID); copy the "
+            "job's own: kubectl get rlft NAME -o jsonpath='{.metadata.uid}'",
+            file=sys.stderr,
+        )
         return ExitCode.INVALID_CONFIG
     namespace = plan.namespace_of(job, args.namespace)
     problems = plan.problems(job, namespace)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -313,6 +314,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"rlft: --{name.replace('_', '-')} must be ≥ 1", file=sys.stderr)
             return ExitCode.INVALID_CONFIG
+    if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        # A negative or NaN tolerance failed every layer, an infinite one passed any: each
+        # after the whole comparison, as a verdict on the gradient rather than on the flag.
+        print("rlft: --tolerance must be a finite number ≥ 0", file=sys.stderr)
+        return ExitCode.INVALID_CONFIG
     from rlft.trainer.verify.check import verify
 
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlft.trainer.config.algorithm import AlgorithmSpec
 from rlft.trainer.config.base import Section
@@ -88,6 +88,22 @@ class RLFineTuneSpec(Section):
     """Placement of pods (Kubernetes only)."""
     telemetry: TelemetrySpec = TelemetrySpec()
     """Metrics, /status and tracing of the trainer."""
+
+    @model_validator(mode="after")
+    def _completions_fit_the_model(self) -> RLFineTuneSpec:
+        # A model built here has a known context (a `path` model's is read when it loads):
+        # rollout servers refused every request past it, at the first step after the warm
+        # start, and the in-process engine sampled at positions never trained.
+        init = self.model.init
+        longest = self.rollout.sampling.max_new_tokens
+        if init is not None and longest >= init.max_position_embeddings:
+            raise ValueError(
+                f"rollout.sampling.maxNewTokens {longest} leaves no position for a prompt in "
+                f"the model's {init.max_position_embeddings} "
+                "(model.init.maxPositionEmbeddings, prompt and completion together): lower "
+                "maxNewTokens or raise maxPositionEmbeddings"
+            )
+        return self
 
 
 class Metadata(BaseModel):

@@ -29,7 +29,8 @@ class Sampling(Section):
     computes them), vLLM the nucleus-renormalised one's, which biases importance ratios
     low by the nucleus mass; keep 1 for RL through vLLM."""
     max_new_tokens: int = Field(16, ge=1, le=1_000_000)
-    """Longest completion; longer ones are cut and marked `length`."""
+    """Longest completion; longer ones are cut and marked `length`. Prompt and completion
+    share the model's positions: with `model.init`, below its maxPositionEmbeddings."""
 
 
 class RolloutSpec(Section):

@@ -43,6 +43,8 @@ def read_problems(
             row = json.loads(line, parse_float=str, parse_int=str)
         except json.JSONDecodeError as error:
             raise DataFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        except RecursionError:  # arrays or objects nested thousands deep
+            raise DataFileError(f"{path}:{number}: JSON nested too deeply to read") from None
         if not isinstance(row, dict):
             raise DataFileError(f"{path}:{number}: each line must be a JSON object")
         keys = (prompt_field, answer_field) + ((rejected_field,) if rejected_field else ())
@@ -52,6 +54,21 @@ def read_problems(
                     f"{path}:{number}: key {key!r} is missing or not text or a number (set "
                     "spec.data.jsonl.promptField/answerField/rejectedField to the file's keys)"
                 )
+            try:
+                row[key].encode("utf-8")
+            except UnicodeEncodeError as error:
+                # json.loads takes an escape of half a UTF-16 pair ("\\ud800") for text; the
+                # tokenizer refused it mid-run, after the warm start, with a bare TypeError.
+                raise DataFileError(
+                    f"{path}:{number}: key {key!r} holds \\u{ord(row[key][error.start]):04x}, "
+                    "half of a UTF-16 surrogate pair, which is no text; write the character "
+                    "itself or its whole pair"
+                ) from None
+        if not row[prompt_field]:
+            # No tokens to answer: the engine refused it at the first step, naming no line.
+            raise DataFileError(
+                f"{path}:{number}: key {prompt_field!r} is empty; give each line a prompt"
+            )
         rejected = str(row[rejected_field]) if rejected_field else None
         problems.append(
             Problem(prompt=str(row[prompt_field]), answer=str(row[answer_field]), rejected=rejected)

@@ -115,5 +115,14 @@ class RewardModel:
                     )
                 values.append(float(value))
                 total[i] += weight * float(value)
+                if not math.isfinite(total[i]):
+                    # Each term finite, their weighted sum overflowed: every step's update
+                    # was then skipped as non-finite, and the run "finished" untrained.
+                    raise RewardError(
+                        f"reward {name!r} returned {value!r}, which with weight {weight:g} "
+                        f"makes the total reward {total[i]!r} for completion "
+                        f"{completion[:200]!r}; the weighted sum of the rewards must be a "
+                        "finite number"
+                    )
             per_term[name] = values
         return Scores(total=total, per_term=per_term)
