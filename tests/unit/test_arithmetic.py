@@ -352,3 +352,35 @@ def test_jsonl_escaped_surrogate_pairs_and_blank_prompts_are_text(tmp_path: Path
     )
     problems = read_problems(path, "prompt", "answer")
     assert [(p.prompt, p.answer) for p in problems] == [("smile \U0001f600", "1"), (" ", "")]
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        (
+            '{"prompt": "2+2=", "answer": "4", "bad": ""}',
+            "key 'bad' is empty: DPO would have paired the answer with a made-up wrong one",
+        ),
+        (
+            '{"prompt": "2+2=", "answer": "4", "bad": "4"}',
+            "key 'bad' is the answer itself: a pair with no preference in it",
+        ),
+        (
+            '{"prompt": "2+2=", "answer": "4", "answer": "5", "bad": "3"}',
+            "key 'answer' is given twice",
+        ),
+    ],
+    ids=["empty-rejected", "rejected-is-the-answer", "duplicate-key"],
+)
+def test_jsonl_pairs_that_would_teach_nothing_or_something_else_are_named(
+    tmp_path: Path, line: str, problem: str
+) -> None:
+    """An empty rejected answer was replaced, silently, by a nearby wrong one (a pair the
+    user never wrote); one equal to the answer gave a pair with no signal; of a key given
+    twice the last was taken, silently (job files refuse duplicate keys)."""
+    path = write_lines(
+        tmp_path / "pairs.jsonl", [json.dumps({"prompt": "p", "answer": "a", "bad": "b"}), line]
+    )
+    with pytest.raises(DataFileError) as caught:
+        read_problems(path, "prompt", "answer", "bad")
+    assert str(caught.value).startswith(f"{path}:2: {problem}")

@@ -15,6 +15,20 @@ class DataFileError(Exception):
     """A prompt file that cannot be used; the message names the file, line and key."""
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _without_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    row: dict[str, object] = {}
+    for key, value in pairs:
+        if key in row:
+            raise _DuplicateKey(key)
+        row[key] = value
+    return row
+
+
 def read_problems(
     path: str, prompt_field: str, answer_field: str, rejected_field: str | None = None
 ) -> list[Problem]:
@@ -40,11 +54,17 @@ def read_problems(
         try:
             # Numbers kept as written: str() of a parsed 1e3 is "1000.0", of 3.50 "3.5",
             # and an answer rewritten so never matches a completion that says it.
-            row = json.loads(line, parse_float=str, parse_int=str)
+            row = json.loads(
+                line, parse_float=str, parse_int=str, object_pairs_hook=_without_duplicates
+            )
         except json.JSONDecodeError as error:
             raise DataFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
         except RecursionError:  # arrays or objects nested thousands deep
             raise DataFileError(f"{path}:{number}: JSON nested too deeply to read") from None
+        except _DuplicateKey as duplicate:  # the last would have been taken, silently
+            raise DataFileError(
+                f"{path}:{number}: key {duplicate.key!r} is given twice; keep one"
+            ) from None
         if not isinstance(row, dict):
             raise DataFileError(f"{path}:{number}: each line must be a JSON object")
         keys = (prompt_field, answer_field) + ((rejected_field,) if rejected_field else ())
@@ -70,6 +90,16 @@ def read_problems(
                 f"{path}:{number}: key {prompt_field!r} is empty; give each line a prompt"
             )
         rejected = str(row[rejected_field]) if rejected_field else None
+        if rejected is not None and not rejected:
+            raise DataFileError(
+                f"{path}:{number}: key {rejected_field!r} is empty: DPO would have paired the "
+                "answer with a made-up wrong one; give each line its rejected answer"
+            )
+        if rejected is not None and rejected == row[answer_field]:
+            raise DataFileError(
+                f"{path}:{number}: key {rejected_field!r} is the answer itself: a pair with no "
+                "preference in it; give a different rejected answer or drop the line"
+            )
         problems.append(
             Problem(prompt=str(row[prompt_field]), answer=str(row[answer_field]), rejected=rejected)
         )
