@@ -9,6 +9,7 @@ test fails when they are stale.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -18,6 +19,7 @@ from pydantic import (
     Field,
     StringConstraints,
     field_validator,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
 
@@ -28,6 +30,8 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DURATION = (
     r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
 )
+DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+DURATION_MS |= {"w": 7 * DURATION_MS["d"], "y": 365 * DURATION_MS["d"]}
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
@@ -38,6 +42,11 @@ Namespace = Annotated[str, StringConstraints(pattern=DNS_LABEL, max_length=63)]
 Quantity = Annotated[str, StringConstraints(pattern=QUANTITY)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 ResourceName = Literal["cpu", "memory", "ephemeral-storage"]
+
+
+def milliseconds(duration: str) -> int:
+    """A Prometheus duration (`1m30s`, `500ms`) in milliseconds."""
+    return sum(int(n) * DURATION_MS[u] for n, u in re.findall(r"([0-9]+)(ms|[smhdwy])", duration))
 
 
 class Values(BaseModel):
@@ -162,6 +171,15 @@ class Monitor(Values):
     """Scrape timeout (at most the interval)."""
     labels: Labels = Field(default_factory=dict)
     """Extra labels, e.g. the `release` label your Prometheus selects monitors by."""
+
+    @model_validator(mode="after")
+    def _timeout_within_interval(self) -> Monitor:
+        # prometheus-operator drops a monitor whose timeout is longer (Prometheus refuses
+        # the scrape); the chart's templates refuse it too (rlft.checkScrape).
+        timeout, interval = self.scrape_timeout, self.interval
+        if timeout and interval and milliseconds(timeout) > milliseconds(interval):
+            raise ValueError(f"scrapeTimeout {timeout} is longer than interval {interval}")
+        return self
 
 
 class Metrics(Values):

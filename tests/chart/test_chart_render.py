@@ -259,3 +259,58 @@ def test_job_monitor_and_network_policy_match_the_pods_the_operator_creates(char
         p["metadata"]["labels"][N.LABEL_ROLE] == N.ROLE_TRAINER for p in selected
     )
     assert trainers["ports"][0]["port"] == M.Settings().status_port
+
+
+def _promtool_accepts_scrape(interval: str, timeout: str, tmp_path: Path) -> bool:
+    """Whether Prometheus itself (promtool) takes a scrape with this interval and timeout."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not found: run `make setup` (installs Debian's prometheus)"
+    scrape = {"job_name": "j", "scrape_interval": interval, "scrape_timeout": timeout}
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump({"scrape_configs": [scrape]}))
+    result = subprocess.run([promtool, "check", "config", str(path)], capture_output=True)
+    return result.returncode == 0
+
+
+MONITORS = [("metrics", "serviceMonitor"), ("metrics", "podMonitor"), ("jobMetrics", "podMonitor")]
+# (interval, scrapeTimeout); None: the timeout left at its default
+SCRAPES = [("5s", None), ("1m", "1m30s"), ("1m30s", "1m"), ("10s", "10s"), ("1h", "500ms")]
+
+
+@pytest.mark.parametrize(("section", "monitor"), MONITORS)
+@pytest.mark.parametrize(("interval", "timeout"), SCRAPES)
+def test_a_scrape_timeout_longer_than_its_interval_is_refused(
+    chart, tmp_path, section, monitor, interval, timeout
+):
+    """prometheus-operator drops a monitor whose scrapeTimeout exceeds its interval (and
+    Prometheus refuses such a scrape): the chart refuses exactly what Prometheus does, so
+    setting only `interval: 5s` (the timeout left at its 10s default) fails at install
+    instead of leaving the pods silently unscraped."""
+    scrape = {"enabled": True, "interval": interval}
+    if timeout is not None:
+        scrape["scrapeTimeout"] = timeout
+    values = {section: {monitor: scrape}}
+    effective = timeout or chart.values[section][monitor]["scrapeTimeout"]
+    if _promtool_accepts_scrape(interval, effective, tmp_path):
+        documents, _ = render(chart, values)
+        kind = "ServiceMonitor" if monitor == "serviceMonitor" else "PodMonitor"
+        (rendered,) = of_kind(documents, kind)
+        spec = rendered["spec"]
+        endpoints = spec.get("endpoints") or spec["podMetricsEndpoints"]
+        assert {(e["interval"], e["scrapeTimeout"]) for e in endpoints} == {(interval, effective)}
+        ChartValues.model_validate(values)
+    else:
+        with pytest.raises(helm.HelmRenderError, match=f"{section}.{monitor}.scrapeTimeout"):
+            render(chart, values)
+        with pytest.raises(ValueError, match="scrapeTimeout"):
+            ChartValues.model_validate(values)
+
+
+def test_notes_say_how_to_upgrade_the_crds(chart):
+    """Helm installs crds/ only on the first install and never upgrades them: the notes
+    (shown by install and upgrade) name the command that applies every CRD of the chart."""
+    _, notes = render(chart)
+    assert "helm upgrade" in notes
+    (folder,) = re.findall(r"kubectl apply -f (\S+)", notes)
+    applied = {path.name: path.read_text() for path in (ROOT / folder).glob("*.yaml")}
+    assert applied == {Path(c["filename"]).name: c["data"] for c in chart.crds}

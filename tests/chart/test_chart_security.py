@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 from chart_render import ALL_TOGGLES, NAMESPACE, NAMESPACED, of_kind, render
 
 from rlft.operator import permissions
@@ -153,3 +154,36 @@ def test_every_declared_permission_is_in_some_mode_and_unique():
         key = (p.group, p.resource, p.scope)
         assert key not in seen
         seen.add(key)
+
+
+def test_releases_of_distinct_names_get_distinct_cluster_roles(chart):
+    """ClusterRoles are cluster-wide, so their names carry the release's namespace. Two
+    releases whose names differ (so do their Deployments) must not share a ClusterRole:
+    Helm refuses to install an object another release owns."""
+    namespace = "ml-platform-operators-production"
+    names = {}
+    for release in ("rlft-research-gpu-cluster-east-1", "rlft-research-gpu-cluster-east-2"):
+        out = chart.render({}, name=release, namespace=namespace)
+        texts = [text for template, text in out.items() if not template.endswith("NOTES.txt")]
+        documents = [d for text in texts for d in yaml.safe_load_all(text) if d]
+        (deployment,) = of_kind(documents, "Deployment")
+        (role,) = of_kind(documents, "ClusterRole")
+        (binding,) = of_kind(documents, "ClusterRoleBinding")
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert namespace in role["metadata"]["name"]
+        names[deployment["metadata"]["name"]] = role["metadata"]["name"]
+    assert len(names) == 2
+    assert len(set(names.values())) == 2, names
+
+
+def test_a_large_uid_renders_as_the_integer_it_is(chart):
+    """Helm reads values as floats: an OpenShift-range UID rendered as `1.00068e+09`,
+    which the API server's int64 fields refuse (and a YAML reader takes for a float)."""
+    uid, gid = 1000680000, 1000690000
+    documents, _ = render(chart, {"securityContext": {"runAsUser": uid, "runAsGroup": gid}})
+    [spec] = _pod_specs(documents)
+    ids = [spec["securityContext"][k] for k in ("runAsUser", "runAsGroup", "fsGroup")]
+    for container in spec["containers"] + spec.get("initContainers", []):
+        ids += [container["securityContext"][k] for k in ("runAsUser", "runAsGroup")]
+    assert ids and all(type(i) is int for i in ids), ids
+    assert set(ids) == {uid, gid}

@@ -55,3 +55,25 @@ ones include the gang schedulers' PodGroups with rbac.gangScheduling. */}}
 {{- end -}}
 {{- $rules | toYaml -}}
 {{- end -}}
+
+{{/* A Prometheus duration (`1m30s`, `500ms`) in milliseconds. */}}
+{{- define "rlft.milliseconds" -}}
+{{- $units := dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 "d" 86400000 "w" 604800000 "y" 31536000000 -}}
+{{- $total := 0 -}}
+{{- range regexFindAll "[0-9]+(ms|[smhdwy])" . -1 -}}
+{{- $number := regexFind "^[0-9]+" . -}}
+{{- $total = add $total (mul ($number | int64) (index $units (trimPrefix $number .))) -}}
+{{- end -}}
+{{- $total -}}
+{{- end -}}
+
+{{/* Refuse a monitor (.monitor, its values path .path) whose scrapeTimeout exceeds its
+interval: prometheus-operator drops such a monitor, and Prometheus refuses the scrape. */}}
+{{- define "rlft.checkScrape" -}}
+{{- $m := .monitor -}}
+{{- if and $m.interval $m.scrapeTimeout -}}
+{{- if gt (include "rlft.milliseconds" $m.scrapeTimeout | int64) (include "rlft.milliseconds" $m.interval | int64) -}}
+{{- fail (printf "%s.scrapeTimeout %s is longer than %s.interval %s: prometheus-operator would drop the monitor" .path $m.scrapeTimeout .path $m.interval) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
