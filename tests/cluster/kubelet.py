@@ -51,6 +51,8 @@ BACKOFF_S = (1, 2, 4, 8)
 """Restart back-off after each crash (a real kubelet: 10 s doubling to 5 minutes)."""
 TERMINATION_LOG = "/dev/termination-log"
 MAX_MESSAGE = 4096
+READ_ONLY_SOURCES = ("configMap", "secret", "downwardAPI", "projected")
+"""Volume sources a kubelet always mounts read-only."""
 
 
 def now() -> str:
@@ -475,8 +477,11 @@ class Kubelet:
                 {
                     "source": str(source),
                     "target": mount["mountPath"],
+                    # configMap and secret volumes are read-only whatever the mount
+                    # says, as a kubelet mounts them (since CVE-2017-1002102's fix).
                     "readOnly": bool(mount.get("readOnly"))
-                    or bool((volume.get("persistentVolumeClaim") or {}).get("readOnly")),
+                    or bool((volume.get("persistentVolumeClaim") or {}).get("readOnly"))
+                    or any(k in volume for k in READ_ONLY_SOURCES),
                 }
             )
         out.append(

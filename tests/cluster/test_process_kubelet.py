@@ -463,6 +463,53 @@ def test_a_missing_secret_or_image_leaves_the_pod_waiting_with_the_reason(cluste
     cluster.wait_pod(NS, "no-image", gone=True)
 
 
+def test_config_map_and_secret_volumes_are_read_only_whatever_the_mount_says(cluster):
+    """A kubelet mounts configMap and secret volumes read-only (since the fix of
+    CVE-2017-1002102), also where the mount leaves readOnly unset: a process writing into
+    its job file's folder fails on a real node. (The kubelet mounted them read-write.)"""
+    cluster.apply(data_object("ConfigMap", "ro-cm", {"a": "1"}))
+    cluster.apply(data_object("Secret", "ro-secret", {"b": base64.b64encode(b"2").decode()}))
+    script = """
+        import json
+        seen = {}
+        for path in ("/cm/a", "/cm/new", "/secret/b", "/scratch/new"):
+            try:
+                open(path, "w").write("x")
+                seen[path] = "written"
+            except OSError as error:
+                seen[path] = error.errno
+        seen["read"] = open("/cm/a").read() + open("/secret/b").read()
+        print(json.dumps(seen))
+        """
+    manifest = pod(
+        "ro-volumes",
+        script,
+        container={
+            "volumeMounts": [
+                {"name": "cm", "mountPath": "/cm"},
+                {"name": "secret", "mountPath": "/secret", "readOnly": False},
+                {"name": "scratch", "mountPath": "/scratch"},
+            ]
+        },
+        volumes=[
+            {"name": "cm", "configMap": {"name": "ro-cm"}},
+            {"name": "secret", "secret": {"secretName": "ro-secret"}},
+            {"name": "scratch", "emptyDir": {}},
+        ],
+    )
+    cluster.apply(manifest)
+    cluster.wait_pod(NS, "ro-volumes", "Succeeded")
+    seen = json.loads(cluster.logs(NS, "ro-volumes").strip().splitlines()[-1])
+    erofs = 30
+    assert seen == {
+        "/cm/a": erofs,
+        "/cm/new": erofs,
+        "/secret/b": erofs,
+        "/scratch/new": "written",
+        "read": "12",
+    }
+
+
 def test_the_readme_lists_what_is_emulated():
     text = (Path(__file__).parent / "README.md").read_text()
     for topic in ("API server", "scheduler", "DNS", "CNI", "probes", "not a real cluster"):

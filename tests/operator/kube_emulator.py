@@ -26,6 +26,9 @@ serves the resource endpoints itself, with the semantics kopf and kubectl rely o
   condition, then a graceful delete (no PodDisruptionBudget is checked);
 - NamespaceLifecycle admission: a create in a namespace being deleted is refused 403
   (`terminate_namespace` marks one Terminating; removing its content is not emulated);
+- validation of Pods, Services, ConfigMaps and Secrets on create and update, as
+  kube-apiserver's ValidatePod & co. (core_validation.py: 422 with the field errors; a
+  pod's spec immutable but for images, tolerations added, grace and nodeName's binding);
 - ResourceQuota admission of creates (quota.py): a create over a namespace's quota is
   refused 403 Forbidden with the real message (`pods "x" is forbidden: exceeded quota:
   …`), before the AlreadyExists check, as admission runs before storage.
@@ -59,6 +62,7 @@ import attrs
 import kmock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import core_validation
 import crd_validation
 import quota
 
@@ -693,6 +697,33 @@ class Emulator(kmock.KubernetesEmulator):
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
 
+    def _check_core(
+        self, rt: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None
+    ) -> None:
+        """kube-apiserver's validation of the built-in objects the operator creates (a
+        422 naming each field, as ValidatePod & co. write it; core_validation.py)."""
+        if rt.group or rt.kind not in ("Pod", "Service", "ConfigMap", "Secret"):
+            return
+        found = core_validation.problems(rt.kind, obj)
+        if old is not None and rt.kind == "Pod":
+            found += core_validation.pod_update_problems(old, obj)
+        if not found:
+            return
+        name = obj.get("metadata", {}).get("name", "")
+        text = ", ".join(str(p) for p in found)
+        raise ApiStatus(
+            422,
+            "Invalid",
+            f'{rt.kind} "{name}" is invalid: ' + (f"[{text}]" if len(found) > 1 else text),
+            {
+                "name": name,
+                "kind": rt.kind,
+                "causes": [
+                    {"reason": p.reason, "message": p.message, "field": p.field} for p in found
+                ],
+            },
+        )
+
     def _check_custom(
         self, rt: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None, validation: str
     ) -> tuple[dict[str, Any], list[str]]:
@@ -746,6 +777,8 @@ class Emulator(kmock.KubernetesEmulator):
         key = (*rt.key, meta.get("namespace"), meta["name"])
         if rt.namespaced:
             self._refuse_in_terminating(rt, meta)
+        self._check_core(rt, obj, None)
+        if rt.namespaced:
             self._admit_quota(rt, obj)
         if key in self.store:
             raise ApiStatus(
@@ -873,6 +906,7 @@ class Emulator(kmock.KubernetesEmulator):
         new, warnings = self._check_custom(rt, new, old, validation)
         if new == old:
             return old, warnings
+        self._check_core(rt, new, old)
         spec_changed = {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
             k: v for k, v in old.items() if k not in ("metadata", "status")
         }

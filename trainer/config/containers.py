@@ -45,12 +45,54 @@ class EnvVar(Section):
     def _one_source(self) -> EnvVar:
         if (self.value is None) == (self.value_from is None):
             raise ValueError(f"env {self.name}: give exactly one of value and valueFrom")
+        if self.value_from is not None:
+            problem = value_from_problem(self.value_from)
+            if problem:
+                raise ValueError(f"env {self.name}: valueFrom {problem}")
         if self.name in OPERATOR_ENV:
             raise ValueError(
                 f"env {self.name} is set by the operator in every pod (the trainer, the "
                 "rollout server and the operator depend on it); remove it from env"
             )
         return self
+
+
+VALUE_SOURCES = ("fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef")
+FIELD_PATHS = (
+    "metadata.name", "metadata.namespace", "metadata.uid", "spec.nodeName",
+    "spec.serviceAccountName", "status.hostIP", "status.hostIPs", "status.podIP",
+    "status.podIPs",
+)  # fmt: skip
+"""The pod fields the downward API gives variables (besides metadata.labels['KEY'] and
+metadata.annotations['KEY']): the API server refuses a pod naming another."""
+
+
+def value_from_problem(source: dict[str, Any]) -> str | None:
+    """What the API server would refuse in an EnvVarSource (every pod create of the role
+    would fail with a 422), in words; None when it is one it takes."""
+    given = [k for k in VALUE_SOURCES if source.get(k) is not None]
+    if len(given) != 1:
+        return f"must have exactly one of {', '.join(VALUE_SOURCES)}"
+    ref = source[given[0]]
+    if not isinstance(ref, dict):
+        return f"{given[0]} must be an object"
+    if given[0] == "fieldRef":
+        path = ref.get("fieldPath")
+        subscripted = isinstance(path, str) and any(
+            path.startswith(f"{p}['") and path.endswith("']") and len(path) > len(p) + 4
+            for p in ("metadata.labels", "metadata.annotations")
+        )
+        if path not in FIELD_PATHS and not subscripted:
+            return (
+                f"fieldRef.fieldPath {path!r} is not a pod field variables can read: "
+                f"{', '.join(FIELD_PATHS)}, metadata.labels['KEY'], metadata.annotations['KEY']"
+            )
+    elif given[0] == "resourceFieldRef":
+        if not ref.get("resource"):
+            return "resourceFieldRef needs resource (e.g. limits.cpu)"
+    elif not ref.get("name") or not ref.get("key"):
+        return f"{given[0]} needs name and key"
+    return None
 
 
 def unique_names(env: list[EnvVar]) -> list[EnvVar]:
