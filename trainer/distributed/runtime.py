@@ -82,10 +82,26 @@ def init_from_env(timeout_s: float = 600.0) -> Dist:
     return Dist(rank=rank, world=world, device=device)
 
 
+_left_peers = False
+"""This rank ended on an error of its own (`leave_peers`)."""
+
+
+def leave_peers() -> None:
+    """Mark this rank as ending on an error of its own: `shutdown` then ends it without
+    the goodbye barrier. Its peers may be blocked in a collective it will never join (a
+    step that failed on one rank only, while the others wait for its batch or gradient),
+    and would never reach that barrier: both waited for the other until the group's
+    timeout (10 minutes at least). Its exit breaks their collective at once instead."""
+    global _left_peers
+    _left_peers = True
+
+
 def shutdown() -> None:
     """Leave the process group once every rank is done with it (a rank destroying it
-    while another still talks aborts the other in gloo's threads)."""
-    if dist.is_initialized():
+    while another still talks aborts the other in gloo's threads); at once, without
+    waiting for the others, after `leave_peers` (`exit_worker` then ends the process
+    with the group in place, so nothing is destroyed under a peer)."""
+    if dist.is_initialized() and not _left_peers:
         _barrier(dist.get_rank())
         dist.destroy_process_group()
 

@@ -21,6 +21,7 @@ from rlft.trainer.checkpoint import storage_from_spec
 from rlft.trainer.checkpoint.manifest import OUTPUTS
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
+from rlft.trainer.distributed.runtime import leave_peers
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.learner.learner import Learner
 from rlft.trainer.model.build import count_parameters
@@ -130,6 +131,25 @@ def run_job(
     restarts, which say `latest-healthy`) that finds no checkpoint starts the job again
     over the files its earlier attempt left in `out`, instead of refusing to clobber them.
     """
+    try:
+        return _run_job(job, out, max_steps, overwrite, reporter, dist, resume, restarted)
+    except BaseException:
+        # An error of this rank's own (a step that failed on it alone, rank 0's output
+        # folder): its peers may wait for it in a collective, not in the goodbye barrier.
+        leave_peers()
+        raise
+
+
+def _run_job(
+    job: RLFineTune,
+    out: Path,
+    max_steps: int | None,
+    overwrite: bool,
+    reporter: Reporter | None,
+    dist: Dist | None,
+    resume: str | int | None,
+    restarted: bool,
+) -> dict:
     dist = dist or Dist()
     reporter = _reporter_for(dist, reporter)
     started = time.perf_counter()
@@ -183,6 +203,13 @@ def run_job(
                 raise StepFailedError(f"step {run.cursor.step + 1} failed: {error}") from error
         run.checkpoints.final(run.cursor, run.learner)
         extra = phase.source.summary(run)
+        # Still inside: a SIGTERM while the final model is evaluated and written (minutes
+        # on a real job) is a stop in its grace, not the signal's default end, which
+        # killed the process there without a verdict.
+        eval_final = run.eval_accuracy()
+        if not dist.is_main:
+            return {}
+        return _finish(run, parts, steps, extra, eval_final, time.perf_counter() - started)
     except StopRequested as stop:
         reporter.log(f"rlft: {stop}; exiting so the job can resume later")
         # `signalled`: this process's own SIGTERM, not only a peer's shared by the loop.
@@ -201,10 +228,6 @@ def run_job(
     finally:
         run.checkpoints.close()
         run.supervisor.close()
-    eval_final = run.eval_accuracy()
-    if not dist.is_main:
-        return {}
-    return _finish(run, parts, steps, extra, eval_final, time.perf_counter() - started)
 
 
 def _reporter_for(dist: Dist, reporter: Reporter | None) -> Reporter:

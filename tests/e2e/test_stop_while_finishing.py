@@ -1,0 +1,52 @@
+"""SIGTERM after the final checkpoint committed, while the trainer evaluates the final
+model and writes the outputs (the held-out evaluation, the model, summary.json, the
+upload to spec.checkpoint.uri: minutes on a real job): still a stop in its grace period
+with a verdict, not a process the signal kills. The trainer used to stop handling
+SIGTERM once the last step's checkpoint was in, so the signal's default action killed
+it there without a word (exit -15, no termination message)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import yaml
+from processes import kill_tree
+from test_resume import start, write_job
+
+from rlft.trainer import termination
+from rlft.trainer.checkpoint.manifest import LATEST, step_dir
+
+STEPS = 3
+EVAL_PROBLEMS = 100_000
+"""A final evaluation of seconds here: the window the signal comes in."""
+
+
+def test_sigterm_while_the_final_model_is_evaluated_ends_in_grace_with_a_verdict(tmp_path):
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = STEPS
+    spec["spec"]["data"]["arithmetic"] |= {"digits": 3, "evalSize": EVAL_PROBLEMS}
+    spec["spec"]["eval"]["maxProblems"] = EVAL_PROBLEMS
+    spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 60}
+    job.write_text(yaml.safe_dump(spec))
+    process = start(tmp_path, "out")
+    latest = tmp_path / "out" / "checkpoints" / LATEST
+    try:
+        deadline = time.monotonic() + 300
+        # The final checkpoint (the only one: no periodic saves) names the last step.
+        while not (latest.exists() and latest.read_text().strip() == step_dir(STEPS)):
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "the final checkpoint never came"
+            time.sleep(0.02)
+        time.sleep(1.0)  # past the commit's own end: into the final evaluation
+        assert not (tmp_path / "out" / "summary.json").exists(), "finished before the signal"
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=90)[0]
+    finally:
+        kill_tree(process)
+    assert process.returncode == 0, output
+    verdict = termination.read((tmp_path / "out.termination").read_text())
+    assert verdict is not None and verdict.exit_code == 0, (verdict, output)
+    assert verdict.completed or verdict.stopped, verdict
+    assert verdict.last_checkpoint == STEPS, verdict
