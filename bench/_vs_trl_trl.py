@@ -98,6 +98,9 @@ def main() -> int:
     sample = spec["problems"][0]["prompt"]
     if tokenizer(sample)["input_ids"] != tokenizer(sample, add_special_tokens=False)["input_ids"]:
         raise SystemExit("TRL's prompt tokens would differ from rlft's (special tokens added)")
+    # Stop where rlft and the bare loop stop (end-of-text and end-of-turn): GRPOTrainer stops
+    # on the model's generation_config.eos_token_id, which is end-of-text alone.
+    model.generation_config.eos_token_id = spec["stop_ids"]
     dataset = Dataset.from_list(spec["problems"])
     batch = recipe["prompts"] * recipe["group"]
     config = GRPOConfig(
@@ -146,6 +149,8 @@ def main() -> int:
         processing_class=tokenizer,
         callbacks=[clock],
     )
+    if sorted(trainer.eos_token_ids) != sorted(spec["stop_ids"]):
+        raise SystemExit(f"TRL stops on {trainer.eos_token_ids}, rlft on {spec['stop_ids']}")
     clock.trainer = trainer
     trainer.train()
     snapshots = []

@@ -66,8 +66,9 @@ the steps after the first WARMUP):
   excess of those steps' gaps over the median gap-minus-step_time of the others. At
   the budget the script sends SIGTERM: rlft finishes the step, writes its emergency
   checkpoint and exits; `rlft export` turns that checkpoint into the final model.
-  Accuracy at the marks before 100% is rlft's in-run evaluation at the first evaluated
-  step at or after the mark (its actual time is printed).
+  Accuracy at the marks before 100% is rlft's in-run evaluation nearest the mark in
+  training wall time (its actual time is printed, and the largest distance of the last
+  fifth's from their marks).
 - TRL: a GRPOTrainer subclass times `_generate_and_score_completions` (tokenising,
   `model.generate`, decoding, rewards, advantages: generation); a TrainerCallback takes
   the time at every `on_step_end` (training = step gap − generation) and copies the
@@ -78,11 +79,15 @@ the steps after the first WARMUP):
 
 Prints, per framework: seconds per step (generation, training, total; medians), steps
 per second over the budget, mean ÷ median step time (about 1 for a steady run; a run
-that other load on the machine slowed for a while shows more, and is flagged), and
+that other load on the machine slowed for a while shows more, and is flagged), the cores
+other processes kept busy on average while each ran (`others`, from /proc/stat less this
+script's and its children's CPU time; over OTHER_LOAD it is flagged and named in the
+JSON's `disturbed`: a run slowed evenly throughout has a mean/median of 1), and
 held-out accuracy at 0/25/50/75/100% of the budget and its mean over the last fifth
 (snapshots at 80/85/90/95/100%). Last line: JSON with
 `speedup_vs_trl` (rlft steps/s ÷ TRL steps/s over the budget; `speedup_vs_trl_median`:
-TRL's median step time ÷ rlft's, which such disturbances barely move),
+TRL's median step time ÷ rlft's, which a stretch of slow steps barely moves; load all
+through one run moves it as much),
 `overhead_vs_bare` (rlft's median wall per step ÷ the bare loop's;
 `overhead_vs_bare_step_time` uses rlft's own step_time_s instead), the step times, the
 accuracies at equal wall time, and `goals_met` (speedup_vs_trl ≥ 1.5, overhead_vs_bare ≤
@@ -132,6 +137,7 @@ MARKS = (0.0, 0.25, 0.5, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
 SHOWN = (0.0, 0.25, 0.5, 0.75, 1.0)  # the marks the table prints
 FINAL = (0.8, 0.85, 0.9, 0.95, 1.0)  # accuracy at equal wall time: their mean
 BURSTY = 1.15  # mean/median step time above which a run is flagged as disturbed
+OTHER_LOAD = 0.2  # cores other processes used on average during a run: above, it is flagged
 EVALS_PER_BUDGET = 40  # rlft's in-run evaluations: about this many in the budget
 TRAIN_PROBLEMS = 40_000  # the list TRL and the bare loop draw from (in order, cycled)
 MODEL = dict(
@@ -224,6 +230,12 @@ class Result:
         found = self.window()
         return (max(found) - min(found)) / 2 if found else float("nan")
 
+    def window_offset(self, seconds: float) -> float:
+        """How far in training wall time the last fifth's snapshots are from their marks,
+        at most (rlft's are its in-run evaluations, every few steps)."""
+        found = [s for m in FINAL if (s := self.accuracy_at(m)) is not None]
+        return max((abs(s.wall_s - s.mark * seconds) for s in found), default=float("nan"))
+
     def last_accuracy(self) -> float | None:
         s = self.accuracy_at(1.0)
         return None if s is None else s.accuracy
@@ -244,6 +256,30 @@ def set_threads() -> None:
 
 def thread_env() -> dict[str, str]:
     return os.environ | {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
+
+
+def cpu_marks() -> tuple[float, float, float]:
+    """(wall, CPU seconds every process on the machine used, CPU seconds this script and its
+    reaped children used): the difference of two marks says how much others took."""
+    import resource
+
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return time.perf_counter(), float("nan"), 0.0
+    ticks = [int(f) for f in fields]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait (steal counts)
+    own = sum(
+        u.ru_utime + u.ru_stime
+        for u in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(-1))
+    )
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own
+
+
+def other_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Cores that other processes kept busy on average between two `cpu_marks`."""
+    wall = after[0] - before[0]
+    return ((after[1] - before[1]) - (after[2] - before[2])) / wall if wall > 0 else float("nan")
 
 
 # ------------------------------------------------------------------- task and eval
@@ -676,15 +712,14 @@ def run_rlft(
     for wall in walls:
         elapsed += wall
         cumulative.append(elapsed)
+    evaluated = [
+        (w, r) for w, r in zip(cumulative, clock.records, strict=True) if "eval_accuracy" in r
+    ]
     for mark in MARKS[1:-1]:
-        hit = next(
-            (
-                (w, r)
-                for w, r in zip(cumulative, clock.records, strict=True)
-                if "eval_accuracy" in r and w >= mark * seconds
-            ),
-            None,
-        )
+        # The evaluation nearest the mark: the first one at or after it came on average
+        # half an evaluation interval late (more training than TRL's and the bare loop's
+        # snapshots), and after a stretch of slow steps one evaluation served several marks.
+        hit = min(evaluated, key=lambda e: abs(e[0] - mark * seconds), default=None)
         if hit is not None:
             result.snapshots.append(Snapshot(mark, hit[0], hit[1]["step"], hit[1]["eval_accuracy"]))
     accuracy = shared_eval(load_model(final), load_tokenizer(final), held_out)
@@ -717,9 +752,13 @@ def run_trl(
     of its snapshots here."""
     import torch
 
+    from rlft.trainer.model.tokenizer import stop_token_ids
+
     python = ensure_trl_venv(TRL_VENV)
+    tokenizer = load_tokenizer(folder)
     spec = {
         "model": str(folder),
+        "stop_ids": stop_token_ids(tokenizer),  # rlft's and the bare loop's stopping rule
         "seconds": seconds,
         "marks": list(MARKS),
         "recipe": {
@@ -752,7 +791,6 @@ def run_trl(
     result = Result("trl", gen=data["gen"], wall=data["wall"])
     result.train = [w - g for w, g in zip(data["wall"], data["gen"], strict=True)]
     result.extra = {k: data[k] for k in ("reward_first", "reward_last", "versions", "config")}
-    tokenizer = load_tokenizer(folder)
     for snap in data["snapshots"]:
         state = torch.load(snap["path"], weights_only=True)
         accuracy = shared_eval(load_model(folder, state), tokenizer, held_out)
@@ -802,15 +840,21 @@ def bench(work: Path, seconds: float, only: list[str]) -> int:
     results: dict[str, Result] = {}
     if "bare" in only:
         log(f"bare PyTorch loop: {seconds:.0f} s")
+        before = cpu_marks()
         results["bare"] = run_bare(folder, problems, seconds, held_out)
+        results["bare"].extra["other_cores"] = other_cores(before, cpu_marks())
     step_s = results["bare"].median(results["bare"].wall) if "bare" in results else 0.3
     if "rlft" in only:
         every = max(1, round(seconds / EVALS_PER_BUDGET / step_s))
         log(f"rlft train: {seconds:.0f} s (in-run evaluation every {every} steps)")
+        before = cpu_marks()
         results["rlft"] = run_rlft(folder, work, seconds, every, eval_s, held_out)
+        results["rlft"].extra["other_cores"] = other_cores(before, cpu_marks())
     if "trl" in only:
         log(f"TRL GRPOTrainer: {seconds:.0f} s")
+        before = cpu_marks()
         results["trl"] = run_trl(folder, work, seconds, problems, held_out)
+        results["trl"].extra["other_cores"] = other_cores(before, cpu_marks())
     for result in results.values():
         result.snapshots.insert(0, Snapshot(0.0, 0.0, 0, start_accuracy))
     report(results, seconds, start_accuracy, load_before)
@@ -832,7 +876,7 @@ def report(
         f"first {WARMUP}"
     )
     header = f"{'':6}{'steps':>7}{'steps/s':>9}{'gen s':>8}{'train s':>9}{'step s':>8}"
-    log(header + f"{'vs bare':>9}{'mean/median':>13}")
+    log(header + f"{'vs bare':>9}{'mean/median':>13}{'others':>8}")
     bare = results.get("bare")
     for name, r in results.items():
         step = r.median(r.wall)
@@ -840,6 +884,19 @@ def report(
         log(
             f"{name:6}{r.steps:>7}{r.steps_per_s:>9.3f}{r.median(r.gen):>8.3f}"
             f"{r.median(r.train):>9.3f}{step:>8.3f}{ratio:>9}{r.burstiness:>13.2f}"
+            f"{r.extra.get('other_cores', float('nan')):>8.2f}"
+        )
+    loaded = [
+        name
+        for name, r in results.items()
+        if not r.extra.get("other_cores", 0.0) <= OTHER_LOAD  # NaN (no /proc/stat) too
+    ]
+    if loaded:
+        log(
+            f"warning: {', '.join(loaded)}: other processes kept over {OTHER_LOAD} of a core "
+            f"busy on average while it ran (column `others`, of {os.cpu_count()}): with "
+            f"{THREADS} threads on {os.cpu_count()} cores that slows every step, the medians "
+            "too; compare runs without this warning only"
         )
     bursty = [name for name, r in results.items() if r.burstiness > BURSTY]
     if bursty:
@@ -869,6 +926,7 @@ def report(
         window = r.window_accuracy()
         spread = r.window_spread()
         last = "-" if window is None else f"{window:.3f} (±{spread:.3f})"
+        last += f", snapshots ≤{r.window_offset(seconds):.1f} s off their marks"
         log(f"  {name:6}" + " ".join(cells) + f" last fifth: {last}")
 
     def get(name: str) -> Result | None:
@@ -900,6 +958,10 @@ def report(
         "steps": {n: r.steps for n, r in results.items()},
         "steps_per_s": {n: round(r.steps_per_s, 4) for n, r in results.items()},
         "mean_over_median_step": {n: round(r.burstiness, 3) for n, r in results.items()},
+        "other_load_cores": {
+            n: round(r.extra.get("other_cores", float("nan")), 3) for n, r in results.items()
+        },
+        "disturbed": loaded,
         "accuracy_start": round(start_accuracy, 4),
         "accuracy_at_equal_wall_time": accuracy,
         "accuracy_last_snapshot": {n: rounded(r.last_accuracy()) for n, r in results.items()},
