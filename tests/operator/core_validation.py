@@ -113,26 +113,25 @@ def unsupported(path: str, value: Any, supported: tuple[str, ...]) -> Problem:
     )
 
 
-def _dns_label(path: str, value: Any) -> list[Problem]:
+def _dns_name(
+    path: str, value: Any, longest: int, pattern: re.Pattern, message: str
+) -> list[Problem]:
     if not isinstance(value, str) or not value:
         return [required(path)]
     out = []
-    if len(value) > 63:
-        out.append(invalid(path, value, "must be no more than 63 characters"))
-    if not DNS1123_LABEL.match(value):
-        out.append(invalid(path, value, LABEL_MSG))
+    if len(value) > longest:
+        out.append(invalid(path, value, f"must be no more than {longest} characters"))
+    if not pattern.match(value):
+        out.append(invalid(path, value, message))
     return out
+
+
+def _dns_label(path: str, value: Any) -> list[Problem]:
+    return _dns_name(path, value, 63, DNS1123_LABEL, LABEL_MSG)
 
 
 def _subdomain(path: str, value: Any) -> list[Problem]:
-    if not isinstance(value, str) or not value:
-        return [required(path)]
-    out = []
-    if len(value) > 253:
-        out.append(invalid(path, value, "must be no more than 253 characters"))
-    if not DNS1123_SUBDOMAIN.match(value):
-        out.append(invalid(path, value, SUBDOMAIN_MSG))
-    return out
+    return _dns_name(path, value, 253, DNS1123_SUBDOMAIN, SUBDOMAIN_MSG)
 
 
 def _qualified_name(path: str, key: str) -> list[Problem]:
