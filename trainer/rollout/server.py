@@ -209,6 +209,7 @@ class EngineHost:
     def _receive(self, request: WeightsRequest):
         """Join (or re-join) the trainer's broadcast group and receive one version. Runs
         outside the engine lock: generation goes on while the bytes arrive."""
+        from rlft.trainer.telemetry.liveness_server import pod_address
         from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
 
         spec = request.broadcast
@@ -217,7 +218,11 @@ class EngineHost:
             address,
             spec["rank"],
         ):
-            self._group = BroadcastGroup(address, spec["rank"], spec.get("timeout_s", 60.0))
+            # Bound to the pod's own address: gloo gives the group the address its device
+            # listens on, and the trainer in another pod cannot reach this pod's loopback.
+            self._group = BroadcastGroup(
+                address, spec["rank"], spec.get("timeout_s", 60.0), pod_address()
+            )
         version, tensors = self._group.receive()
         if version != request.version:
             raise ProtocolError(f"version: asked for {request.version}, received {version}")

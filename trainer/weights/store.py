@@ -9,7 +9,7 @@ Layout under the location (file:// or s3://, the checkpoint code's storage backe
 
 Rollout instances load `v-…/` on `POST /weights {uri}`; a newly started instance reads
 `LATEST` and catches up before it serves (`latest_uri`). Old versions are deleted once
-`keep` newer ones are ready, so an instance still loading V-1 finds it.
+`keep` newer ones are ready, so an instance still loading an older one finds it.
 """
 
 from __future__ import annotations
@@ -121,11 +121,19 @@ class WeightStore:
         return None if version is None else (version, self.uri_of(version))
 
     def _prune(self, newest: int) -> None:
-        """Versions `keep` or more behind `newest`, published or not: a write cut short
-        (the store failing mid-version, the publisher killed) leaves a folder without
-        READY that no reader takes and nothing else would remove."""
-        for version in sorted(self._folders()):
-            if version <= newest - self.keep:
+        """Versions older than the `keep` newest ready ones up to `newest`, published or
+        not: a write cut short (the store failing mid-version, the publisher killed)
+        leaves a folder without READY that no reader takes and nothing else would remove.
+        Counted in ready versions, not numbers: a broadcast writes a store copy only when
+        its group is re-formed, and the previous copy (what a restarted instance loads,
+        from LATEST) may be any number of versions behind the new one."""
+        folders = self._folders()
+        ready = sorted(v for v, names in folders.items() if READY in names and v <= newest)
+        if len(ready) < self.keep:
+            return
+        oldest_kept = ready[-self.keep]
+        for version in sorted(folders):
+            if version < oldest_kept:
                 self.storage.delete_prefix(f"{version_key(version)}/")
 
 
