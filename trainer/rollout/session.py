@@ -186,17 +186,7 @@ class RolloutSession:
             session.client = RolloutClient(urls, rollout.request_timeout_seconds)
             session.client.wait_reachable(pods_start_within(job), log, stopping)
             store = WeightStore.at(rollout.weights_uri)
-            newest = _newest_published(store, session.client)
-            if newest is not None and newest > cursor.policy_version:
-                # An earlier run of this job published past the checkpoint it resumed
-                # (the instances outlived it): those numbers name other weights, and
-                # versions only grow, so the instances, the store and the staleness gate
-                # never see one number for two sets of weights.
-                log(
-                    f"rlft: weights up to version {newest} were published before this "
-                    f"run; continuing at version {newest + 1} (versions only grow)"
-                )
-                cursor.policy_version = newest + 1
+            _go_on_after(_newest_published(store, session.client), cursor, log)
             session._connect(job, producer, stop_ids, cursor, store)
             session.publisher.publish_now(model, cursor.policy_version)
             session.client.wait_ready(rollout.request_timeout_seconds, stopping)
@@ -217,6 +207,8 @@ class RolloutSession:
         base = out if out is not None else Path.cwd() / "runs" / job.metadata.name
         uri = rollout.weights_uri or (base.resolve() / "weights").as_uri()
         store = WeightStore.at(uri)
+        # Its servers are new, but the store may hold an earlier run's later versions.
+        _go_on_after(max(store.numbers(), default=None), cursor, log)
         version = cursor.policy_version
         store.write(version, serialize(model), config_json(model))  # servers start from it
         engine = local_engine(rollout)
@@ -311,6 +303,19 @@ class RolloutSession:
             self.publisher.close()
         if self.servers is not None:
             self.servers.stop()
+
+
+def _go_on_after(newest: int | None, cursor, log) -> None:
+    """An earlier run of this job published past the checkpoint this one resumed (the
+    instances or the store outlived it): those numbers name other weights, and versions
+    only grow, so the instances, the store and the staleness gate never see one number
+    for two sets of weights (a version rewritten in place kept its old READY meanwhile)."""
+    if newest is not None and newest > cursor.policy_version:
+        log(
+            f"rlft: weights up to version {newest} were published before this run; "
+            f"continuing at version {newest + 1} (versions only grow)"
+        )
+        cursor.policy_version = newest + 1
 
 
 def _newest_published(store, client) -> int | None:
