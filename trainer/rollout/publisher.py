@@ -16,6 +16,8 @@ load of the newest version failed (a transient store error) while another took i
 one with no weights yet, is sent that version's store copy again (`_catch_up`). Without
 it, it took no requests (it serves an older version) and got nothing until the next
 publication, which needs samples: generation stalled once the up-to-date ones died.
+An instance whose catch-up fails is tried again after a wait that doubles, up to
+`catch_up_backoff_max_s`, and at once when a newer version is published.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class WeightPublisher:
         timeout_s: float = 600.0,
         host: str | None = None,
         catch_up_every_s: float = 1.0,
+        catch_up_backoff_max_s: float = 60.0,
     ):
         if mode not in ("store", "broadcast"):
             raise ValueError(f"publication mode {mode!r}: use store or broadcast")
@@ -71,6 +74,11 @@ class WeightPublisher:
         """(version, URI) of the newest acknowledged version with a store copy: what an
         instance behind is sent."""
         self.catch_up_every_s = catch_up_every_s
+        self.catch_up_backoff_max_s = catch_up_backoff_max_s
+        self._held: dict[str, tuple[float, float]] = {}
+        """Instance URL → (when its next catch-up may be tried, the wait before it): one
+        whose catch-up keeps failing (a 401, a store it cannot read) is tried less and
+        less often, not every `catch_up_every_s` with a warning each time, for ever."""
         self.last_publish_s = 0.0
         """Seconds from snapshot to the last instance's acknowledgement (last publication)."""
         self.published = 0
@@ -153,6 +161,7 @@ class WeightPublisher:
                 self._acked = max(self._acked, version)
                 if uri is not None:
                     self._latest = (version, uri)
+                    self._held.clear()  # a new version: each behind instance tries again
                 self._cond.notify_all()
 
     def _woken(self) -> bool:
@@ -165,17 +174,27 @@ class WeightPublisher:
         if self._latest is None:
             return
         version, uri = self._latest
-        behind = self.client.behind(version)
+        now = time.monotonic()
+        behind = [i for i in self.client.behind(version) if self._held.get(i.url, (0, 0))[0] <= now]
         if not behind:
             return
         request = WeightsRequest(version=version, uri=uri)
-        try:
-            with ThreadPoolExecutor(max_workers=len(behind)) as pool:
-                list(
-                    pool.map(lambda i: self.client.load_weights(i, request, self.timeout_s), behind)
-                )
-        except Exception as error:  # a refused load (400): the next publication may do
-            log.warning("weights of version %d: catch-up failed: %s", version, error)
+
+        def load(instance) -> None:
+            try:
+                loaded = self.client.load_weights(instance, request, self.timeout_s)
+            except Exception as error:  # a refused load (400): the next publication may do
+                loaded = False
+                log.warning("weights of version %d: catch-up failed: %s", version, error)
+            if loaded:
+                self._held.pop(instance.url, None)
+                return
+            wait = self._held.get(instance.url, (0, 0))[1] * 2 or self.catch_up_every_s
+            wait = min(wait, self.catch_up_backoff_max_s)
+            self._held[instance.url] = (time.monotonic() + wait, wait)
+
+        with ThreadPoolExecutor(max_workers=len(behind)) as pool:
+            list(pool.map(load, behind))
 
     def _ship_retrying(self, version: int, snapshot, config: str) -> tuple[bool, str | None]:
         """Ship `version`, retried until `timeout_s`: (False if a newer version became
