@@ -6,7 +6,8 @@ One protocol for every engine, so the orchestrator never knows which one it talk
   greedy}, seed?, request_id?} → {request_id, policy_version, completions: [{prompt_index,
   token_ids, logprobs, finish_reason, policy_version}], tokens, seconds}
 - `POST /weights` {version, uri?} or {version, broadcast: {address, rank, world_size,
-  names?}} → {policy_version, seconds}
+  timeout_s?, group?}} → {policy_version, seconds}; `group` names the group (a new name
+  is a new group, also at the last one's address)
 - `GET /healthz` → {ok, policy_version, engine, model}; 503 until weights are loaded
 - `GET /livez` → {ok, engine}: 200 once the server serves, weights or not
 - `GET /metrics` → Prometheus text
@@ -195,4 +196,6 @@ class WeightsRequest:
             rank = _int(broadcast, "rank", 1, 4095)
             if rank >= world:
                 raise ProtocolError(f"broadcast.rank: {rank} must be < world_size {world}")
+            if not isinstance(broadcast.get("group", ""), str):
+                raise ProtocolError("broadcast.group: must be a string")
         return cls(version=version, uri=uri, broadcast=broadcast)

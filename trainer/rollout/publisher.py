@@ -26,6 +26,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -68,6 +69,7 @@ class WeightPublisher:
         self._error: BaseException | None = None
         self._closed = False
         self._group = None
+        self._group_name = ""
         self._members: tuple[tuple[str, str | None], ...] = ()
         """(URL, server id) of the group's instances."""
         self._latest: tuple[int, str] | None = None
@@ -288,11 +290,13 @@ class WeightPublisher:
         if members != self._members:
             self._group = None
         uri = self.store.write(version, save(state), config) if self._group is None else None
-        address = (
-            GroupAddress(self.host, free_port(self.host), len(live) + 1)
-            if self._group is None
-            else self._group.address
-        )
+        if self._group is None:
+            # Named: a new group may get the last one's port, and a member at the same
+            # rank in both took it for the old (dead) group and never joined the new one.
+            self._group_name = uuid.uuid4().hex
+            address = GroupAddress(self.host, free_port(self.host), len(live) + 1)
+        else:
+            address = self._group.address
         requests = [
             WeightsRequest(
                 version=version,
@@ -301,6 +305,7 @@ class WeightPublisher:
                     "rank": rank,
                     "world_size": address.world_size,
                     "timeout_s": min(self.timeout_s, 60.0),
+                    "group": self._group_name,
                 },
             )
             for rank in range(1, len(live) + 1)

@@ -68,6 +68,9 @@ class EngineHost:
         self._busy = False
         self._writers_waiting = 0
         self._group = None
+        self._joined: tuple | None = None
+        """(address, rank, name) of the broadcast group joined: a new name is a new group,
+        also at the last one's address."""
         self._metrics = metrics
         self.damaged: str | None = None
         """Why the engine's weights are no version (a load failed after it had begun
@@ -214,15 +217,14 @@ class EngineHost:
 
         spec = request.broadcast
         address = GroupAddress.parse(spec["address"], spec["world_size"])
-        if self._group is None or (self._group.address, self._group.rank) != (
-            address,
-            spec["rank"],
-        ):
+        joined = (address, spec["rank"], spec.get("group"))
+        if self._group is None or self._joined != joined:
             # Bound to the pod's own address: gloo gives the group the address its device
             # listens on, and the trainer in another pod cannot reach this pod's loopback.
             self._group = BroadcastGroup(
                 address, spec["rank"], spec.get("timeout_s", 60.0), pod_address()
             )
+            self._joined = joined
         version, tensors = self._group.receive()
         if version != request.version:
             raise ProtocolError(f"version: asked for {request.version}, received {version}")
