@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 
 import pytest
 from hypothesis import example, given
@@ -120,6 +121,32 @@ def test_three_skipped_spikes_in_the_window_declare_collapse():
     assert verdicts[79].levels["sustained_spikes"] == OK
 
 
+def test_warning_spikes_in_the_window_are_a_sustained_warning():
+    records = stream(80)
+    for step in (50, 55, 60):
+        records[step]["ratio_max"] = 20.0  # a warning, not a critical step
+    _, verdicts = run(records)
+    assert verdicts[50].levels["importance_ratio_blowup"] == WARNING
+    assert not verdicts[50].skip_update
+    assert verdicts[55].levels["sustained_spikes"] == OK
+    assert verdicts[60].levels["sustained_spikes"] == WARNING
+    assert verdicts[60].health == "warning" and not verdicts[60].collapsed
+    assert verdicts[79].levels["sustained_spikes"] == OK
+
+
+def test_a_large_spike_in_a_noisy_run_is_critical_on_its_factor():
+    """In a noisy run (σ = 0.5) a 10× step is only a warning by its robust z; being at
+    least criticalFactor (8×) its median makes it critical all the same."""
+    rng = random.Random(1)
+    records = [healthy(s, rng, grad_norm=math.exp(rng.gauss(0, 0.5))) for s in range(1, 102)]
+    detector, _ = run(records[:100])
+    median = math.exp(statistics.median(detector.log_grad))
+    verdict = detector.observe({**records[100], "grad_norm": 10 * median})
+    spec = DetectorSpec().grad_norm
+    assert spec.warning_z <= verdict.zscore < spec.critical_z
+    assert verdict.levels["grad_norm_spike"] == CRITICAL and verdict.skip_update
+
+
 def test_slow_entropy_collapse_warns_then_declares_collapse():
     records = stream(200)
     for i in range(120, 200):
@@ -131,6 +158,11 @@ def test_slow_entropy_collapse_warns_then_declares_collapse():
     assert 120 < first_warning < first_critical < 160
     assert verdicts[first_critical].health == "collapsed"
     assert verdicts[-1].levels["entropy_collapse"] == CRITICAL  # reference was frozen
+    # Frozen: the history holds exactly the entropies of the steps not judged critical,
+    # none of the collapsed ones (they would have dragged the reference down with them).
+    detector, verdicts = run(records)
+    kept = [r["entropy"] for r, v in zip(records, verdicts, strict=True) if v.level < CRITICAL]
+    assert len(kept) < len(records) and list(detector.entropy) == kept[-len(detector.entropy) :]
 
 
 def test_slow_healthy_entropy_decline_is_not_a_collapse():
@@ -183,6 +215,7 @@ def test_kl_growing_from_zero_is_not_a_blowup():
         ({"ratio_max": 20.0}, WARNING),
         ({"ratio_max": 5000.0}, CRITICAL),
         ({"ratio_mean": 1.3}, WARNING),
+        ({"ratio_mean": 0.7}, WARNING),  # far from 1 below it too
         ({"ratio_mean": 2.5}, CRITICAL),
         ({"ratio_masked_fraction": 0.6}, CRITICAL),
         ({"ratio_masked_fraction": 0.01}, OK),

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+
+import pytest
 
 from rlft.trainer.checkpoint.emergency import GracefulStop
 
@@ -16,6 +19,7 @@ def test_the_emergency_checkpoint_gives_up_before_the_watchdog_fires():
         os.kill(os.getpid(), signal.SIGTERM)  # handled in this (the main) thread
         assert stop.requested and stop._watchdog is not None
         watchdog_s = stop._watchdog.interval  # 6 s grace less the 1 s margin
+        assert watchdog_s == 6.0 - 1.0
         left = stop.remaining()
         # The CI of 955b330: both deadlines at 5 s, a busy machine's retries ran to the
         # last moment and the watchdog exited 1 first. At least 2 s stay for giving up.
@@ -28,3 +32,11 @@ def test_the_emergency_checkpoint_gives_up_before_the_watchdog_fires():
 def test_a_long_grace_keeps_back_at_most_five_seconds():
     stop = GracefulStop(600.0)
     assert stop.reserve_seconds == 5.0
+
+
+def test_a_spent_budget_leaves_nothing_and_a_grace_within_the_margin_is_refused():
+    stop = GracefulStop(6.0)
+    stop.received_at = time.monotonic() - 60  # the signal came a minute ago
+    assert stop.remaining() == 0.0  # never negative: nothing is left, not less
+    with pytest.raises(ValueError, match="must exceed the safety margin"):
+        GracefulStop(1.0)

@@ -94,8 +94,17 @@ def test_guard_skips_a_spike_and_counts_it():
     assert guard.counters == Counters(skipped=1, rollbacks=0)
     assert len(listener.calls) == 40 and listener.calls[30][1].skipped == 1
     assert not guard.healthy_for_checkpoint()  # trouble in the last window
+    # Healthy again exactly once a whole sustained window of clean steps followed the
+    # last warning: not a step earlier, not a step later.
+    window = guard.spec.detector.sustained.window
+    last_trouble = max(i for i, d in enumerate(decisions) if d.level >= WARNING)
+    clean = len(decisions) - 1 - last_trouble
+    assert 0 < clean < window
     for r in records(20, seed=1):
-        guard.check({**r, "step": r["step"] + 40})
+        decision = guard.check({**r, "step": r["step"] + 40})
+        assert decision.level < WARNING
+        clean += 1
+        assert guard.healthy_for_checkpoint() == (clean >= window), clean
     assert guard.healthy_for_checkpoint()
 
 
@@ -124,8 +133,12 @@ def test_guard_rolls_back_with_window_and_lr_then_fails_after_max_rollbacks():
     guard.rolled_back()
     assert guard.lr_multiplier == 0.5 and guard.counters.rollbacks == 1
     guard.restore_detector(saved)
+    # the restored checkpoint was healthy: the trouble before it is forgotten, and the
+    # next rollback goes back to before its own trouble, not the first one's
+    assert guard.healthy_for_checkpoint()
     second = blow_up(46)
     assert second.action == "rollback" and second.lr_multiplier == 0.25
+    assert second.restore_before_step == 46 and second.resume_data_after_step == 50
     guard.rolled_back()
     assert guard.lr_multiplier == 0.25
     guard.restore_detector(saved)
@@ -154,6 +167,16 @@ def test_guard_state_round_trip_keeps_counters():
     assert other.counters == guard.counters == Counters(skipped=1, rollbacks=0)
     nxt = {"step": 51, "grad_norm": 1.0, "entropy": 0.3, "reward_mean": 0.5}
     assert other.check(dict(nxt)).verdict.to_dict() == guard.check(dict(nxt)).verdict.to_dict()
+    # The trouble at step 41 and the clean steps since travel too: the resumed guard
+    # turns healthy for checkpoints at the very step the original does.
+    window = guard.spec.detector.sustained.window
+    healthy = []
+    for r in records(window, seed=2):
+        step = {**r, "step": r["step"] + 51}
+        assert other.check(dict(step)).level == guard.check(dict(step)).level < WARNING
+        healthy.append((other.healthy_for_checkpoint(), guard.healthy_for_checkpoint()))
+    assert [mine for mine, _ in healthy] == [theirs for _, theirs in healthy]
+    assert healthy[0] == (False, False) and healthy[-1] == (True, True)
 
 
 def test_stability_section_in_a_job_file(tmp_path):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rlft.trainer.rollout.batches import Rollouts, collect
@@ -51,9 +51,20 @@ def test_gate_rejects_versions_from_the_future_and_negative_limits() -> None:
 
 
 @given(k=st.integers(0, 6), released=st.integers(0, 30), batch=st.integers(0, 30))
+@example(k=0, released=0, batch=1)  # the first batch that waits: for step 0's weights
+@example(k=3, released=0, batch=4)
+@example(k=3, released=0, batch=3)  # the last one that does not wait
 def test_start_rule_matches_the_required_step(k, released, batch) -> None:
     need = required_step(batch, k)
+    # steps 0 .. batch - k - 1 must have finished: the last of them is the one waited for
+    assert need == (batch - k - 1 if batch > k else None)
     assert may_start(batch, released, k) == (need is None or released > need)
+
+
+@pytest.mark.parametrize("arguments", [(-1, 0, 0), (0, -1, 0), (0, 0, -1)])
+def test_the_start_rule_refuses_negative_numbers(arguments) -> None:
+    with pytest.raises(ValueError, match="must be ≥ 0"):
+        may_start(*arguments)
 
 
 @settings(max_examples=300)

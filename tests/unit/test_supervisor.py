@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 from tiny_jobs import TINY_MODEL, manifest
 
 from rlft.trainer.config import parse_job
 from rlft.trainer.distributed import Dist
-from rlft.trainer.run.supervisor import Supervisor
+from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.run.supervisor import RunEnded, Supervisor
 
 
 def supervisor(logged: list[str]) -> Supervisor:
@@ -89,3 +91,30 @@ def test_rollout_engines_are_counted_at_each_scrape_not_only_when_a_step_ends() 
         assert "rlft_rollout_engines_expected 2.0" in text
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    ("on_collapse", "code", "words"),
+    [("fail", ExitCode.COLLAPSED, "failing"), ("suspend", ExitCode.OK, "paused")],
+)
+def test_a_collapse_ends_the_run_as_the_job_asked(on_collapse, code, words) -> None:
+    """Three skipped spikes in the window are a collapse: `fail` ends the run as
+    collapsed, `suspend` pauses it (exit 0: a resume goes on from a healthy checkpoint)."""
+    job = parse_job(
+        manifest(
+            {
+                "model": TINY_MODEL,
+                "telemetry": {"enabled": False},
+                "stability": {"onCollapse": on_collapse},
+            }
+        )
+    )
+    sup = Supervisor(job, Dist(), [].append)
+    for step in range(1, 30):
+        assert sup.judge({"step": step, "grad_norm": 1.0 + 0.01 * (step % 3)}).action == "apply"
+    decisions = [sup.judge({"step": step, "grad_norm": 500.0}) for step in (30, 32, 34)]
+    assert [d.action for d in decisions[:2]] == ["skip", "skip"]
+    assert [sup.ended(d, d.step) for d in decisions[:2]] == [None, None]
+    ended = sup.ended(decisions[2], 34)
+    assert isinstance(ended, RunEnded) and ended.code == code
+    assert "collapse at step 34" in str(ended) and words in str(ended)

@@ -23,6 +23,22 @@ def test_each_rank_keeps_one_line_and_the_most_telling_verdict_wins(tmp_path):
     termination.write(Verdict(ExitCode.INVALID_CONFIG, "spec.data: bad", rank=1), env)
     verdict = termination.read((tmp_path / "termination-log").read_text())
     assert verdict.exit_code == ExitCode.INVALID_CONFIG and verdict.message == "spec.data: bad"
+    # a rank that recovers removes its own line, and only its own
+    termination.clear(1, env)
+    text = (tmp_path / "termination-log").read_text()
+    assert len(text.splitlines()) == 1 and "spec.data: bad" not in text
+    assert termination.read(text) == Verdict(0, completed=True, step=7, last_checkpoint=6)
+
+
+def test_among_equally_severe_lines_the_stalled_ranks_is_read(tmp_path):
+    """Its peers' errors (a collective broken when it was killed) follow from it, and
+    they may have written first."""
+    env = {termination.ENV: str(tmp_path / "termination-log")}
+    for rank in (1, 2):
+        termination.write(Verdict(ExitCode.FAILURE, "collective broke", rank=rank), env)
+    termination.write(Verdict(ExitCode.FAILURE, "no progress", rank=3, stalled=True), env)
+    verdict = termination.read((tmp_path / "termination-log").read_text())
+    assert verdict is not None and verdict.stalled and verdict.rank == 3
 
 
 def test_a_worker_restarted_in_place_forgets_its_pods_earlier_generation(tmp_path, monkeypatch):
@@ -68,6 +84,12 @@ def test_log_text_and_damaged_lines_are_no_verdict():
     assert termination.read("Traceback...\nRuntimeError: boom\n") is None
     assert termination.read('{"rlftVerdict": 1, "exit_code": "x"}\n{"rlftVerdict": 1') is None
     assert termination.read("") is None
+    # JSON that is not a verdict line, though it names the mark
+    assert termination.read('{"message": "rlftVerdict", "exit_code": 3}\n') is None
+    assert termination.read('{"rlftVerdict": 0, "exit_code": 3}\n') is None
+    # a number that is not an integer is no step (JSON true is not step 1)
+    line = '{"rlftVerdict": 1, "exit_code": 0, "step": true, "last_checkpoint": 4.5}\n'
+    assert termination.read(line) == Verdict(0)
 
 
 def test_messages_are_capped_and_nothing_is_written_without_the_variable(tmp_path):
@@ -118,16 +140,25 @@ def test_nproc_runs_exit_as_their_ranks_did(agent, verdict, code):
     assert ranks_exit_code(agent, verdict) == code
 
 
-def test_sixteen_ranks_in_a_pod_still_fit_and_keep_the_telling_line(tmp_path):
+@pytest.mark.parametrize("stalled_writes", ["first", "last"])
+def test_sixteen_ranks_in_a_pod_still_fit_and_keep_the_telling_line(tmp_path, stalled_writes):
     """16 ranks with a long checkpoint URI wrote more than 4096 bytes even with every
     message emptied; the kubelet kept the tail and cut the stalled rank's line, which
-    made a Stalled failure an Error."""
+    made a Stalled failure an Error. The line kept is the telling one wherever it was
+    written (the least telling lines go, not the newest)."""
     env = {termination.ENV: str(tmp_path / "termination-log")}
     uri = "s3://a-rather-long-bucket-name-for-checkpoints/team/project/runs/qwen3-moe"
-    termination.write(Verdict(ExitCode.FAILURE, "stalled in all_reduce", rank=2, stalled=True), env)
+    stalled = Verdict(
+        ExitCode.FAILURE, "stalled in all_reduce", 2, stalled=True, step=41, last_checkpoint=40
+    )
+    stalled = dataclasses.replace(stalled, checkpoint_uri=uri)  # as long as its peers' lines
+    if stalled_writes == "first":
+        termination.write(stalled, env)
     for rank in (r for r in range(16) if r != 2):
         stopped = Verdict(ExitCode.OK, "x" * 300, rank=rank, stopped=True, step=41)
         termination.write(dataclasses.replace(stopped, last_checkpoint=40, checkpoint_uri=uri), env)
+    if stalled_writes == "last":
+        termination.write(stalled, env)
     text = (tmp_path / "termination-log").read_text()
     assert len(text.encode()) <= termination.MAX_BYTES
     verdict = termination.read(text)
