@@ -131,6 +131,16 @@ def test_resume_follows_the_pointer_and_falls_back_to_older_ones() -> None:
     assert resume_order({}, None, "auto") == []
 
 
+def test_a_dangling_pointer_still_bounds_the_timeline() -> None:
+    """A pointer naming a folder without a readable manifest (its save was withdrawn,
+    or the manifest is damaged) still marks the timeline: the newest commit not above
+    it is taken, never the abandoned ones above it."""
+    committed = {10: True, 20: False, 30: True, 40: True}
+    assert resume_order(committed, 35, "auto") == [30, 20, 10]
+    assert resume_order(committed, 25, "latest-healthy") == [10]
+    assert resume_order(committed, 5, "auto") == []
+
+
 @given(
     st.dictionaries(st.integers(0, 60), st.booleans(), max_size=12),
     st.one_of(st.none(), st.integers(0, 60)),
@@ -159,6 +169,14 @@ def test_retention_keeps_last_n_and_healthy_and_drops_leftovers() -> None:
     # an abandoned timeline above the pointer goes, even when healthy
     assert retention_plan({10: True, 20: True, 30: True}, set(), 10, keep_last=3) == {20, 30}
     assert retention_plan(committed, {1}, None, keep_last=1) == set()
+    with pytest.raises(ValueError, match="keep_last"):
+        retention_plan(committed, set(), 60, keep_last=0)
+
+
+def test_retention_leaves_the_folder_the_pointer_names_without_a_manifest() -> None:
+    """Only leftovers below `latest` are interrupted saves: the folder the pointer
+    names (its manifest damaged or withdrawn) is not deleted as one."""
+    assert retention_plan({10: True}, {20, 15}, 20, keep_last=1) == {15}
 
 
 def test_retention_keeps_the_newest_healthy_ones_not_every_one() -> None:
@@ -183,7 +201,8 @@ def test_retention_keeps_latest_the_newest_and_the_newest_healthy_and_no_more(
     committed: dict[int, bool], uncommitted: set[int], keep: int, data
 ) -> None:
     latest = data.draw(st.sampled_from(sorted(committed)))
-    doomed = retention_plan(committed, uncommitted - set(committed), latest, keep)
+    # `uncommitted` may name committed steps too: those are decided as committed ones
+    doomed = retention_plan(committed, uncommitted, latest, keep)
     assert latest not in doomed
     timeline = sorted((s for s in committed if s <= latest), reverse=True)
     healthy = [s for s in timeline if committed[s]]
@@ -216,6 +235,36 @@ def test_policy_saves_on_multiples_of_the_interval_and_after_the_minutes() -> No
     assert not policy.due(14)
     with pytest.raises(ValueError):
         SavePolicy(0, 1.0)
+    with pytest.raises(ValueError):
+        SavePolicy(5, 0.0)
+
+
+def test_the_minute_interval_counts_from_the_start_and_includes_its_boundary() -> None:
+    """The clock is not assumed to start at 0 (monotonic time); a save is due once
+    exactly intervalMinutes have passed, not a step later."""
+    now = [5000.0]
+    policy = SavePolicy(interval_steps=1000, interval_minutes=2.0, clock=lambda: now[0])
+    now[0] += 119.0
+    assert not policy.due(1)
+    now[0] += 1.0  # exactly 120 s since the start
+    assert policy.due(2)
+    policy.saved()
+    now[0] += 119.5
+    assert not policy.due(3)
+    now[0] += 0.5
+    assert policy.due(4)
+
+
+def test_a_step_save_that_could_not_start_stays_pending() -> None:
+    """A save due at a multiple of intervalSteps while the previous one is in flight
+    happens at the next step, not at the next multiple."""
+    now = [0.0]
+    policy = SavePolicy(interval_steps=5, interval_minutes=60.0, clock=lambda: now[0])
+    assert [step for step in range(1, 5) if policy.due(step)] == []
+    assert policy.due(5)
+    assert policy.due(6) and policy.due(7)  # not saved yet: still due
+    policy.saved()
+    assert not policy.due(8)
 
 
 # ------------------------------------------------------------------------- retries

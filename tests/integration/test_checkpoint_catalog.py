@@ -1,0 +1,73 @@
+"""The catalog's choices over a file:// location, with manifests written by hand: what
+retention deletes of damaged and newer-format folders, and when a resume refuses a
+newer rlft's checkpoint. No model is saved: the rules, not the bytes, are under test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlft.trainer.checkpoint import open_storage
+from rlft.trainer.checkpoint.catalog import Catalog
+from rlft.trainer.checkpoint.errors import NewerFormatError
+from rlft.trainer.checkpoint.manifest import FileEntry, Manifest, config_hash, step_dir
+
+
+def _manifest(step: int, healthy: bool = True) -> Manifest:
+    return Manifest(
+        step=step,
+        policy_version=step,
+        world_size=1,
+        config_hash=config_hash({"run": 1}),
+        healthy=healthy,
+        files=(FileEntry("__0_0.distcp", 4, "00" * 32),),
+    )
+
+
+def _newer(step: int) -> bytes:
+    doc = json.loads(_manifest(step).to_json())
+    doc["formatVersion"] = 99
+    return json.dumps(doc).encode()
+
+
+def _steps(catalog: Catalog) -> set[int]:
+    return {int(info.key[5:11]) for info in catalog.storage.list("") if info.key != "latest"}
+
+
+def test_retention_deletes_damaged_and_interrupted_folders_but_not_a_newer_rlfts(
+    tmp_path: Path,
+) -> None:
+    catalog = Catalog(open_storage(f"file://{tmp_path}"))
+    storage = catalog.storage
+    catalog.commit(_manifest(2))
+    storage.put_bytes(f"{step_dir(3)}/manifest.json", b"{not json")  # damaged
+    storage.put_bytes(f"{step_dir(4)}/__0_0.distcp", b"abcd")  # interrupted save
+    storage.put_bytes(f"{step_dir(5)}/manifest.json", _newer(5))  # a newer rlft's
+    catalog.commit(_manifest(6))
+    scan = catalog.scan()
+    assert set(scan.unreadable) == {3, 5} and scan.newer == {5} and scan.uncommitted == {4}
+
+    assert catalog.prune(keep_last=5) == {3, 4}
+    assert _steps(catalog) == {2, 5, 6}
+
+
+def test_a_newer_rlfts_checkpoint_named_by_the_pointer_is_refused_not_passed_over(
+    tmp_path: Path,
+) -> None:
+    """After a rollback to it, the newer rlft's checkpoint is `latest` though a readable
+    one lies above it (the abandoned timeline): a resume must not fall back below it."""
+    catalog = Catalog(open_storage(f"file://{tmp_path}"))
+    catalog.commit(_manifest(2))
+    catalog.commit(_manifest(6))
+    catalog.storage.put_bytes(f"{step_dir(4)}/manifest.json", _newer(4))
+    catalog.storage.put_bytes("latest", f"{step_dir(4)}\n".encode())
+
+    def intact(manifest: Manifest) -> list[str]:
+        return []
+
+    for which in ("auto", "latest-healthy"):
+        with pytest.raises(NewerFormatError, match="step-000004"):
+            catalog.choose(which, check=intact)
+    assert catalog.choose(2, check=intact).step == 2  # an older step, named
