@@ -12,7 +12,8 @@ from pods import view
 
 from rlft.operator.decision import Observed, invalid_spec
 from rlft.operator.reconcile import reconcile
-from rlft.operator.status import FailureRecord
+from rlft.operator.responses import PEER_VERDICT_WAIT_SECONDS
+from rlft.operator.status import FailureRecord, rfc3339
 from rlft.operator.status import RLFineTuneStatus as Status
 from rlft.trainer.termination import Verdict
 
@@ -108,12 +109,27 @@ def test_a_lost_rendezvous_restarts_the_gang_once_its_peers_had_time_to_end():
     d = _reconcile(status, [running, lost], now=T0 + timedelta(seconds=16))
     assert d.status.restarts == 1 and d.status.gang_attempt == 1
     assert sorted(d.delete_pods) == ["tiny-grpo-trainer-0", "tiny-grpo-trainer-1"]
+    # Exactly PEER_VERDICT_WAIT_SECONDS after its end, the wait is over: judged now.
+    d = _reconcile(status, [running, lost], now=T0 + timedelta(seconds=PEER_VERDICT_WAIT_SECONDS))
+    assert d.status.restarts == 1 and d.status.gang_attempt == 1
     # A node clock an hour ahead: its end time is not trusted, the gang restarts now.
     ahead = _trainer(
         1, "b", phase="Failed", exit_code=1, message=LOST, finished_at="2026-01-01T01:00:00Z"
     )
     d = _reconcile(status, [running, ahead])
     assert d.status.restarts == 1 and d.status.gang_attempt == 1
+
+
+def test_a_node_clock_a_few_seconds_ahead_still_waits_for_the_peers_verdict():
+    """Node clocks drift: an end time a few seconds in the operator's future is trusted
+    (up to PEER_VERDICT_WAIT_SECONDS ahead), and the lost rendezvous still waits."""
+    status = Status(phase="Running", gang_pods=GANG, gang_replicas="2:2")
+    ahead = "2026-01-01T00:00:10Z"  # T0 + 10 s
+    lost = _trainer(1, "b", phase="Failed", exit_code=1, message=LOST, finished_at=ahead)
+    running = _trainer(0, "a", phase="Running", pod_ip="10.0.0.1")
+    d = _reconcile(status, [running, lost])
+    assert d.delete_pods == [] and d.status.restarts == 0, d.status.message
+    assert d.requeue_after is not None and d.requeue_after > PEER_VERDICT_WAIT_SECONDS
 
 
 def test_rank_0_finishing_is_not_undone_by_a_peer_failing_in_its_teardown():
@@ -268,3 +284,70 @@ def test_a_replicas_change_waits_with_an_edit_that_waits_for_a_suspend():
     assert len(made) == 2
     assert all("--nnodes=2:2" in p["spec"]["containers"][0]["command"] for p in made)
     assert held.status.gang_replicas == "2:2"
+
+
+def test_a_disruption_drops_restarts_older_than_the_window_from_the_history():
+    """Not counted, a disruption still leaves `restartHistory` as the window holds it:
+    restarts older than windowMinutes are forgotten, the recent ones kept."""
+    old, recent = T0 - timedelta(minutes=30), T0 - timedelta(minutes=2)
+    history = [rfc3339(old), rfc3339(recent)]
+    status = Status(phase="Running", gang_pods=GANG, gang_replicas="2:2", restart_history=history)
+    taken = dict(phase="Failed", exit_code=0, deleting=True, disruption="PreemptionByScheduler")
+    pods = [_trainer(0, "a", **taken), _trainer(1, "b", phase="Running", pod_ip="10.0.0.2")]
+    d = _reconcile(status, pods, restartPolicy={"maxRestarts": 3, "windowMinutes": 10})
+    assert d.status.phase != "Failed" and d.status.last_failure.reason == "Preempted"
+    assert "not counted" in d.status.last_failure.action
+    assert d.status.restart_history == [history[1]]
+
+
+def test_a_later_failure_never_shortens_a_restart_backoff_already_set():
+    """A rollout pod's error while an earlier restart still waits out a longer backoff:
+    the restart waits for the later of the two times, not the shorter new delay."""
+    held = T0 + timedelta(seconds=300)
+    status = Status(
+        phase="Running", gang_pods=GANG, gang_replicas="2:2", next_restart_at=rfc3339(held)
+    )
+    pods = [
+        _trainer(0, "a", phase="Running", pod_ip="10.0.0.1"),
+        _trainer(1, "b", phase="Running", pod_ip="10.0.0.2"),
+        _rollout(phase="Failed", exit_code=1),
+    ]
+    d = _reconcile(status, pods, restartPolicy={"maxRestarts": 3, "backoffSeconds": 10})
+    assert d.status.last_failure.pod == "tiny-grpo-rollout-0" and d.status.restarts == 1
+    assert d.status.next_restart_at == rfc3339(held)
+
+
+def test_a_gang_short_of_a_node_restarts_its_rendezvous_without_waiting_for_verdicts():
+    """trainer-2 has no node yet, so the gang could never meet: trainer-1's lost
+    rendezvous is no peer's consequence, and the wait for verdicts would only delay the
+    uncounted restart of the rendezvous."""
+    gang = [*GANG, "tiny-grpo-trainer-2/c"]
+    status = Status(phase="Running", gang_pods=gang, gang_replicas="3:3")
+    lost = _trainer(1, "b", phase="Failed", exit_code=1, message=LOST, finished_at=ENDED)
+    running = _trainer(0, "a", phase="Running", pod_ip="10.0.0.1")
+    pending = _trainer(2, "c", phase="Pending")
+    d = _reconcile(
+        status,
+        [running, lost, pending],
+        now=T0 + timedelta(seconds=2),
+        trainer={"replicas": {"min": 3, "max": 3}},
+    )
+    assert d.status.gang_attempt == 1 and d.status.restarts == 0, d.status.message
+    assert "tiny-grpo-trainer-0" in d.delete_pods and "tiny-grpo-trainer-1" in d.delete_pods
+
+
+def test_a_lost_rendezvous_waits_for_no_rank_the_operator_already_restarted():
+    """trainer-0 belongs to a gang the operator restarted (handled; its delete not landed
+    yet): it still runs, but it is no peer whose verdict could be the cause. trainer-1's
+    lost rendezvous is judged at once."""
+    status = Status(
+        phase="Running",
+        gang_pods=["tiny-grpo-trainer-1/b"],
+        gang_replicas="2:2",
+        handled_pods=["a"],
+    )
+    lost = _trainer(1, "b", phase="Failed", exit_code=1, message=LOST, finished_at=ENDED)
+    stale = _trainer(0, "a", phase="Running", pod_ip="10.0.0.1")
+    d = _reconcile(status, [stale, lost], now=T0 + timedelta(seconds=2))
+    assert d.status.last_failure is not None and d.status.last_failure.pod == "tiny-grpo-trainer-1"
+    assert d.status.restarts == 1 and "tiny-grpo-trainer-1" in d.delete_pods

@@ -93,6 +93,31 @@ def test_classify(kwargs, kind, permanent, group):
     assert failure.permanent == permanent and failure.group == group
 
 
+@pytest.mark.parametrize(("kwargs", "kind"), [(case[0], case[1]) for case in CASES])
+def test_only_the_clusters_disruptions_are_flagged(kwargs, kind):
+    """Preemption and a lost node are the cluster's doing (not counted against
+    restartPolicy by default); the kubelet's eviction for node pressure and every failure
+    of the pod's own are not."""
+    failure = P.classify(view("tiny-grpo-trainer-0", **kwargs))
+    assert failure is not None
+    assert failure.disruption == (kind in (P.PREEMPTED, P.NODE_LOST))
+
+
+def test_a_pod_on_a_lost_node_is_a_disruption_though_its_status_says_running():
+    """The taint manager deleted it from a node that stopped reporting: its status is
+    stale (still Running), and its loss is the cluster's doing."""
+    pod = view(
+        "tiny-grpo-trainer-0",
+        phase="Running",
+        disruption="DeletionByTaintManager",
+        deleting=True,
+        ready=False,
+    )
+    assert pod.on_lost_node
+    failure = P.classify(pod)
+    assert failure is not None and failure.kind == P.NODE_LOST and failure.disruption
+
+
 def test_covers_every_kind():
     seen = {kind for _, kind, _, _ in CASES} | {P.IMAGE_PULL, P.CONFIG_ERROR}
     assert seen == set(P.KINDS)
@@ -129,6 +154,26 @@ def test_a_rollout_server_that_exits_is_a_failure():
     assert not failure.disruption
     failure = P.classify(view("tiny-grpo-rollout-0", "rollout", phase="Succeeded"))
     assert failure is not None and failure.kind == P.ERROR
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(phase="Failed", exit_code=3),
+        dict(
+            phase="Failed",
+            exit_code=137,
+            verdict=termination.Verdict(1, "stalled: no progress", 0, stalled=True),
+        ),
+    ],
+)
+def test_a_collapse_or_a_stall_is_a_trainers_verdict_only(kwargs):
+    """Exit code 3 and a stalled verdict are the trainer's words (its stability guard, its
+    progress watchdog): a rollout pod ending so is a plain error, restarted on its own,
+    never the job failed or the trainer gang restarted."""
+    failure = P.classify(view("tiny-grpo-rollout-0", "rollout", **kwargs))
+    assert failure is not None and failure.kind == P.ERROR
+    assert not failure.group and not failure.permanent
 
 
 @pytest.mark.parametrize(
@@ -174,6 +219,7 @@ def test_backoff_doubles_and_is_capped():
     assert [P.backoff_seconds(10, n) for n in range(1, 5)] == [10, 20, 40, 80]
     assert P.backoff_seconds(10, 40) == P.MAX_BACKOFF_SECONDS
     assert P.backoff_seconds(0, 3) == 0
+    assert P.backoff_seconds(10, 0) == 0  # no restart in the window yet: no delay
 
 
 def test_restart_budget_is_per_window():
@@ -192,6 +238,19 @@ def test_restart_budget_is_per_window():
         history, NOW + timedelta(minutes=11), max_restarts=3, window_minutes=10, backoff=5
     )
     assert later.allowed and len(later.history) == 1 and later.delay == 5
+
+
+def test_a_restart_exactly_window_minutes_old_no_longer_counts():
+    """The window is the last windowMinutes, its start excluded."""
+    first = P.ask_restart([], NOW, max_restarts=1, window_minutes=10, backoff=5)
+    assert first.allowed
+    edge = NOW + timedelta(minutes=10)
+    assert P.in_window(first.history, edge, 10) == []
+    assert P.ask_restart(first.history, edge, max_restarts=1, window_minutes=10, backoff=5).allowed
+    just_inside = edge - timedelta(microseconds=1)
+    assert P.in_window(first.history, just_inside, 10) == [NOW]
+    budget = P.ask_restart(first.history, just_inside, max_restarts=1, window_minutes=10, backoff=5)
+    assert not budget.allowed
 
 
 @given(st.lists(st.integers(0, 3600), max_size=30), st.integers(0, 10), st.floats(0.1, 120))
