@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from rlft.trainer.config import ModelInit, ModelSpec, TokenizerSpec
 from rlft.trainer.model.build import build_policy
+from rlft.trainer.rollout.client import RolloutClient
+from rlft.trainer.rollout.local import LocalServers
+from rlft.trainer.rollout.publisher import WeightPublisher
 from rlft.trainer.rollout.server import start_server
 from rlft.trainer.weights.store import WeightStore, config_json, serialize
 
@@ -67,3 +72,24 @@ class ThreadServer:
 
 def store_at(tmp_path: Path) -> WeightStore:
     return WeightStore.at((tmp_path / "weights").as_uri())
+
+
+@contextlib.contextmanager
+def broadcasting(tmp_path: Path, count: int = 2) -> Iterator[tuple]:
+    """(model, store, servers, client, publisher): `count` local transformers servers
+    started from version 0 of a store, ready, with a client and a broadcast publisher over
+    them; all closed after."""
+    model, _ = tiny_model()
+    store = store_at(tmp_path)
+    publish(store, model, 0)
+    with LocalServers(count, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
+        client = RolloutClient(
+            servers.start(), timeout_s=60, probe_every_s=0.2, token=servers.token
+        )
+        publisher = WeightPublisher(client, store, "broadcast", timeout_s=60)
+        try:
+            client.wait_ready(120)
+            yield model, store, servers, client, publisher
+        finally:
+            publisher.close()
+            client.close()

@@ -9,12 +9,9 @@ import socket
 import time
 
 import pytest
-from rollout_fixtures import publish, redraw, store_at, tiny_model
+from rollout_fixtures import broadcasting, redraw
 
 from rlft.trainer.rollout import publisher as publisher_module
-from rlft.trainer.rollout.client import RolloutClient
-from rlft.trainer.rollout.local import LocalServers
-from rlft.trainer.rollout.publisher import WeightPublisher
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -24,31 +21,19 @@ def test_a_group_reformed_on_the_same_port_is_joined_anew(tmp_path, monkeypatch,
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     monkeypatch.setattr(publisher_module, "free_port", lambda host="127.0.0.1": port)
-    model, _ = tiny_model()
-    store = store_at(tmp_path)
-    publish(store, model, 0)
-    with LocalServers(2, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
-        client = RolloutClient(
-            servers.start(), timeout_s=60, probe_every_s=0.2, token=servers.token
-        )
-        publisher = WeightPublisher(client, store, "broadcast", timeout_s=60)
-        try:
-            client.wait_ready(120)
-            for version in (1, 2):  # 1 by the store (it builds engines), 2 forms the group
-                redraw(model, version)
-                publisher.publish_now(model, version)
-            servers.restart(1)  # instance 0 stays: rank 1 of the next group, as before
-            deadline = time.monotonic() + 120
-            while not client.probe(client.instances[1]):
-                assert time.monotonic() < deadline, "the restarted instance never served"
-                time.sleep(0.1)
-            redraw(model, 3)
-            started = time.monotonic()
-            with caplog.at_level("WARNING", logger="rlft.trainer.rollout.publisher"):
-                publisher.publish_now(model, 3)
-            assert "broadcast failed" not in caplog.text
-            assert time.monotonic() - started < 30
-            assert [i.policy_version for i in client.instances] == [3, 3]
-        finally:
-            publisher.close()
-            client.close()
+    with broadcasting(tmp_path) as (model, _, servers, client, publisher):
+        for version in (1, 2):  # 1 by the store (it builds engines), 2 forms the group
+            redraw(model, version)
+            publisher.publish_now(model, version)
+        servers.restart(1)  # instance 0 stays: rank 1 of the next group, as before
+        deadline = time.monotonic() + 120
+        while not client.probe(client.instances[1]):
+            assert time.monotonic() < deadline, "the restarted instance never served"
+            time.sleep(0.1)
+        redraw(model, 3)
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="rlft.trainer.rollout.publisher"):
+            publisher.publish_now(model, 3)
+        assert "broadcast failed" not in caplog.text
+        assert time.monotonic() - started < 30
+        assert [i.policy_version for i in client.instances] == [3, 3]

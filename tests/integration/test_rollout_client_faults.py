@@ -21,7 +21,15 @@ from typing import Any
 
 import pytest
 from processes import descendants, kill_tree
-from rollout_fixtures import PROMPTS, ThreadServer, publish, redraw, store_at, tiny_model
+from rollout_fixtures import (
+    PROMPTS,
+    ThreadServer,
+    broadcasting,
+    publish,
+    redraw,
+    store_at,
+    tiny_model,
+)
 
 from rlft.trainer.rollout import SamplingParams
 from rlft.trainer.rollout.client import (
@@ -408,33 +416,21 @@ def test_broadcast_groups_are_formed_when_members_change_and_leave_the_store_a_c
     URL but is not in the group: the group is re-formed for the next version at once (it
     was reused, the new process waited to join a group nobody formed, and the
     publication stalled for the group's 60 s timeout before falling back to the store)."""
-    model, _ = tiny_model()
-    store = store_at(tmp_path)
-    publish(store, model, 0)
-    with LocalServers(2, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
-        client = RolloutClient(
-            servers.start(), timeout_s=60, probe_every_s=0.2, token=servers.token
-        )
-        publisher = WeightPublisher(client, store, "broadcast", timeout_s=60)
-        try:
-            client.wait_ready(120)
-            for version in (1, 2, 3):  # 1 by the store (it builds engines), 2 and 3 broadcast
-                redraw(model, version)
-                publisher.publish_now(model, version)
-            assert [i.policy_version for i in client.instances] == [3, 3]
-            assert store.latest() == 2  # the group formed at 2, and was kept for 3
-            assert store.numbers() == [0, 1, 2]
-            url = client.instances[1].url
-            assert servers.restart(1) == url
-            wait_until(lambda: client.probe(client.instances[1]), 120, "the restart serves")
-            redraw(model, 4)
-            started = time.monotonic()
-            with caplog.at_level("WARNING", logger="rlft.trainer.rollout.publisher"):
-                publisher.publish_now(model, 4)
-            assert time.monotonic() - started < 30
-            assert "broadcast failed" not in caplog.text
-            assert [i.policy_version for i in client.instances] == [4, 4]
-            assert store.latest() == 4  # the group was formed again, at 4
-        finally:
-            publisher.close()
-            client.close()
+    with broadcasting(tmp_path) as (model, store, servers, client, publisher):
+        for version in (1, 2, 3):  # 1 by the store (it builds engines), 2 and 3 broadcast
+            redraw(model, version)
+            publisher.publish_now(model, version)
+        assert [i.policy_version for i in client.instances] == [3, 3]
+        assert store.latest() == 2  # the group formed at 2, and was kept for 3
+        assert store.numbers() == [0, 1, 2]
+        url = client.instances[1].url
+        assert servers.restart(1) == url
+        wait_until(lambda: client.probe(client.instances[1]), 120, "the restart serves")
+        redraw(model, 4)
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="rlft.trainer.rollout.publisher"):
+            publisher.publish_now(model, 4)
+        assert time.monotonic() - started < 30
+        assert "broadcast failed" not in caplog.text
+        assert [i.policy_version for i in client.instances] == [4, 4]
+        assert store.latest() == 4  # the group was formed again, at 4

@@ -130,6 +130,15 @@ def _dns_label(path: str, value: Any) -> list[Problem]:
     return _dns_name(path, value, 63, DNS1123_LABEL, LABEL_MSG)
 
 
+def _unique_label(path: str, name: str, names: set[str]) -> list[Problem]:
+    """A DNS label not among `names` (which it joins)."""
+    out = _dns_label(path, name)
+    if name in names:
+        out.append(duplicate(path, name))
+    names.add(name)
+    return out
+
+
 def _subdomain(path: str, value: Any) -> list[Problem]:
     return _dns_name(path, value, 253, DNS1123_SUBDOMAIN, SUBDOMAIN_MSG)
 
@@ -384,11 +393,7 @@ def _volumes(spec: dict[str, Any]) -> tuple[list[Problem], set[str]]:
     names: set[str] = set()
     for i, volume in enumerate(spec.get("volumes") or []):
         where = f"spec.volumes[{i}]"
-        name = volume.get("name", "")
-        out += _dns_label(f"{where}.name", name)
-        if name in names:
-            out.append(duplicate(f"{where}.name", name))
-        names.add(name)
+        out += _unique_label(f"{where}.name", volume.get("name", ""), names)
         sources = [k for k in volume if k != "name"]
         if not sources:
             out.append(required(where, "must specify a volume type"))
@@ -436,11 +441,7 @@ def pod_problems(pod: dict[str, Any]) -> list[Problem]:
     port_names: set[str] = set()
     for i, container in enumerate(containers):
         where = f"spec.containers[{i}]"
-        name = container.get("name", "")
-        out += _dns_label(f"{where}.name", name)
-        if name in names:
-            out.append(duplicate(f"{where}.name", name))
-        names.add(name)
+        out += _unique_label(f"{where}.name", container.get("name", ""), names)
         if not container.get("image"):
             out.append(required(f"{where}.image"))
         for j, port in enumerate(container.get("ports") or []):
