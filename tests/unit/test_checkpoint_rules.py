@@ -462,3 +462,19 @@ def test_a_location_refused_is_named_without_its_secret(uri: str) -> None:
     message = str(refused.value)
     assert "SECRETXYZ" not in message and "AKIAUSER" not in message, message
     assert "…" in message  # said that something was left out
+
+
+def test_another_jobs_checkpoints_are_left_out_but_those_of_no_known_job_stay() -> None:
+    """A location shared by mistake: another job's commits are never resumed; those
+    written without a job uid (a local run, an rlft from before uids) stay a choice."""
+    from rlft.trainer.checkpoint.catalog import Scan
+
+    mine, other, unknown = (
+        dataclasses.replace(_manifest(step), job_uid=uid)
+        for step, uid in ((10, "job-a"), (20, "job-b"), (30, None))
+    )
+    scan = Scan(manifests={10: mine, 20: other, 30: unknown}, latest=30)
+    kept = scan.without_other_jobs("job-a")
+    assert sorted(kept.manifests) == [10, 30]
+    assert kept.latest == 30 and sorted(scan.manifests) == [10, 20, 30]  # a new scan
+    assert sorted(scan.own("job-a")) == [10]
