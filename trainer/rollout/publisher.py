@@ -77,7 +77,7 @@ class WeightPublisher:
         instance behind is sent."""
         self.catch_up_every_s = catch_up_every_s
         self.catch_up_backoff_max_s = catch_up_backoff_max_s
-        self._held: dict[str, tuple[float, float]] = {}
+        self._held: dict[str, tuple[float, float]] = {}  # absent: (0, 0), not held
         """Instance URL → (when its next catch-up may be tried, the wait before it): one
         whose catch-up keeps failing (a 401, a store it cannot read) is tried less and
         less often, not every `catch_up_every_s` with a warning each time, for ever."""
@@ -177,7 +177,7 @@ class WeightPublisher:
             return
         version, uri = self._latest
         now = time.monotonic()
-        behind = [i for i in self.client.behind(version) if self._held.get(i.url, (0, 0))[0] <= now]
+        behind = [i for i in self.client.behind(version) if self._hold(i.url)[0] <= now]
         if not behind:
             return
         request = WeightsRequest(version=version, uri=uri)
@@ -191,12 +191,15 @@ class WeightPublisher:
             if loaded:
                 self._held.pop(instance.url, None)
                 return
-            wait = self._held.get(instance.url, (0, 0))[1] * 2 or self.catch_up_every_s
+            wait = self._hold(instance.url)[1] * 2 or self.catch_up_every_s
             wait = min(wait, self.catch_up_backoff_max_s)
             self._held[instance.url] = (time.monotonic() + wait, wait)
 
         with ThreadPoolExecutor(max_workers=len(behind)) as pool:
             list(pool.map(load, behind))
+
+    def _hold(self, url: str) -> tuple[float, float]:
+        return self._held.get(url, (0.0, 0.0))
 
     def _ship_retrying(self, version: int, snapshot, config: str) -> tuple[bool, str | None]:
         """Ship `version`, retried until `timeout_s`: (False if a newer version became

@@ -14,8 +14,8 @@ from rlft.trainer.telemetry import metrics as M
 
 UID = "rlft-training"
 _SELECTOR = 'job=~"$job", instance=~"$instance"'
-_ANY = '{__name__=~"rlft_.*"}'
-"""Every series rlft exports."""
+_ANY = '__name__=~"rlft_.*"'
+"""Every series rlft exports (a selector's matcher)."""
 _UNITS = {
     "seconds": "s",
     "tokens": "short",
@@ -113,11 +113,11 @@ def dashboard() -> dict[str, Any]:
         "templating": {
             "list": [
                 {"name": "datasource", "type": "datasource", "query": "prometheus", "current": {}},
-                {**variable, "name": "job", "query": f"label_values({_ANY}, job)"},
+                {**variable, "name": "job", "query": f"label_values({{{_ANY}}}, job)"},
                 {
                     **variable,
                     "name": "instance",
-                    "query": f'label_values({_ANY[:-1]}, job=~"$job"}}, instance)',
+                    "query": f'label_values({{{_ANY}, job=~"$job"}}, instance)',
                 },
             ]
         },
