@@ -9,6 +9,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -396,11 +397,13 @@ def test_a_suspended_job_edited_and_resumed_runs_with_the_new_values(cluster, se
     assert rates[1] == pytest.approx(0.001), (rates, logs)  # before the suspend: the old rate
 
 
-def test_a_create_refused_by_a_quota_is_shown_and_made_once_the_quota_is_raised(cluster, seaweed):
-    """A ResourceQuota of two pods in the job's namespace: both trainer pods fit, the
-    rollout pod is refused (403, `exceeded quota`). The job shows Created=False with the
-    API server's message and one Event, retries with backoff, and once the quota is
-    raised creates the pod and runs to the end."""
+def test_creates_refused_by_admission_are_shown_and_made_once_the_cause_is_fixed(cluster, seaweed):
+    """The trainer pods name a ServiceAccount that does not exist yet, and a ResourceQuota
+    of two pods leaves no room for the rollout pod. The ServiceAccount admission refuses
+    the first trainer pod (403), then, the account created, the quota refuses the rollout
+    pod (403, `exceeded quota`). Each shows as Created=False with the API server's
+    message and one Event, retried with backoff; once the quota is raised the job
+    creates its last pod and runs to the end."""
     ns, bucket, name = "quota", "cluster-quota", "tiny-quota"
     seaweed.create_bucket(bucket)
     cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
@@ -413,24 +416,44 @@ def test_a_create_refused_by_a_quota_is_shown_and_made_once_the_quota_is_raised(
              "metadata": {"name": "job-pods", "namespace": ns}, "spec": {"hard": hard}}
         )  # fmt: skip
 
+    def refused(why: str) -> Callable[[], dict[str, Any] | None]:
+        def created() -> dict[str, Any] | None:
+            condition = _condition(_job_in(cluster, ns, name), "Created")
+            return condition if condition and condition["reason"] == why else None
+
+        return created
+
+    def events(why: str) -> list[dict[str, Any]]:
+        return [
+            e for e in cluster.api.list("events", ns)
+            if e["involvedObject"]["name"] == name and e["reason"] == why
+        ]  # fmt: skip
+
     quota(2)
     job = tiny_job(name, bucket, ALGORITHMS["grpo"])
     job["metadata"]["namespace"] = ns
+    job["spec"]["trainer"].setdefault("pod", {})["serviceAccountName"] = "trainer-sa"
     cluster.apply(job)
-
-    def refused() -> dict[str, Any] | None:
-        created = _condition(_job_in(cluster, ns, name), "Created")
-        return created if created and created["reason"] == "QuotaExceeded" else None
-
-    created = wait_for(refused, "a Created=False condition", timeout=60)
+    created = wait_for(refused("Forbidden"), "a Created=False condition (Forbidden)", timeout=60)
+    assert created["status"] == "False"
+    assert (
+        f'pods "{name}-trainer-0" is forbidden: error looking up service account '
+        f'{ns}/trainer-sa: serviceaccount "trainer-sa" not found'
+    ) in created["message"], created
+    assert cluster.api.list("pods", ns) == []
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": "trainer-sa", "namespace": ns}}
+    )  # fmt: skip
+    created = wait_for(refused("QuotaExceeded"), "a Created=False condition (quota)", timeout=60)
     assert created["status"] == "False"
     assert f'pods "{name}-rollout-0" is forbidden: exceeded quota: job-pods' in created["message"]
-    time.sleep(5)  # retried meanwhile, with backoff: still one Event
-    events = [
-        e for e in cluster.api.list("events", ns)
-        if e["involvedObject"]["name"] == name and e["reason"] == "QuotaExceeded"
-    ]  # fmt: skip
-    assert len(events) == 1 and "exceeded quota" in events[0]["message"], events
+    trainers = [p for p in cluster.api.list("pods", ns) if "-trainer-" in p["metadata"]["name"]]
+    assert [p["spec"]["serviceAccountName"] for p in trainers] == ["trainer-sa"] * 2, trainers
+    time.sleep(5)  # retried meanwhile, with backoff: still one Event per cause
+    quota_events, account_events = events("QuotaExceeded"), events("Forbidden")
+    assert len(quota_events) == 1 and "exceeded quota" in quota_events[0]["message"]
+    assert len(account_events) == 1 and "trainer-sa" in account_events[0]["message"]
     assert _job_in(cluster, ns, name)["status"]["createFailure"]["attempts"] >= 2
     quota(3)
     done = wait_for(

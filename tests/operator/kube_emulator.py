@@ -24,8 +24,13 @@ serves the resource endpoints itself, with the semantics kopf and kubectl rely o
 - `v1/namespaces` in discovery, `groupVersion: v1` for the core group;
 - the Eviction subresource of pods (what `kubectl drain` uses): the DisruptionTarget
   condition, then a graceful delete (no PodDisruptionBudget is checked);
-- NamespaceLifecycle admission: a create in a namespace being deleted is refused 403
-  (`terminate_namespace` marks one Terminating; removing its content is not emulated);
+- NamespaceLifecycle admission: a create in a namespace that does not exist is refused
+  404, in one being deleted 403 (`terminate_namespace` marks one Terminating; removing
+  its content is not emulated); the namespaces a cluster starts with (default,
+  kube-system, kube-public, kube-node-lease);
+- ServiceAccount admission: a pod's `serviceAccountName` defaults to `default`, and a pod
+  naming an account that does not exist is refused 403; every namespace gets its
+  `default` account when created (the service-account controller's part; no tokens);
 - validation of Pods, Services, ConfigMaps and Secrets on create and update, as
   kube-apiserver's ValidatePod & co. (core_validation.py: 422 with the field errors; a
   pod's spec immutable but for images, tolerations added, grace and nodeName's binding);
@@ -387,7 +392,9 @@ class Emulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         for rt in BUILTIN:
             self._register(rt)
-        self._write_create(self.types[("", "namespaces")], None, {"metadata": {"name": "default"}})
+        # The namespaces every cluster starts with, each with its `default` account.
+        for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
+            self._write_create(self.types[("", "namespaces")], None, {"metadata": {"name": name}})
 
     # ---------------------------------------------------------------- discovery
     def _register(self, rt: ResourceType) -> None:
@@ -672,16 +679,48 @@ class Emulator(kmock.KubernetesEmulator):
         self._bump(namespace)
         self._emit(self.types[("", "namespaces")], "MODIFIED", namespace)
 
-    def _refuse_in_terminating(self, rt: ResourceType, meta: dict[str, Any]) -> None:
-        """The NamespaceLifecycle admission plugin: nothing new in a namespace being deleted."""
+    def _admit_namespace(self, rt: ResourceType, meta: dict[str, Any]) -> None:
+        """The NamespaceLifecycle admission plugin: nothing in a namespace that does not
+        exist (404, as kube-apiserver answers `kubectl create -n missing`), and nothing new
+        in one being deleted."""
         namespace = self.store.get(("", "namespaces", None, meta["namespace"]))
-        if namespace is not None and namespace["metadata"].get("deletionTimestamp"):
+        if namespace is None:
+            raise ApiStatus(
+                404,
+                "NotFound",
+                f'namespaces "{meta["namespace"]}" not found',
+                {"name": meta["namespace"], "kind": "namespaces"},
+            )
+        if namespace["metadata"].get("deletionTimestamp"):
             raise ApiStatus(
                 403,
                 "Forbidden",
                 f'{rt.plural} "{meta["name"]}" is forbidden: unable to create new content in '
                 f"namespace {meta['namespace']} because it is being terminated",
             )
+
+    def _admit_service_account(self, pod: dict[str, Any]) -> None:
+        """The ServiceAccount admission plugin: a pod names `default` unless it names one,
+        and one whose account does not exist is refused (403, kube-apiserver's message),
+        so a job naming a missing account fails at pod creation, as on a cluster."""
+        meta, spec = pod["metadata"], pod.setdefault("spec", {})
+        account = spec.get("serviceAccountName") or "default"
+        spec["serviceAccountName"] = account
+        if ("", "serviceaccounts", meta["namespace"], account) not in self.store:
+            raise ApiStatus(
+                403,
+                "Forbidden",
+                f'pods "{meta["name"]}" is forbidden: error looking up service account '
+                f'{meta["namespace"]}/{account}: serviceaccount "{account}" not found',
+                {"name": meta["name"], "kind": "pods"},
+            )
+
+    def _namespace_created(self, namespace: dict[str, Any]) -> None:
+        """The service-account controller's part: every namespace gets its `default`
+        account as it is created (a cluster adds it within a second)."""
+        name = namespace["metadata"]["name"]
+        account = {"metadata": {"name": "default", "namespace": name}}
+        self._write_create(self.types[("", "serviceaccounts")], name, account)
 
     def lose(self, group: str, plural: str, namespace: str | None, name: str) -> None:
         """Delete an object as a watch gap loses it: no DELETED event is ever sent, and
@@ -776,7 +815,9 @@ class Emulator(kmock.KubernetesEmulator):
             meta.pop("namespace", None)
         key = (*rt.key, meta.get("namespace"), meta["name"])
         if rt.namespaced:
-            self._refuse_in_terminating(rt, meta)
+            self._admit_namespace(rt, meta)
+        if rt.kind == "Pod":
+            self._admit_service_account(obj)
         self._check_core(rt, obj, None)
         if rt.namespaced:
             self._admit_quota(rt, obj)
@@ -801,6 +842,8 @@ class Emulator(kmock.KubernetesEmulator):
         self._bump(obj)
         self.store[key] = obj
         self._emit(rt, "ADDED", obj)
+        if rt.kind == "Namespace":
+            self._namespace_created(obj)
         return obj, warnings
 
     def _admit_quota(self, rt: ResourceType, obj: dict[str, Any]) -> None:

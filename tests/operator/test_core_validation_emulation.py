@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import re
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +176,15 @@ def _route(name: str) -> Route:
 
 
 def test_every_object_the_operator_plans_for_the_examples_is_accepted():
-    emulator = Emulator()
     seen = 0
     for path in sorted(glob.glob(str(REPO / "examples" / "*.yaml"))):
-        for doc in yaml.safe_load_all(Path(path).read_text()):
+        emulator = Emulator()
+        text = Path(path).read_text()
+        # The accounts its comments tell the user to create: a pod naming another is
+        # refused (403) by the ServiceAccount admission, as on a cluster.
+        for account in re.findall(r"kubectl create serviceaccount ([\w.-]+)", text):
+            _create(emulator, "serviceaccounts", {"metadata": {"name": account}})
+        for doc in yaml.safe_load_all(text):
             if not doc or doc.get("kind") != "RLFineTune":
                 continue
             for obj in P.plan(parse_job(doc), "default", "0f0e0f0e-1111-2222-3333-444455556666"):
@@ -211,3 +217,41 @@ def test_a_job_env_value_from_the_api_server_refuses_is_refused_by_the_job_file(
     pods = [o for o in P.plan(parse_job(good), "default", "0f0e-uid") if o["kind"] == "Pod"]
     emulator = Emulator()
     assert all(_create(emulator, "pods", pod) for pod in pods)
+
+
+def test_a_create_in_a_namespace_that_does_not_exist_is_refused_as_kube_apiserver_does():
+    emulator = Emulator()
+    secret = {"metadata": {"name": "s", "namespace": "missing"}}
+    with pytest.raises(ApiStatus) as refused:
+        emulator._write_create(emulator.types[("", "secrets")], "missing", secret)
+    assert refused.value.code == 404
+    assert 'namespaces "missing" not found' in str(refused.value)
+    emulator._write_create(
+        emulator.types[("", "namespaces")], None, {"metadata": {"name": "missing"}}
+    )
+    assert emulator._write_create(emulator.types[("", "secrets")], "missing", secret)[0]
+
+
+def test_a_pod_naming_a_service_account_that_does_not_exist_is_refused():
+    emulator = Emulator()
+    emulator._write_create(emulator.types[("", "namespaces")], None, {"metadata": {"name": "ml"}})
+    # The controller's part: each new namespace has its `default` account.
+    assert ("", "serviceaccounts", "ml", "default") in emulator.store
+    pod = {
+        "metadata": {"name": "p", "namespace": "ml"},
+        "spec": {"containers": [{"name": "main", "image": "busybox"}]},
+    }
+    created = emulator._write_create(emulator.types[("", "pods")], "ml", copy.deepcopy(pod))[0]
+    assert created["spec"]["serviceAccountName"] == "default"
+    named = copy.deepcopy(pod)
+    named["metadata"]["name"] = "q"
+    named["spec"]["serviceAccountName"] = "rlft-s3"
+    with pytest.raises(ApiStatus) as refused:
+        emulator._write_create(emulator.types[("", "pods")], "ml", copy.deepcopy(named))
+    assert refused.value.code == 403
+    assert 'error looking up service account ml/rlft-s3: serviceaccount "rlft-s3" not found' in (
+        str(refused.value)
+    )
+    account = {"metadata": {"name": "rlft-s3", "namespace": "ml"}}
+    emulator._write_create(emulator.types[("", "serviceaccounts")], "ml", account)
+    assert emulator._write_create(emulator.types[("", "pods")], "ml", named)[0]["metadata"]["uid"]
