@@ -4,9 +4,9 @@ grace period.
 The handler only records the request; the training loop notices it at the end of the
 step (`Checkpointer.poll(step, stop.requested)` shares it with every rank), writes an
 emergency checkpoint synchronously and exits 0. A watchdog started by the signal ends
-the process with a retryable failure code if the grace period runs out first, so the
-pod never outlives `terminationGracePeriodSeconds` in a half-written state (the commit
-is the manifest, so an unfinished save is simply not there).
+the process with a retryable failure (its verdict says so) if the grace period runs out
+first, so the pod never outlives `terminationGracePeriodSeconds` in a half-written state
+(the commit is the manifest, so an unfinished save is simply not there).
 
 Ctrl-C (SIGINT) is a local user's SIGTERM: the run stops after the step in hand with its
 checkpoint, and `rlft train` again resumes from it. A second Ctrl-C stops at once without
@@ -23,7 +23,9 @@ import threading
 import time
 from types import FrameType
 
+from rlft.trainer import termination
 from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.telemetry import liveness
 
 log = logging.getLogger("rlft.checkpoint")
 
@@ -34,11 +36,13 @@ RESERVE_MAX_SECONDS = 5.0
 class GracefulStop:
     """Turns SIGTERM or a first Ctrl-C into a flag plus a deadline."""
 
-    def __init__(self, grace_seconds: float, margin_seconds: float = 1.0):
+    def __init__(self, grace_seconds: float, margin_seconds: float = 1.0, rank: int = 0):
         if grace_seconds <= margin_seconds:
             raise ValueError("the grace period must exceed the safety margin")
         self.grace_seconds = grace_seconds
         self.margin_seconds = margin_seconds
+        self.rank = rank
+        """Whose verdict the watchdog writes."""
         self.requested = False
         self.received_at: float | None = None
         self._previous = None
@@ -92,10 +96,14 @@ class GracefulStop:
         self._watchdog.start()
 
     def _expire(self) -> None:
-        log.error(
-            "grace period of %.0fs ran out before the emergency checkpoint committed; "
-            "exiting (the previous checkpoint stays the latest)",
-            self.grace_seconds,
+        message = (
+            f"the grace period of {self.grace_seconds:.0f}s ran out before the emergency "
+            "checkpoint committed; the previous checkpoint stays the latest"
         )
+        log.error("%s: exiting", message)
+        # Torchrun's agent exits 1 whatever its worker returned: without a verdict the
+        # operator had no cause for the pod's end but its log tail.
+        verdict = termination.Verdict(ExitCode.FAILURE, message, self.rank)
+        termination.write(liveness.current().marked(verdict))
         logging.shutdown()
         os._exit(ExitCode.FAILURE)

@@ -82,7 +82,7 @@ class Checkpointing:
         until a commit moves `latest` and retention deletes them."""
         self.own_commits: set[int] = set()
         """Steps this run committed since `timeline_base` (rank 0's saver reports them)."""
-        self.stop = GracefulStop(spec.grace_period_seconds).install()
+        self.stop = GracefulStop(spec.grace_period_seconds, rank=dist.rank).install()
         self.peers = PeerStop.of(dist)
         """The group's shared stop flag: rank 0 polls it while it waits alone."""
         if self.peers is not None and not dist.is_main:
