@@ -248,16 +248,26 @@ def launched_by_torchrun(environ: dict[str, str] | None = None) -> bool:
 def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     from rlft.trainer.telemetry import liveness_server
 
+    rank = int(os.environ["RANK"])
     termination.forget_earlier_generations()  # a worker restarted in place starts clean
     # First, before torch is even imported: the pod's probes ask from the moment its
     # worker runs, and a worker restarted in place must answer again within seconds.
     try:
-        liveness_server.start(job.spec.trainer.stall_timeout_seconds, int(os.environ["RANK"]))
+        liveness_server.start(job.spec.trainer.stall_timeout_seconds, rank)
     except OSError as error:
-        return _failed(ExitCode.FAILURE, error, int(os.environ["RANK"]))
+        return _failed(ExitCode.FAILURE, error, rank)
     from rlft.trainer.distributed.runtime import exit_worker, init_from_env, shutdown
 
-    dist = init_from_env(collective_timeout_s(job))
+    try:
+        dist = init_from_env(collective_timeout_s(job))
+    except Exception as error:  # the store unreachable, a peer that never came
+        # Worth a retry (the rendezvous of the next attempt may succeed); its type stays
+        # in the message, where the operator tells a rendezvous failure by it.
+        traceback.print_exc()
+        message = f"could not join the process group: {type(error).__name__}: {error}"
+        verdict = termination.Verdict(ExitCode.FAILURE, message, rank)
+        termination.write(liveness.current().marked(verdict))
+        exit_worker(ExitCode.FAILURE)
     liveness.beat("joined the process group")
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
     try:

@@ -1,0 +1,90 @@
+"""A trainer rank that ends before training begins still leaves a verdict: one whose
+process group cannot be formed (retryable failure, the cause named). It used to end
+without a word, the operator left with exit 1 and a log tail.
+
+Each runs one real rank as torchrun starts it (its environment), without torchrun: rank 0
+of two, whose peer never comes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from processes import kill_tree
+from tiny_jobs import arithmetic_rl_spec, write_parity_job
+
+from rlft.trainer import termination
+
+ENDS_WITHIN_S = 60
+"""Far past importing torch on a loaded machine, far below the group's 600 s timeout."""
+
+
+@pytest.fixture
+def start_rank(tmp_path: Path) -> Iterator[Callable[[int], subprocess.Popen]]:
+    """Start `rlft train` as rank 0 of a world of 2 whose store is at 127.0.0.1:port."""
+    write_parity_job(tmp_path, arithmetic_rl_spec({"name": "grpo", "groupSize": 4}))
+    started: list[subprocess.Popen] = []
+
+    def start(port: int) -> subprocess.Popen:
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(tmp_path),
+            OMP_NUM_THREADS="1",
+            TORCHELASTIC_RUN_ID="rank-start-verdicts",
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        env[termination.ENV] = str(tmp_path / "out.termination")
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 serves the store itself
+        command = [sys.executable, "-m", "rlft.trainer.cli.main", "train", "job.yaml"]
+        process = subprocess.Popen(
+            [*command, "--out", "out"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        kill_tree(process)
+
+
+def ended(process: subprocess.Popen, within_s: float) -> str:
+    try:
+        return process.communicate(timeout=within_s)[0]
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+        raise AssertionError(
+            f"still running after {within_s:.0f} s:\n{process.communicate()[0][-3000:]}"
+        ) from None
+
+
+def verdict_in(folder: Path) -> termination.Verdict | None:
+    path = folder / "out.termination"
+    return termination.read(path.read_text()) if path.exists() else None
+
+
+def test_a_rank_that_cannot_join_its_process_group_says_why(tmp_path, start_rank):
+    # The store's port is taken: rank 0 cannot serve it, as when a stale process of an
+    # earlier attempt holds it.
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        process = start_rank(taken.getsockname()[1])
+        output = ended(process, ENDS_WITHIN_S)
+    assert process.returncode == 1, output
+    verdict = verdict_in(tmp_path)
+    assert verdict is not None, output
+    assert verdict.exit_code == 1 and verdict.rank == 0 and not verdict.stopped, verdict
+    assert verdict.message.startswith("could not join the process group: "), verdict
+    assert "address already in use" in verdict.message, verdict
