@@ -236,6 +236,9 @@ async def _serve(namespace: str, name: str, stopped: Any, **_: Any) -> None:
     try:
         await stopped.wait()
     finally:
+        # Counted only while served: a paused replica's last count, summed with the
+        # leader's, would show every job twice.
+        RUNTIME.metrics.set_phase(key, None)
         state = RUNTIME.jobs.get(key)
         if state is not None:
             state.served = False

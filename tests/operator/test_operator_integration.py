@@ -441,13 +441,23 @@ def test_leader_election_between_two_replicas(tmp_path):
         wait_for(lambda: standby.log().count("Pausing operations") == 2, "the standby to pause")
         before = _reconciles(standby)
         wait_for(lambda: _reconciles(leader) >= 4, "the new leader to reconcile both jobs")
+        # Only the replica that serves the jobs counts them: summed over the replicas
+        # (as a dashboard does), the paused one's last count would double them.
+        wait_for(lambda: _jobs(leader) == 2, "the new leader to count both jobs")
+        wait_for(lambda: _jobs(standby) == 0, "the paused replica to count none")
         time.sleep(5)  # more than two --poll-seconds
         assert _reconciles(standby) == before
+        assert _jobs(standby) == 0
     finally:
         for process in (standby, leader):
             if process is not None:
                 process.stop()
         api.stop()
+
+
+def _jobs(process: OperatorProcess) -> float:
+    found = re.findall(r"^rlft_operator_jobs\{[^}]*\} (\S+)$", process.metrics(), re.M)
+    return sum(float(v) for v in found)
 
 
 def _reconciles(process: OperatorProcess) -> float:
