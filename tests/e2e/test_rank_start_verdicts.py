@@ -1,6 +1,7 @@
 """A trainer rank that ends before training begins still leaves a verdict: one whose
-process group cannot be formed (retryable failure, the cause named). It used to end
-without a word, the operator left with exit 1 and a log tail.
+process group cannot be formed (retryable failure, the cause named), one SIGTERM
+reaches while it waits for its peers in the rendezvous (a stop: nothing had run). Both
+used to end without a word, the operator left with exit 1 or 143 and a log tail.
 
 Each runs one real rank as torchrun starts it (its environment), without torchrun: rank 0
 of two, whose peer never comes."""
@@ -8,9 +9,11 @@ of two, whose peer never comes."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -88,3 +91,41 @@ def test_a_rank_that_cannot_join_its_process_group_says_why(tmp_path, start_rank
     assert verdict.exit_code == 1 and verdict.rank == 0 and not verdict.stopped, verdict
     assert verdict.message.startswith("could not join the process group: "), verdict
     assert "address already in use" in verdict.message, verdict
+
+
+def listening(port: int) -> bool:
+    """Whether something on this machine listens on TCP `port` (read from /proc: a
+    connection would be a client of the store)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if int(local.rsplit(":", 1)[1], 16) == port and state == "0A":
+                return True
+    return False
+
+
+def test_sigterm_while_a_rank_waits_for_its_peers_stops_it_at_once_with_a_verdict(
+    tmp_path, start_rank
+):
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    process = start_rank(port)
+    deadline = time.monotonic() + ENDS_WITHIN_S
+    while not listening(port):
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, "rank 0 never served its store"
+        time.sleep(0.05)
+    # Inside the store's C++ wait for rank 1, which never comes: no Python code of the
+    # main thread runs there until the group's timeout, ten minutes on.
+    time.sleep(0.5)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    output = ended(process, 20)
+    assert time.monotonic() - signalled < 10, output
+    assert process.returncode == 0, output
+    verdict = verdict_in(tmp_path)
+    assert verdict is not None, output
+    # A stop, as the operator reads one: exit 0, stopped, nothing charged to the job.
+    assert verdict.exit_code == 0 and verdict.stopped and verdict.rank == 0, verdict
+    assert "stopped before training began" in verdict.message, verdict
+    assert verdict.last_checkpoint is None, verdict

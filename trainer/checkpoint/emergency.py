@@ -23,7 +23,7 @@ import threading
 import time
 from types import FrameType
 
-from rlft.trainer import termination
+from rlft.trainer import stop_while_starting, termination
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.telemetry import liveness
 
@@ -52,6 +52,7 @@ class GracefulStop:
         """Install the handler (from the main thread)."""
         self.signals = signals
         self._previous = {s: signal.signal(s, self._handle) for s in signals}
+        stop_while_starting.hand_over(self._previous)  # a trainer rank's start is over
         return self
 
     def uninstall(self) -> None:

@@ -11,8 +11,9 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
-from rlft.trainer import termination
+from rlft.trainer import stop_while_starting, termination
 from rlft.trainer.cli import entry
 from rlft.trainer.cli.interrupts import InterruptedWhileStarting, deferred_interrupt
 from rlft.trainer.config import RLFineTune
@@ -250,6 +251,9 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
 
     rank = int(os.environ["RANK"])
     termination.forget_earlier_generations()  # a worker restarted in place starts clean
+    # Until the training loop's own handler (GracefulStop) takes SIGTERM over: importing
+    # torch, joining the group, building the model. Nothing to checkpoint there.
+    stop_while_starting.StopWhileStarting(lambda: _stopped_while_starting(rank)).install()
     # First, before torch is even imported: the pod's probes ask from the moment its
     # worker runs, and a worker restarted in place must answer again within seconds.
     try:
@@ -290,6 +294,26 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     with contextlib.suppress(Exception):
         shutdown()
     exit_worker(code)
+
+
+STOPPED_BEFORE_TRAINING = (
+    "stopped before training began (SIGTERM while starting): nothing had run, so nothing "
+    "is lost; a restart resumes from the newest committed checkpoint, if any"
+)
+
+
+def _stopped_while_starting(rank: int) -> NoReturn:
+    """End a rank SIGTERM reached before training began (on StopWhileStarting's thread,
+    while the main thread may be anywhere): a stop, as one after an emergency checkpoint,
+    which the operator does not count against the job's restarts."""
+    print(f"rlft: {STOPPED_BEFORE_TRAINING}", file=sys.stderr, flush=True)
+    verdict = termination.Verdict(ExitCode.OK, STOPPED_BEFORE_TRAINING, rank, stopped=True)
+    termination.write(liveness.current().marked(verdict))
+    sys.stdout.flush()
+    # Not exit_worker: its module imports torch, which the main thread may be importing.
+    # Exit 1 in a gang of several pods for the reason `_run` gives (the agent's exit
+    # barrier); the verdict says exit 0, stopped.
+    os._exit(ExitCode.FAILURE if _other_agents() else ExitCode.OK)
 
 
 def collective_timeout_s(job: RLFineTune) -> float:

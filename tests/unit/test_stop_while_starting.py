@@ -1,0 +1,62 @@
+"""SIGTERM while a rank starts: acted on by a thread (the main thread may be blocked in
+a C call; tests/e2e/test_rank_start_verdicts.py shows it on a real rank), and handed over
+for good once GracefulStop is installed: after the run, restoring its previous handler,
+GracefulStop brings back the one from before the start, never the start's "nothing
+had run" (which would then overwrite the run's own verdict)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from rlft.trainer import stop_while_starting
+from rlft.trainer.checkpoint.emergency import GracefulStop
+from rlft.trainer.stop_while_starting import StopWhileStarting
+
+
+@pytest.fixture
+def sigterm_restored() -> Iterator[None]:
+    handler, fd = signal.getsignal(signal.SIGTERM), signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+    signal.set_wakeup_fd(fd)
+    stop_while_starting._current = None
+
+
+def test_a_sigterm_while_starting_is_acted_on_by_a_thread(sigterm_restored):
+    called: list[str] = []
+    done = threading.Event()
+
+    def on_sigterm() -> None:
+        called.append(threading.current_thread().name)
+        done.set()
+
+    starting = StopWhileStarting(on_sigterm).install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert done.wait(10)
+        assert called == ["stop-while-starting"]
+    finally:
+        starting.uninstall()
+
+
+def test_graceful_stop_takes_sigterm_over_for_good(sigterm_restored):
+    before = signal.getsignal(signal.SIGTERM)
+    fd_before = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd_before)
+    called: list[bool] = []
+    StopWhileStarting(lambda: called.append(True)).install()
+    stop = GracefulStop(30.0).install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled in this (the main) thread
+        assert stop.requested
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.set_wakeup_fd(fd_before) == fd_before
+    assert called == []

@@ -1,0 +1,106 @@
+"""A SIGTERM that reaches a trainer rank before training is set up.
+
+The training loop's own handler (`checkpoint.emergency.GracefulStop`) exists only once the
+model is built and sharded. Before it, SIGTERM's default action killed a rank that was
+importing torch, joining its process group, loading its model or data, without a word:
+the operator saw exit 143 and a log tail. There is nothing to checkpoint then, so the
+rank ends at once, and `on_sigterm` writes a verdict that says so.
+
+The signal is acted on by a thread woken through the signal wakeup fd, not in the Python
+handler: Python runs a handler only between bytecodes of the main thread, and a rank
+waiting in the process group's C++ rendezvous for a peer that never comes runs none for
+minutes. GracefulStop takes SIGTERM over for good (`hand_over`): once training is set up,
+a SIGTERM is its to handle, and after it a signal's default action again, never this
+module's "nothing had run".
+
+No torch here: it is installed before torch is imported.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+_current: StopWhileStarting | None = None
+
+
+class StopWhileStarting:
+    """Until `hand_over`, a SIGTERM calls `on_sigterm` on a thread of its own (it is to
+    end the process: the main thread may be anywhere, blocked in a C call included)."""
+
+    def __init__(self, on_sigterm: Callable[[], object]) -> None:
+        self.on_sigterm = on_sigterm
+        self._writer: socket.socket | None = None
+        self._previous_fd = -1
+        self._previous_handler: object = signal.SIG_DFL
+
+    def install(self) -> StopWhileStarting:
+        """From the main thread (elsewhere nothing changes)."""
+        global _current
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)  # set_wakeup_fd requires it
+        self._writer = writer
+        # A Python handler makes the C one write the wakeup fd, which wakes the thread.
+        previous = signal.signal(signal.SIGTERM, self._noted)
+        # None: a handler set outside Python, which cannot be restored; the default then.
+        self._previous_handler = signal.SIG_DFL if previous is None else previous
+        self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        threading.Thread(
+            target=self._watch, args=(reader,), name="stop-while-starting", daemon=True
+        ).start()
+        _current = self
+        return self
+
+    def uninstall(self) -> None:
+        """SIGTERM's handler back to the one before, unless another replaced this one, and
+        the wakeup fd too; the thread ends. From the main thread; idempotent."""
+        global _current
+        if self._writer is None or threading.current_thread() is not threading.main_thread():
+            return
+        if self._installed():
+            signal.signal(signal.SIGTERM, self._previous_handler)  # type: ignore[arg-type]
+        signal.set_wakeup_fd(self._previous_fd)
+        self._writer.close()
+        self._writer = None
+        if _current is self:
+            _current = None
+
+    def _installed(self) -> bool:
+        return signal.getsignal(signal.SIGTERM) == self._noted
+
+    def _noted(self, signum: int, frame: FrameType | None) -> None:
+        """The thread acts on the signal (see the module's docstring)."""
+
+    def _watch(self, reader: socket.socket) -> None:
+        # Read until `uninstall` closes the writer: a reader gone before it would turn the
+        # wakeup writes of later signals into errors printed by the interpreter.
+        with reader:
+            while data := _receive(reader):
+                # Not once another handler has replaced this one: the signal is its own.
+                if signal.SIGTERM in data and self._writer is not None and self._installed():
+                    self.on_sigterm()
+
+
+def _receive(reader: socket.socket) -> bytes:
+    try:
+        return reader.recv(64)
+    except OSError:
+        return b""
+
+
+def hand_over(previous: dict[int, object]) -> None:
+    """Training is set up: SIGTERM is the handler's just installed, whose `previous`
+    handlers (what it restores when it is done) get the one from before this module's in
+    place of it. From the main thread, after the new handler is installed: a SIGTERM on
+    the way is never lost to a default action in between."""
+    starting = _current
+    if starting is None:
+        return
+    if previous.get(signal.SIGTERM) == starting._noted:
+        previous[signal.SIGTERM] = starting._previous_handler
+    starting.uninstall()
