@@ -30,7 +30,9 @@ class JsonlTask(Section):
     """Prompts with reference answers from JSON Lines files."""
 
     train: str
-    """Path of the training file: one JSON object per line."""
+    """Path of the training file: one JSON object per line. Every problem (and every
+    held-out one) must fit the model's context, the prompt with maxNewTokens or, for sft
+    and dpo, with its answers: checked once when the job starts, naming the line."""
     eval: str | None = None
     """Path of the held-out file (optional; without it no accuracy is reported)."""
     prompt_field: str = "prompt"

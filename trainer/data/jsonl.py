@@ -101,7 +101,12 @@ def read_problems(
                 "preference in it; give a different rejected answer or drop the line"
             )
         problems.append(
-            Problem(prompt=str(row[prompt_field]), answer=str(row[answer_field]), rejected=rejected)
+            Problem(
+                prompt=str(row[prompt_field]),
+                answer=str(row[answer_field]),
+                rejected=rejected,
+                origin=f"{path}:{number}",
+            )
         )
     if not problems:
         raise DataFileError(f"{path}: holds no problems")
@@ -120,6 +125,10 @@ class JsonlProblems:
 
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
+
+    def training_problems(self) -> list[Problem]:
+        """Every training problem, in file order."""
+        return list(self._train)
 
     def corpus(self) -> Iterator[str]:
         for problem in self._train + self._eval:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from rlft.trainer.config import DataSpec
@@ -19,6 +19,8 @@ class Problem:
     answer: str
     rejected: str | None = None
     """A dispreferred answer, for preference pairs (DPO); None when the source has none."""
+    origin: str = field(default="", compare=False)
+    """Where it was read (`file:line`), for errors that name it; empty when generated."""
 
 
 class Task(Protocol):

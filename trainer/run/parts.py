@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from rlft.trainer.config import RLFineTune
+from rlft.trainer.config.algorithm import SOURCES
 from rlft.trainer.data import Task, build_task
+from rlft.trainer.data.jsonl import DataFileError, JsonlProblems
 from rlft.trainer.data.rewards import RewardModel
 from rlft.trainer.model.build import build_policy
 from rlft.trainer.model.encoding import Encoder
@@ -35,4 +37,40 @@ def build_parts(job: RLFineTune) -> JobParts:
     policy, tokenizer = build_policy(spec.model, task.corpus(), spec.trainer.seed)
     stops = stop_token_ids(tokenizer)
     encoder = Encoder(tokenizer, spec.data, int(stops[0]))
+    positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    if positions:
+        check_context(job, task, encoder, int(positions))
     return JobParts(task, rewards, policy, tokenizer, encoder, stops)
+
+
+def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int) -> None:
+    """Every problem fits the model's context, or the job is refused before it starts
+    (exit 2, naming the line). Found at a step instead, a problem too long fails that step
+    on a rollout server (400) and its restart draws the same problem again: a crash loop
+    days into a run; the in-process engine sampled from positions never trained.
+
+    A generated completion may take `rollout.sampling.maxNewTokens` after its prompt (the
+    held-out problems are generated for every algorithm); a supervised example or a
+    preference pair takes its answers' own tokens. The built-in arithmetic task draws its
+    training problems as its held-out ones are made, so those stand for it."""
+    spec = job.spec
+    new_tokens = spec.rollout.sampling.max_new_tokens
+    generated = SOURCES[spec.algorithm.name] == "rollouts"
+    training = task.training_problems() if isinstance(task, JsonlProblems) else []
+    checked = [(p, True) for p in task.eval_problems()] + [(p, False) for p in training]
+    for problem, held_out in checked:
+        prompt = len(encoder.prompt(problem.prompt))
+        if held_out or generated:
+            need, after = prompt + new_tokens, f"rollout.sampling.maxNewTokens {new_tokens}"
+            fix = "shorten the prompt, drop the line, or lower rollout.sampling.maxNewTokens"
+        else:
+            answers = [a for a in (problem.answer, problem.rejected) if a is not None]
+            longest = max(len(encoder.answer(a)) for a in answers)
+            need, after = prompt + longest, f"its longest answer's {longest} tokens"
+            fix = "shorten the prompt or its answers, or drop the line"
+        if need > positions:
+            where = problem.origin or f"held-out problem {problem.prompt!r}"
+            raise DataFileError(
+                f"{where}: the prompt's {prompt} tokens and {after} exceed the model's "
+                f"{positions} positions: {fix}"
+            )

@@ -1,0 +1,72 @@
+"""Every problem of a job's data must fit the model's context: refused at the start,
+naming the line, rather than at the step that draws it (a rollout server's 400, then a
+restart that draws it again; the in-process engine sampling at untrained positions)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiny_jobs import TINY_MODEL
+
+from rlft.trainer.config import parse_job
+from rlft.trainer.data.jsonl import DataFileError
+from rlft.trainer.run.parts import build_parts
+
+POSITIONS = 64
+SHORT = {"prompt": "2+2=", "answer": "4", "rejected": "5"}
+
+
+def _job(tmp_path: Path, algorithm: str, rows: list[dict[str, str]], new_tokens: int) -> Any:
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    model = copy.deepcopy(TINY_MODEL)
+    model["init"]["maxPositionEmbeddings"] = POSITIONS
+    jsonl = {"train": str(train), **({"rejectedField": "rejected"} if algorithm == "dpo" else {})}
+    return parse_job(
+        {
+            "apiVersion": "rlft.dev/v1alpha1",
+            "kind": "RLFineTune",
+            "metadata": {"name": "context"},
+            "spec": {
+                "model": model,
+                "data": {"source": "jsonl", "jsonl": jsonl},
+                "algorithm": {"name": algorithm},
+                "rollout": {"sampling": {"maxNewTokens": new_tokens}},
+                "telemetry": {"enabled": False},
+            },
+        }
+    )
+
+
+def test_a_prompt_past_the_context_with_its_completion_is_refused_naming_its_line(tmp_path):
+    long = {"prompt": " ".join(str(n) for n in range(200)) + "=", "answer": "1"}
+    job = _job(tmp_path, "grpo", [SHORT, SHORT, long], new_tokens=8)
+    with pytest.raises(DataFileError) as refused:
+        build_parts(job)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'train.jsonl'}:3: the prompt's "), message
+    assert f"rollout.sampling.maxNewTokens 8 exceed the model's {POSITIONS} positions" in message
+
+
+def test_a_prompt_that_fits_only_without_the_completion_is_refused(tmp_path):
+    """The prompt alone fits; its completion would run past the last position."""
+    job = _job(tmp_path, "grpo", [SHORT], new_tokens=POSITIONS - 2)
+    with pytest.raises(DataFileError, match=r"train.jsonl:1: the prompt's \d+ tokens"):
+        build_parts(job)
+    job = _job(tmp_path, "grpo", [SHORT], new_tokens=8)
+    assert build_parts(job).encoder.prompt(SHORT["prompt"])
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "dpo"])
+def test_a_supervised_answer_past_the_context_is_refused(tmp_path, algorithm):
+    """Offline algorithms train on the answers themselves: their tokens count, not
+    maxNewTokens (a long chosen or rejected answer alike)."""
+    key = "rejected" if algorithm == "dpo" else "answer"
+    long = {**SHORT, key: " ".join(str(n) for n in range(200))}
+    job = _job(tmp_path, algorithm, [SHORT, long], new_tokens=4)
+    with pytest.raises(DataFileError, match=r"train.jsonl:2: .* its longest answer's \d+ tokens"):
+        build_parts(job)
