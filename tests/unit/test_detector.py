@@ -301,3 +301,120 @@ def test_a_small_step_is_never_critical_however_steady_the_run():
     assert verdicts[50].levels["grad_norm_spike"] == CRITICAL
     _, verdicts = run(records, DetectorSpec.model_validate({"gradNorm": {"minCriticalFactor": 2}}))
     assert verdicts[40].levels["grad_norm_spike"] == CRITICAL
+
+
+def _grad_only(xs: list[float]) -> list[dict]:
+    """Records that carry only a grad norm, exp(x) for each log grad norm x."""
+    return [{"step": i, "grad_norm": math.exp(x)} for i, x in enumerate(xs, start=1)]
+
+
+def test_a_z_score_just_past_the_bar_is_critical_only_on_a_long_history() -> None:
+    """A 6× step (between minCriticalFactor and criticalFactor) at robust z ≈ 8.1: its
+    z clears criticalZ 6, but right after a 5-step warm-up the scale is widened by
+    (1 + 3/5) (a MAD of 5 steps underestimates the spread): a warning. With 100 steps
+    of the same spread behind it, it is critical."""
+    spec = DetectorSpec.model_validate({"gradNorm": {"warmupSteps": 5}})
+    pattern = [-0.15, 0.0, 0.15, -0.15, 0.15]  # median 0, MAD 0.15
+    spike = {"step": 999, "grad_norm": math.exp(1.8)}
+    short, verdicts = run(_grad_only(pattern), spec)
+    assert all(v.level == OK for v in verdicts)
+    verdict = short.observe(spike)
+    assert 6.0 * (1 + 1 / 5) < verdict.zscore < 6.0 * (1 + 3 / 5)
+    assert verdict.levels["grad_norm_spike"] == WARNING and not verdict.skip_update
+    long, verdicts = run(_grad_only(pattern * 20), spec)
+    assert all(v.level == OK for v in verdicts)
+    verdict = long.observe(spike)
+    assert verdict.zscore == pytest.approx(1.8 / (1.4826 * 0.15))
+    assert verdict.levels["grad_norm_spike"] == CRITICAL and verdict.skip_update
+
+
+def test_reward_collapse_with_negative_rewards_is_relative_to_their_size() -> None:
+    """Rewards below zero (a length penalty, say): the drop is measured against the
+    reference's magnitude. A 10% dip from -2 is noise; falling from -1 to -3 is a collapse."""
+    dip = stream(60)
+    for i, record in enumerate(dip):
+        record["reward_mean"] = -2.0 if i < 50 else -2.2
+    _, verdicts = run(dip)
+    assert max(v.levels["reward_collapse"] for v in verdicts) == OK
+    fall = stream(60)
+    for i, record in enumerate(fall):
+        record["reward_mean"] = -1.0 if i < 50 else -3.0
+    _, verdicts = run(fall)
+    levels = [v.levels["reward_collapse"] for v in verdicts]
+    assert max(levels[:50]) == OK and levels.index(CRITICAL) <= 52
+    assert verdicts[-1].collapsed
+
+
+def test_a_spike_of_critical_factor_just_after_warm_up_is_critical() -> None:
+    """The (1 + 3/n) widening right after warm-up only tempers a spike critical on its
+    z-score alone: a 10× step (≥ criticalFactor) on a 5-step history is skipped, although
+    its z (≈ 7.8) does not clear the widened bar (6 × 1.6)."""
+    spec = DetectorSpec.model_validate({"gradNorm": {"warmupSteps": 5}})
+    detector, verdicts = run(_grad_only([-0.2, 0.0, 0.2, -0.2, 0.2]), spec)  # MAD 0.2
+    assert all(v.level == OK for v in verdicts)
+    verdict = detector.observe({"step": 6, "grad_norm": 10.0})
+    assert 6.0 < verdict.zscore < 6.0 * (1 + 3 / 5)
+    assert verdict.levels["grad_norm_spike"] == CRITICAL and verdict.skip_update
+
+
+def test_a_spike_is_not_judged_on_fewer_than_three_grad_norms() -> None:
+    """Zero-gradient steps count towards the warm-up but leave no grad norm behind: past
+    the warm-up with two grad norms only, a large step is not judged yet (two values give
+    no spread); with a third it is."""
+    spec = DetectorSpec.model_validate({"gradNorm": {"warmupSteps": 3}})
+    detector, _ = run(_grad_only([-math.inf] * 3 + [0.0, 0.0]), spec)  # exp(-inf) = 0
+    assert len(detector.log_grad) == 2
+    verdict = detector.observe({"step": 6, "grad_norm": 100.0})
+    assert verdict.zscore is None and verdict.levels["grad_norm_spike"] == OK
+    detector.observe({"step": 7, "grad_norm": 1.0})
+    verdict = detector.observe({"step": 8, "grad_norm": 100.0})
+    assert verdict.levels["grad_norm_spike"] == CRITICAL and verdict.skip_update
+
+
+def test_an_entropy_of_zero_throughout_is_no_collapse() -> None:
+    """A run whose entropy reads 0 from the start (a reference median of 0) has nothing
+    to fall from: no ratio is taken, and no collapse declared."""
+    records = stream(40)
+    for record in records:
+        record["entropy"] = 0.0
+    _, verdicts = run(records)
+    assert max(v.levels["entropy_collapse"] for v in verdicts) == OK
+
+
+def test_entropy_at_exactly_the_thresholds_counts() -> None:
+    """warningRatio and criticalRatio are "at or below": a recent median of exactly
+    0.45× (0.3×) the reference is a warning (a collapse)."""
+    for ratio, level in ((0.45, WARNING), (0.3, CRITICAL)):
+        records = stream(40)
+        for i, record in enumerate(records):
+            record["entropy"] = 1.0 if i < 30 else ratio
+        _, verdicts = run(records)
+        assert [v.levels["entropy_collapse"] for v in verdicts][:32] == [OK] * 32
+        assert verdicts[32].levels["entropy_collapse"] == level  # 3 of the 5 recent
+
+
+def test_kl_from_near_zero_is_measured_against_min_kl() -> None:
+    """A reference KL far below minKl (0.01): a rise to 0.04 is 4× minKl, no blow-up,
+    though it is 40× the reference; a rise to 0.5 (50× minKl) is one."""
+    for recent, level in ((0.04, OK), (0.5, CRITICAL)):
+        records = stream(40)
+        for i, record in enumerate(records):
+            record["kl"] = 0.001 if i < 30 else recent
+        _, verdicts = run(records)
+        assert max(v.levels["kl_blowup"] for v in verdicts[:30]) == OK
+        assert verdicts[-1].levels["kl_blowup"] == level
+
+
+def test_trend_checks_wait_for_min_history_reference_steps() -> None:
+    """Before minHistory (20) reference steps, a reward falling from 0.6 to 0.1 is not
+    judged (the first steps of a run swing); once there are enough it is a collapse."""
+    records = stream(10)
+    for i, record in enumerate(records):
+        record["reward_mean"] = 0.6 if i < 5 else 0.1
+    _, verdicts = run(records)
+    assert max(v.levels["reward_collapse"] for v in verdicts) == OK
+    records = stream(30)
+    for i, record in enumerate(records):
+        record["reward_mean"] = 0.6 if i < 25 else 0.1
+    _, verdicts = run(records)
+    assert verdicts[-1].levels["reward_collapse"] == CRITICAL
