@@ -19,9 +19,10 @@ import torch
 from rollout_fixtures import PROMPTS, publish, redraw, store_at, tiny_model
 
 from rlft.trainer.rollout import SamplingParams, TransformersEngine
-from rlft.trainer.rollout.client import RolloutClient, http_json
+from rlft.trainer.rollout.client import RequestFailed, RolloutClient, http_json
 from rlft.trainer.rollout.local import LocalServers, vllm_python
 from rlft.trainer.rollout.protocol import GenerateRequest, WeightsRequest
+from rlft.trainer.weights.store import config_json, save_safetensors, unique_tensors
 
 GREEDY = SamplingParams(max_new_tokens=10, greedy=True)
 
@@ -67,6 +68,18 @@ def test_vllm_greedy_equals_transformers_before_and_after_an_update(
         answer = client.generate(GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=stops))
         assert answer.policy_version == 1
         assert [c.token_ids for c in answer.completions] == after
+
+        # vLLM's reload takes any subset of names: a set lacking one is refused before
+        # it, and version 1 stays served whole.
+        partial = unique_tensors(model.state_dict())
+        del partial["model.layers.0.self_attn.o_proj.weight"]
+        uri = store.write(2, save_safetensors(partial), config_json(model))
+        with pytest.raises(RequestFailed, match=r"WeightNamesError: weights lack 1 tensor"):
+            body = {"version": 2, "uri": uri}
+            http_json(f"{client.instances[0].url}/weights", body, 120, servers.token)
+        assert http_json(f"{client.instances[0].url}/healthz", None, 10)["policy_version"] == 1
+        answer = client.generate(GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=stops))
+        assert (answer.policy_version, [c.token_ids for c in answer.completions]) == (1, after)
 
         sampled = client.generate(
             GenerateRequest(PROMPTS, 2, SamplingParams(temperature=0.7, max_new_tokens=8), seed=3)

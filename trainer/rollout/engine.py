@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,3 +30,31 @@ class Completion:
     """`stop` when a stop token ended it, `length` when it hit maxNewTokens."""
     policy_version: int
     """Version of the weights that produced every token of it."""
+
+
+TIED_ALIAS = "lm_head.weight"
+"""The output layer's name, an alias of the embeddings in a model that ties them."""
+
+
+class WeightNamesError(ValueError):
+    """A weight set that is not the served model's, refused before any tensor of it was
+    copied: the served weights are intact."""
+
+
+def check_names(expected: Iterable[str], given: Iterable[str], tied: bool) -> None:
+    """Refuse a weight set that names a tensor the served model lacks, or lacks one of
+    its own (but the tied output layer, an alias a publisher leaves out): loaded as it
+    is, part of the model would keep its old weights under the new version's number."""
+    expected, given = set(expected), set(given)
+    unexpected = sorted(given - expected)
+    if unexpected:
+        raise WeightNamesError(
+            f"weights name {len(unexpected)} tensor(s) the served model lacks, "
+            f"e.g. {unexpected[0]!r}: publish weights of the same architecture"
+        )
+    missing = sorted(n for n in expected - given if not (tied and n == TIED_ALIAS))
+    if missing:
+        raise WeightNamesError(
+            f"weights lack {len(missing)} tensor(s) of the served model, e.g. {missing[0]!r}: "
+            "publish every tensor of the model"
+        )

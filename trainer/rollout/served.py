@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from rlft.trainer.rollout.engine import Completion, SamplingParams
+from rlft.trainer.rollout.engine import Completion, SamplingParams, check_names
 from rlft.trainer.rollout.transformers_engine import TransformersEngine
 
 
@@ -41,19 +41,11 @@ class ServedEngine(Protocol):
 
 
 def load_named(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy Hugging Face-named tensors into `model`; only tied aliases may be absent."""
-    result = model.load_state_dict(tensors, strict=False)
-    if result.unexpected_keys:
-        raise ValueError(
-            f"weights name {len(result.unexpected_keys)} tensor(s) the served model lacks, "
-            f"e.g. {result.unexpected_keys[0]!r}: publish weights of the same architecture"
-        )
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
-    if missing:
-        raise ValueError(
-            f"weights lack {len(missing)} tensor(s) of the served model, e.g. {missing[0]!r}"
-        )
+    """Copy Hugging Face-named tensors into `model`, once their names are checked (a set
+    that is not the model's is refused with the model untouched)."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    check_names(model.state_dict().keys(), tensors.keys(), tied)
+    model.load_state_dict(tensors, strict=False)  # strict but for the tied alias
 
 
 class TransformersServed:

@@ -39,6 +39,7 @@ from rlft.trainer.addresses import http_url, is_loopback
 from rlft.trainer.api_token import TOKEN_ENV, authorized
 from rlft.trainer.http_server import HTTPServer
 from rlft.trainer.rollout.arguments import add_arguments
+from rlft.trainer.rollout.engine import WeightNamesError
 from rlft.trainer.rollout.protocol import (
     GenerateRequest,
     ProtocolError,
@@ -193,6 +194,8 @@ class EngineHost:
         would vouch for weights it no longer holds)."""
         try:
             yield
+        except WeightNamesError:
+            raise  # refused before any tensor was copied: the served weights are intact
         except BaseException as error:
             self.damaged = (
                 f"the load of version {version} failed part-way ({type(error).__name__}: "

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from rlft.trainer.config.model import vllm_cpu_head_problem
-from rlft.trainer.rollout.engine import Completion, SamplingParams
+from rlft.trainer.rollout.engine import Completion, SamplingParams, check_names
 
 _MOE_FIX_CALLS = [0]
 
@@ -62,6 +62,18 @@ def install_moe_reload_fix(_worker=None) -> bool:
 
 def moe_fix_calls(_worker=None) -> int:
     return _MOE_FIX_CALLS[0]
+
+
+def _tensor_names(folder: Path) -> set[str] | None:
+    """The tensor names of a Hugging Face folder's safetensors files (headers only); None
+    for a folder without any (`.bin` weights: not checked)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as opened:
+            names.update(opened.keys())
+    return names or None
 
 
 def _config_dtype(folder: Path) -> str:
@@ -140,6 +152,9 @@ class VllmEngine:
         eos = config.eos_token_id
         self.default_stops = [eos] if isinstance(eos, int) else list(eos or [])
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        # vLLM's reload takes any subset of names and keeps the rest: a partial set would
+        # be served, half old, as the new version. The first folder's names are the set.
+        self.weight_names = _tensor_names(folder)
         self.policy_version = version
         self.moe_layers_repacked = 0
         self.llm.collective_rpc(install_moe_reload_fix)
@@ -197,6 +212,8 @@ class VllmEngine:
         return completions
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        if self.weight_names is not None:
+            check_names(self.weight_names, tensors, self.tied)
         if not self.in_process:  # tensors cannot cross to worker processes: go by folder
             from safetensors.torch import save_file
 
@@ -212,15 +229,7 @@ class VllmEngine:
     def load_folder(self, folder: Path, version: int) -> None:
         from rlft.trainer.weights.store import read_tensors
 
-        if self.in_process:
-            self.load_tensors(read_tensors(folder), version)
-            return
-        from safetensors.torch import save_file
-
-        with tempfile.TemporaryDirectory(prefix="rlft-vllm-weights-") as staged:
-            save_file(self._with_tied(read_tensors(folder)), f"{staged}/model.safetensors")
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": staged})
-        self._after_reload(version)
+        self.load_tensors(read_tensors(folder), version)
 
     def _with_tied(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """vLLM's in-place reload restores a tied lm_head from its old value unless the
