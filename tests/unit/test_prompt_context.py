@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_jobs import TINY_MODEL
+from tiny_jobs import TINY_MODEL, manifest
 
 from rlft.trainer.config import parse_job
 from rlft.trainer.data.jsonl import DataFileError
@@ -26,20 +26,14 @@ def _job(tmp_path: Path, algorithm: str, rows: list[dict[str, str]], new_tokens:
     model = copy.deepcopy(TINY_MODEL)
     model["init"]["maxPositionEmbeddings"] = POSITIONS
     jsonl = {"train": str(train), **({"rejectedField": "rejected"} if algorithm == "dpo" else {})}
-    return parse_job(
-        {
-            "apiVersion": "rlft.dev/v1alpha1",
-            "kind": "RLFineTune",
-            "metadata": {"name": "context"},
-            "spec": {
-                "model": model,
-                "data": {"source": "jsonl", "jsonl": jsonl},
-                "algorithm": {"name": algorithm},
-                "rollout": {"sampling": {"maxNewTokens": new_tokens}},
-                "telemetry": {"enabled": False},
-            },
-        }
-    )
+    spec = {
+        "model": model,
+        "data": {"source": "jsonl", "jsonl": jsonl},
+        "algorithm": {"name": algorithm},
+        "rollout": {"sampling": {"maxNewTokens": new_tokens}},
+        "telemetry": {"enabled": False},
+    }
+    return parse_job(manifest(spec, name="context"))
 
 
 def test_a_prompt_past_the_context_with_its_completion_is_refused_naming_its_line(tmp_path):
