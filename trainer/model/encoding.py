@@ -13,8 +13,12 @@ class Encoder:
     data: DataSpec
     stop_id: int
 
+    @property
+    def chat(self) -> bool:
+        return self.data.source == "jsonl" and self.data.jsonl is not None and self.data.jsonl.chat
+
     def prompt(self, text: str) -> list[int]:
-        if self.data.source == "jsonl" and self.data.jsonl is not None and self.data.jsonl.chat:
+        if self.chat:
             return list(
                 self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": text}],
@@ -24,6 +28,13 @@ class Encoder:
                 )
             )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_lengths(self, texts: list[str]) -> list[int]:
+        """The token count of each prompt, in one batch call where no chat template
+        applies (a dataset's check at the start: seconds, not minutes)."""
+        if self.chat or not texts:
+            return [len(self.prompt(text)) for text in texts]
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def answer(self, text: str) -> list[int]:
         """The answer's tokens followed by the stop token (what SFT and DPO train on)."""

@@ -58,8 +58,8 @@ def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int)
     generated = SOURCES[spec.algorithm.name] == "rollouts"
     training = task.training_problems() if isinstance(task, JsonlProblems) else []
     checked = [(p, True) for p in task.eval_problems()] + [(p, False) for p in training]
-    for problem, held_out in checked:
-        prompt = len(encoder.prompt(problem.prompt))
+    lengths = encoder.prompt_lengths([problem.prompt for problem, _ in checked])
+    for (problem, held_out), prompt in zip(checked, lengths, strict=True):
         if held_out or generated:
             need, after = prompt + new_tokens, f"rollout.sampling.maxNewTokens {new_tokens}"
             fix = "shorten the prompt, drop the line, or lower rollout.sampling.maxNewTokens"
