@@ -198,7 +198,7 @@ def test_pending_to_running_when_the_gang_runs():
     w.step()
     w.set("tiny-grpo-trainer-0", phase="Running")
     w.step()
-    assert w.status.phase == "Pending"
+    assert w.status.phase == "Pending" and "(1 of 2 running)" in w.status.message
     w.set("tiny-grpo-trainer-1", phase="Running")
     w.step()
     assert w.status.phase == "Running" and w.events[-1] == "Running"
@@ -209,6 +209,33 @@ def test_pending_to_running_when_the_gang_runs():
     w.run_all()
     w.step()
     assert {c.type: c.status for c in w.status.conditions}["Ready"] == "True"
+
+
+def test_the_gang_is_unschedulable_when_the_requeue_it_asked_for_comes() -> None:
+    """Waiting for placement asks to be looked at again when schedulingTimeoutSeconds is
+    up: at that moment the gang has waited the whole timeout, and Scheduled turns False."""
+    w = _world(scheduling={"schedulingTimeoutSeconds": 60})
+    d = w.step()
+    assert _condition(w, "Scheduled") == ("Unknown", "Waiting") and d.requeue_after == 60
+    w.tick(60)
+    w.step()
+    assert _condition(w, "Scheduled") == ("False", "Unschedulable")
+
+
+def test_a_rollout_pod_restarting_leaves_the_running_gang_running() -> None:
+    """A rollout pod's restart backoff holds no trainer slot: the full gang trains on,
+    and the job stays Running while the rollout pod waits to be recreated."""
+    w = _world()
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-rollout-0", phase="Failed", exit_code=1)
+    w.step()
+    assert w.status.restarts == 1 and w.status.next_restart_at is not None
+    assert w.status.phase == "Running", w.status.message
+    w.tick(1)
+    w.step()  # still within the backoff
+    assert w.status.phase == "Running", w.status.message
 
 
 def test_scheduling_timeout_sets_scheduled_false_once():
@@ -427,6 +454,59 @@ def test_status_mirrors_the_trainer_report_and_keeps_the_checkpoint():
     assert w.status.last_checkpoint.step == 100
 
 
+def test_a_checkpoint_newer_than_the_last_healthy_one_is_not_marked_healthy() -> None:
+    """A report whose last checkpoint does not say whether it is healthy: it is healthy
+    only when it is the last healthy one, not whenever some healthy one exists."""
+    w = _world()
+    w.step()
+    w.run_all()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.report = TrainerReport(
+        pod_uid=uid,
+        step=120,
+        last_checkpoint=_checkpoint(110),
+        last_healthy_checkpoint=_checkpoint(100),
+    )
+    w.step()
+    assert w.status.last_checkpoint is not None and w.status.last_healthy_checkpoint is not None
+    assert w.status.last_checkpoint.step == 110 and w.status.last_checkpoint.healthy is False
+    assert w.status.last_healthy_checkpoint.step == 100
+
+
+def test_a_trainer_reporting_fewer_rollbacks_does_not_lower_the_count() -> None:
+    """The job's rollback count only grows: a trainer that resumed from a checkpoint
+    written before its last rollback reports the smaller count it holds."""
+    w = _world()
+    w.step()
+    w.run_all()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.report = TrainerReport(pod_uid=uid, step=60, rollbacks=2)
+    w.step()
+    assert w.status.rollbacks == 2
+    w.report = TrainerReport(pod_uid=uid, step=40, rollbacks=1)
+    w.step()
+    assert w.status.rollbacks == 2
+
+
+def test_the_final_checkpoint_in_the_verdict_replaces_an_older_one_in_status() -> None:
+    """/status named step 10's checkpoint; the trainer then finished with step 12's
+    before the next poll: the job shows the final one."""
+    w = _world()
+    w.step()
+    w.run_all()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.report = TrainerReport(pod_uid=uid, step=10, last_checkpoint=_checkpoint(10))
+    w.step()
+    assert w.status.last_checkpoint is not None and w.status.last_checkpoint.step == 10
+    w.report = None
+    done = Verdict(0, completed=True, step=12, last_checkpoint=12, checkpoint_uri="s3://b/r/s")
+    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0, verdict=done)
+    w.step()
+    assert w.status.phase == "Succeeded"
+    assert w.status.last_checkpoint is not None
+    assert (w.status.last_checkpoint.step, w.status.last_checkpoint.uri) == (12, "s3://b/r/s")
+
+
 @pytest.mark.parametrize("phase", ["starting", "warm_start"])
 def test_a_trainer_not_yet_training_leaves_step_and_version_as_they_were(phase):
     """A restarted trainer serves /status (step 0, version 0) before it restores its
@@ -478,7 +558,7 @@ def test_a_run_the_trainers_guard_ended_fails_the_job():
 
 def test_suspend_and_resume():
     w = _world(checkpoint={"uri": "s3://bucket/run", "resume": "never"})
-    w.step()
+    first = next(m for m in w.step().create if m["metadata"]["name"] == "tiny-grpo-trainer-0")
     w.run_all()
     # The gang trained (a step reported, no checkpoint yet): SIGTERM at the suspend makes
     # it write an emergency checkpoint, which the resumed gang takes.
@@ -496,10 +576,38 @@ def test_suspend_and_resume():
     assert w.status.phase == "Pending" and "Resumed" in w.events
     trainer = next(m for m in d.create if m["metadata"]["name"] == "tiny-grpo-trainer-0")
     assert "--resume=latest-healthy" in trainer["spec"]["containers"][0]["command"]
+    # A rendezvous of its own: the resumed agents never join the suspended gang's.
+    rdzv = [
+        [a for a in m["spec"]["containers"][0]["command"] if a.startswith("--rdzv-id=")]
+        for m in (first, trainer)
+    ]
+    assert rdzv[0] and rdzv[1] and rdzv[0] != rdzv[1]
     w.run_all()
     w.step()
     assert w.status.phase == "Running"
     assert _condition(w, "Scheduled") == ("True", "GangScheduled")
+
+
+def test_a_resume_does_not_wait_out_a_backoff_the_suspend_interrupted() -> None:
+    """A job suspended during a restart's backoff: its pods were all deleted, so the
+    resume starts them at once, not when the old backoff would have ended."""
+    w = _world(restartPolicy={**RESTARTS, "backoffSeconds": 600})
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1)
+    w.step()
+    assert w.status.next_restart_at is not None
+    w.spec["suspend"] = True
+    w.step()
+    assert w.status.phase == "Suspended" and w.status.next_restart_at is None
+    w.tick(5)
+    w.spec["suspend"] = False
+    d = w.step()
+    assert {m["metadata"]["name"] for m in d.create if m["kind"] == "Pod"} == {
+        "tiny-grpo-trainer-0",
+        "tiny-grpo-rollout-0",
+    }
 
 
 def _condition(w: World, kind: str) -> tuple[str, str]:
@@ -1026,6 +1134,21 @@ def test_an_image_pull_error_on_a_node_that_came_late_is_timed_from_its_placemen
     w.tick(601)  # the registry keeps refusing: past schedulingTimeout from the placement
     w.step()
     assert w.status.phase == "Failed" and "for 601 s" in w.status.message
+
+
+def test_a_pod_that_cannot_start_fails_the_job_when_the_requeue_it_asked_for_comes() -> None:
+    """A pod in ErrImagePull asks to be looked at again when schedulingTimeoutSeconds
+    (600) since its placement is up: at that moment it has waited long enough, and the
+    job fails then (not one more requeue of 0 s later)."""
+    w = _world()
+    w.step()
+    placed = w.now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    w.set("tiny-grpo-trainer-0", scheduled=True, scheduled_at=placed, waiting="ErrImagePull")
+    d = w.step()
+    assert w.status.phase != "Failed" and d.requeue_after == 600
+    w.tick(600)
+    w.step()
+    assert w.status.phase == "Failed" and "for 600 s" in w.status.message
 
 
 def test_a_running_gang_whose_member_is_being_lost_spends_a_restart():

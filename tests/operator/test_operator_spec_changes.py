@@ -180,6 +180,8 @@ def test_new_replicas_restart_the_trainer_gang_with_the_new_nnodes(before, after
     assert "tiny-grpo-rollout-0" in w.pods and "Rescaling" in w.events
     assert w.status.restarts == 0 and w.status.restart_history == []
     assert w.status.gang_attempt == attempt + 1 and w.status.phase == "Restarting"
+    # Deliberate: said as a rescale, not warned as a gang that fell below replicas.min.
+    assert "Restarting" not in w.events and "with replicas" in w.status.message
     nnodes = _nnodes(d)  # new slots at once; the old ones once their pods are gone
     assert w.status.observed_generation == (2 if nnodes else 1)
     if not nnodes:
