@@ -3,8 +3,8 @@
 The training loop's own handler (`checkpoint.emergency.GracefulStop`) exists only once the
 model is built and sharded. Before it, SIGTERM's default action killed a rank that was
 importing torch, joining its process group, loading its model or data, without a word:
-the operator saw exit 143 and a log tail. There is nothing to checkpoint then, so the
-rank ends at once, and `on_sigterm` writes a verdict that says so.
+the operator saw exit 1 (torchrun's) and a log tail. There is nothing to checkpoint then,
+so the rank ends at once, and `on_sigterm` writes a verdict that says so.
 
 The signal is acted on by a thread woken through the signal wakeup fd, not in the Python
 handler: Python runs a handler only between bytecodes of the main thread, and a rank
@@ -31,11 +31,17 @@ class StopWhileStarting:
     """Until `hand_over`, a SIGTERM calls `on_sigterm` on a thread of its own (it is to
     end the process: the main thread may be anywhere, blocked in a C call included)."""
 
-    def __init__(self, on_sigterm: Callable[[], object]) -> None:
+    def __init__(self, on_sigterm: Callable[[], None]) -> None:
         self.on_sigterm = on_sigterm
+        self.received = False
+        """A SIGTERM arrived (the main thread's handler ran)."""
+        self.acted = False
+        """The thread took it in hand (`on_sigterm` called)."""
         self._writer: socket.socket | None = None
         self._previous_fd = -1
-        self._previous_handler: object = signal.SIG_DFL
+        self._previous_handler: signal.Handlers | Callable[[int, FrameType | None], object] = (
+            signal.SIG_DFL
+        )
 
     def install(self) -> StopWhileStarting:
         """From the main thread (elsewhere nothing changes)."""
@@ -45,11 +51,13 @@ class StopWhileStarting:
         reader, writer = socket.socketpair()
         writer.setblocking(False)  # set_wakeup_fd requires it
         self._writer = writer
+        # The fd first: a SIGTERM between the two calls meets the default action, where
+        # one after the handler but before the fd would wake nothing.
+        self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         # A Python handler makes the C one write the wakeup fd, which wakes the thread.
         previous = signal.signal(signal.SIGTERM, self._noted)
         # None: a handler set outside Python, which cannot be restored; the default then.
         self._previous_handler = signal.SIG_DFL if previous is None else previous
-        self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         threading.Thread(
             target=self._watch, args=(reader,), name="stop-while-starting", daemon=True
         ).start()
@@ -63,7 +71,7 @@ class StopWhileStarting:
         if self._writer is None or threading.current_thread() is not threading.main_thread():
             return
         if self._installed():
-            signal.signal(signal.SIGTERM, self._previous_handler)  # type: ignore[arg-type]
+            signal.signal(signal.SIGTERM, self._previous_handler)
         signal.set_wakeup_fd(self._previous_fd)
         self._writer.close()
         self._writer = None
@@ -74,7 +82,10 @@ class StopWhileStarting:
         return signal.getsignal(signal.SIGTERM) == self._noted
 
     def _noted(self, signum: int, frame: FrameType | None) -> None:
-        """The thread acts on the signal (see the module's docstring)."""
+        """The thread acts on the signal (see the module's docstring); noted here too, so
+        that one the thread has not reached when GracefulStop takes over is passed on to
+        it (`hand_over`) rather than lost."""
+        self.received = True
 
     def _watch(self, reader: socket.socket) -> None:
         # Read until `uninstall` closes the writer: a reader gone before it would turn the
@@ -83,6 +94,7 @@ class StopWhileStarting:
             while data := _receive(reader):
                 # Not once another handler has replaced this one: the signal is its own.
                 if signal.SIGTERM in data and self._writer is not None and self._installed():
+                    self.acted = True
                     self.on_sigterm()
 
 
@@ -104,3 +116,7 @@ def hand_over(previous: dict[int, object]) -> None:
     if previous.get(signal.SIGTERM) == starting._noted:
         previous[signal.SIGTERM] = starting._previous_handler
     starting.uninstall()
+    if starting.received and not starting.acted:
+        # Arrived while the thread waited for the GIL, and the new handler is installed
+        # now, so the thread will not act: the new handler gets it (a stop, not lost).
+        signal.raise_signal(signal.SIGTERM)

@@ -1,7 +1,8 @@
 """A trainer rank that ends before training begins still leaves a verdict: one whose
 process group cannot be formed (retryable failure, the cause named), one SIGTERM
-reaches while it waits for its peers in the rendezvous (a stop: nothing had run). Both
-used to end without a word, the operator left with exit 1 or 143 and a log tail.
+reaches while it waits for its peers in the rendezvous (a retryable failure that says
+nothing had run). Both used to end without a word, the operator left with torchrun's
+exit 1 and a log tail.
 
 Each runs one real rank as torchrun starts it (its environment), without torchrun: rank 0
 of two, whose peer never comes."""
@@ -122,10 +123,10 @@ def test_sigterm_while_a_rank_waits_for_its_peers_stops_it_at_once_with_a_verdic
     process.send_signal(signal.SIGTERM)
     output = ended(process, 20)
     assert time.monotonic() - signalled < 10, output
-    assert process.returncode == 0, output
+    assert process.returncode == 1, output
     verdict = verdict_in(tmp_path)
     assert verdict is not None, output
-    # A stop, as the operator reads one: exit 0, stopped, nothing charged to the job.
-    assert verdict.exit_code == 0 and verdict.stopped and verdict.rank == 0, verdict
-    assert "stopped before training began" in verdict.message, verdict
+    # A retryable failure, not a stop: a peer's death sends the same SIGTERM (below).
+    assert verdict.exit_code == 1 and not verdict.stopped and verdict.rank == 0, verdict
+    assert "stopped while starting (SIGTERM before training began)" in verdict.message
     assert verdict.last_checkpoint is None, verdict

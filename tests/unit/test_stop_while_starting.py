@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -59,4 +61,26 @@ def test_graceful_stop_takes_sigterm_over_for_good(sigterm_restored):
         stop.uninstall()
     assert signal.getsignal(signal.SIGTERM) is before
     assert signal.set_wakeup_fd(fd_before) == fd_before
+    assert called == []
+
+
+def test_a_sigterm_the_thread_has_not_reached_goes_to_graceful_stop(sigterm_restored):
+    """The main thread's handler notes the signal at once; the thread acts only once it
+    gets the GIL. GracefulStop installed in between used to leave it to nobody: the rank
+    trained on and was SIGKILLed at the end of its grace, without a checkpoint."""
+    called: list[bool] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # the main thread keeps the GIL until it waits
+    try:
+        starting = StopWhileStarting(lambda: called.append(True)).install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        stop = GracefulStop(30.0).install()
+    finally:
+        sys.setswitchinterval(switch)
+    try:
+        assert starting.received
+        assert stop.requested
+    finally:
+        stop.uninstall()
+    time.sleep(0.2)  # the thread, had it been left the signal, would have acted by now
     assert called == []

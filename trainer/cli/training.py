@@ -94,7 +94,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     # Judging ends first: a stall declared between the final write and the end wrote
     # over the verdict (now it is declared before, and the final verdict says it).
     liveness.current().end()
-    termination.write(liveness.current().marked(verdict))
+    _report(verdict)
     if verdict.stopped and code == ExitCode.OK and _other_agents():
         # After its workers exit 0, torchrun's agent waits (up to 300 s, deaf to SIGTERM
         # inside a store call) in an exit barrier for every other agent, and an agent
@@ -162,7 +162,7 @@ def _verdict(job: RLFineTune, summary: dict, code: int, rank: int) -> terminatio
 def _failed(code: int, error: BaseException, rank: int) -> int:
     """Report an error the trainer understands: on stderr, and as the pod's verdict."""
     print(f"rlft: {error}", file=sys.stderr)
-    termination.write(liveness.current().marked(termination.Verdict(code, str(error), rank)))
+    _report(termination.Verdict(code, str(error), rank))
     return code
 
 
@@ -269,8 +269,7 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         # in the message, where the operator tells a rendezvous failure by it.
         traceback.print_exc()
         message = f"could not join the process group: {type(error).__name__}: {error}"
-        verdict = termination.Verdict(ExitCode.FAILURE, message, rank)
-        termination.write(liveness.current().marked(verdict))
+        _report(termination.Verdict(ExitCode.FAILURE, message, rank))
         exit_worker(ExitCode.FAILURE)
     liveness.beat("joined the process group")
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
@@ -286,8 +285,7 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         # stops the group with the failure.
         traceback.print_exc()
         message = f"{type(error).__name__}: {error}"
-        verdict = termination.Verdict(ExitCode.FAILURE, message, dist.rank)
-        termination.write(liveness.current().marked(verdict))
+        _report(termination.Verdict(ExitCode.FAILURE, message, dist.rank))
         exit_worker(ExitCode.FAILURE)
     # The verdict is written: a peer gone from the goodbye barrier changes nothing of it
     # (its error escaped here, and the agent stopped rank 0 mid-publication).
@@ -296,24 +294,29 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     exit_worker(code)
 
 
-STOPPED_BEFORE_TRAINING = (
-    "stopped before training began (SIGTERM while starting): nothing had run, so nothing "
+STOPPED_WHILE_STARTING = (
+    "stopped while starting (SIGTERM before training began): nothing had run, so nothing "
     "is lost; a restart resumes from the newest committed checkpoint, if any"
 )
 
 
 def _stopped_while_starting(rank: int) -> NoReturn:
     """End a rank SIGTERM reached before training began (on StopWhileStarting's thread,
-    while the main thread may be anywhere): a stop, as one after an emergency checkpoint,
-    which the operator does not count against the job's restarts."""
-    print(f"rlft: {STOPPED_BEFORE_TRAINING}", file=sys.stderr, flush=True)
-    verdict = termination.Verdict(ExitCode.OK, STOPPED_BEFORE_TRAINING, rank, stopped=True)
-    termination.write(liveness.current().marked(verdict))
+    while the main thread may be anywhere), with a retryable failure that says so. Not a
+    stop (exit 0, `stopped`): torchrun sends its other workers SIGTERM when one dies, and
+    a killed rank writes no verdict, so their "stopped" would be read as the gang's and
+    hide the death (`rlft train --nproc` exited 0 with a rank SIGKILLed). The operator
+    tells a pod it deleted or one preempted from the pod, not from this verdict."""
+    print(f"rlft: {STOPPED_WHILE_STARTING}", file=sys.stderr, flush=True)
+    _report(termination.Verdict(ExitCode.FAILURE, STOPPED_WHILE_STARTING, rank))
     sys.stdout.flush()
     # Not exit_worker: its module imports torch, which the main thread may be importing.
-    # Exit 1 in a gang of several pods for the reason `_run` gives (the agent's exit
-    # barrier); the verdict says exit 0, stopped.
-    os._exit(ExitCode.FAILURE if _other_agents() else ExitCode.OK)
+    os._exit(ExitCode.FAILURE)
+
+
+def _report(verdict: termination.Verdict) -> None:
+    """Write the pod's verdict, marked with what liveness knows (a declared stall)."""
+    termination.write(liveness.current().marked(verdict))
 
 
 def collective_timeout_s(job: RLFineTune) -> float:
