@@ -255,6 +255,23 @@ def test_scheduling_timeout_sets_scheduled_false_once():
     assert w.events.count("Unschedulable") == 1
 
 
+def test_a_gang_placed_but_never_running_keeps_its_wait_counted() -> None:
+    """schedulingTimeoutSeconds bounds the wait for a gang that never ran: its pods
+    placed for a while (then unplaced again, a preemption before they started) do not
+    start the clock anew."""
+    w = _world(scheduling={"schedulingTimeoutSeconds": 60})
+    w.step()
+    w.tick(30)
+    w.set("tiny-grpo-trainer-0", scheduled=True)
+    w.step()
+    assert _condition(w, "Scheduled") == ("True", "GangScheduled")
+    assert w.status.phase == "Pending"
+    w.tick(31)
+    w.set("tiny-grpo-trainer-0")  # unplaced again
+    w.step()
+    assert _condition(w, "Scheduled") == ("False", "Unschedulable")
+
+
 def test_a_timeout_before_the_schedulers_reason_looks_again_until_it_is_named():
     """The scheduler had not tried the pending pod when the timeout ran out (a loaded
     scheduler): the condition says Unschedulable at once and names the reason as soon
@@ -275,6 +292,7 @@ def test_a_timeout_before_the_schedulers_reason_looks_again_until_it_is_named():
     scheduled = {c.type: c for c in w.status.conditions}["Scheduled"]
     assert "Insufficient nvidia.com/gpu" in scheduled.message
     assert w.events.count("Unschedulable") == 1
+    assert w.step().requeue_after is None  # the reason is named: no more looking again
 
 
 def test_without_a_schedulers_reason_the_look_again_is_bounded():
@@ -683,6 +701,47 @@ def test_image_pull_warns_then_fails_after_the_timeout():
     w.tick(101)
     w.step()
     assert w.status.phase == "Failed" and w.status.last_failure.reason == P.IMAGE_PULL
+
+
+def test_a_pod_being_deleted_that_cannot_pull_its_image_does_not_fail_the_job() -> None:
+    """A wrong image fixed with a suspend and an edit: the old rollout pod (an invalid
+    image name, a permanent problem) is still terminating when the job resumes. It is
+    going away: its pull is no longer the job's problem."""
+    w = _world()
+    w.step()
+    w.run_all()
+    w.step()
+    w.set("tiny-grpo-rollout-0", waiting="InvalidImageName", deleting=True)
+    w.step()
+    assert w.status.phase == "Running", w.status.message
+    assert P.IMAGE_PULL not in w.events
+
+
+def test_ready_needs_every_pod_of_the_job_running() -> None:
+    w = _world()
+    w.step()
+    w.set("tiny-grpo-trainer-0", phase="Running")
+    w.step()
+    assert w.status.phase == "Running"
+    assert _condition(w, "Ready") == ("False", "PodsNotRunning")  # the rollout pod is not
+    w.run_all()
+    w.step()
+    assert _condition(w, "Ready") == ("True", "AllPodsRunning")
+
+
+def test_the_status_forgets_handled_pods_once_they_are_gone() -> None:
+    """status.handledPods names the judged pods that still exist: a job that restarts
+    often must not grow it without bound."""
+    w = _world()
+    w.step()
+    w.run_all()
+    w.step()
+    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w.set("tiny-grpo-trainer-0", phase="Failed", exit_code=1)
+    w.step()  # judged, and deleted
+    assert uid in w.status.handled_pods and "tiny-grpo-trainer-0" not in w.pods
+    w.step()
+    assert uid not in w.status.handled_pods
 
 
 def test_scaling_down_restarts_the_gang_without_the_extra_slot():
