@@ -64,3 +64,31 @@ def test_a_supervised_answer_past_the_context_is_refused(tmp_path, algorithm):
     job = _job(tmp_path, algorithm, [SHORT, long], new_tokens=4)
     with pytest.raises(DataFileError, match=r"train.jsonl:2: .* its longest answer's \d+ tokens"):
         build_parts(job)
+
+
+def test_held_out_problems_past_eval_max_problems_are_not_checked(tmp_path):
+    """Evaluation reads the first eval.maxProblems of the file: only those are generated."""
+    job = _job(tmp_path, "grpo", [SHORT], new_tokens=8)
+    held_out = tmp_path / "eval.jsonl"
+    long = {"prompt": " ".join(str(n) for n in range(200)) + "=", "answer": "1"}
+    held_out.write_text(json.dumps(SHORT) + "\n" + json.dumps(long) + "\n")
+    document = job.model_dump(by_alias=True, exclude_none=True)
+    document["spec"]["data"]["jsonl"]["eval"] = str(held_out)
+    document["spec"]["eval"] = {"maxProblems": 1}
+    assert build_parts(parse_job(document)).task.eval_problems()[1].origin.endswith(":2")
+    document["spec"]["eval"] = {"maxProblems": 2}
+    with pytest.raises(DataFileError, match=r"eval.jsonl:2: the prompt's"):
+        build_parts(parse_job(document))
+
+
+def test_a_rollout_jobs_warm_start_answers_are_checked(tmp_path):
+    """GRPO with a supervised warm start trains on the reference answers first."""
+    long = {**SHORT, "answer": " ".join(str(n) for n in range(200))}
+    document = _job(tmp_path, "grpo", [SHORT, long], new_tokens=8).model_dump(
+        by_alias=True, exclude_none=True
+    )
+    document["spec"]["algorithm"]["sft"] = {"steps": 0}
+    assert build_parts(parse_job(document))  # no warm start: no answer is trained on
+    document["spec"]["algorithm"]["sft"] = {"steps": 2}
+    with pytest.raises(DataFileError, match=r"train.jsonl:2: .* its longest answer's"):
+        build_parts(parse_job(document))

@@ -50,24 +50,30 @@ def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int)
     days into a run; the in-process engine sampled from positions never trained.
 
     A generated completion may take `rollout.sampling.maxNewTokens` after its prompt (the
-    held-out problems are generated for every algorithm); a supervised example or a
-    preference pair takes its answers' own tokens. The built-in arithmetic task draws its
-    training problems as its held-out ones are made, so those stand for it."""
+    held-out problems evaluated are generated for every algorithm); a supervised example
+    or a preference pair (sft, dpo, a rollout job's warm start) takes its answers' own
+    tokens. The built-in arithmetic task draws its training problems as its held-out ones
+    are made, so those stand for it."""
     spec = job.spec
     new_tokens = spec.rollout.sampling.max_new_tokens
     generated = SOURCES[spec.algorithm.name] == "rollouts"
     training = task.training_problems() if isinstance(task, JsonlProblems) else []
-    checked = [(p, True) for p in task.eval_problems()] + [(p, False) for p in training]
+    evaluated = task.eval_problems()[: spec.eval.max_problems]
+    checked = [(p, True) for p in evaluated] + [(p, False) for p in training]
     lengths = encoder.prompt_lengths([problem.prompt for problem, _ in checked])
+    # A rollout job's warm start trains on the answers too (algorithm.sft.steps).
+    supervised = not generated or spec.algorithm.sft.steps > 0
     for (problem, held_out), prompt in zip(checked, lengths, strict=True):
+        need = 0
         if held_out or generated:
             need, after = prompt + new_tokens, f"rollout.sampling.maxNewTokens {new_tokens}"
             fix = "shorten the prompt, drop the line, or lower rollout.sampling.maxNewTokens"
-        else:
+        if supervised and not held_out:
             answers = [a for a in (problem.answer, problem.rejected) if a is not None]
             longest = max(len(encoder.answer(a)) for a in answers)
-            need, after = prompt + longest, f"its longest answer's {longest} tokens"
-            fix = "shorten the prompt or its answers, or drop the line"
+            if prompt + longest > need:
+                need, after = prompt + longest, f"its longest answer's {longest} tokens"
+                fix = "shorten the prompt or its answers, or drop the line"
         if need > positions:
             where = problem.origin or f"held-out problem {problem.prompt!r}"
             raise DataFileError(
