@@ -453,7 +453,11 @@ async def _apply(
         metrics.rollbacks.labels(rlfinetune=f"{namespace}/{name}").inc(
             d.status.rollbacks - old.rollbacks
         )
-    metrics.set_phase(key, d.status.phase)
+    state = RUNTIME.jobs.get(key)
+    if state is not None and state.served:
+        # Not once `_serve` has ended: a reconcile still writing when this replica paused
+        # would count the job again here, for good (nothing reconciles it here after).
+        metrics.set_phase(key, d.status.phase)
     # The decision's Events go with its status: the next reconcile starts from that
     # status and says none of them again, so a failure below must not lose them.
     await _post_events(body, [(e.type, e.reason, e.message) for e in d.events])

@@ -37,3 +37,56 @@ def test_an_unexpected_error_in_a_reconcile_is_counted_logged_and_not_sticky(mon
     assert counted == 1 and metrics.reconciles.labels(result="ok")._value.get() == 2
     assert "ml/broken: reconcile failed" in caplog.text and "a bug in pod rendering" in caplog.text
     assert not handlers.RUNTIME.jobs[("ml", "broken")].lock.locked()
+
+
+def test_a_reconcile_in_flight_when_the_replica_pauses_does_not_count_the_job_again(
+    monkeypatch,
+):
+    """kopf stops a job's `_serve` daemon when this replica pauses for another leader;
+    a reconcile still writing the status then must not put the job back in
+    rlft_operator_jobs, where nothing here would take it out again (summed over the
+    replicas, a dashboard would show it twice)."""
+    from datetime import UTC, datetime
+
+    from rlft.operator.decision import Decision
+    from rlft.operator.status import RLFineTuneStatus
+
+    metrics = OperatorMetrics()
+    monkeypatch.setattr(handlers.RUNTIME, "metrics", metrics)
+    monkeypatch.setattr(handlers.RUNTIME, "jobs", {})
+
+    class SlowStatusWrites:
+        """The API server's part of `_apply`: the status write waits for the test."""
+
+        def __init__(self) -> None:
+            self.writing, self.release = asyncio.Event(), asyncio.Event()
+
+        async def patch_job_status(self, *args: object) -> None:
+            self.writing.set()
+            await self.release.wait()
+
+        async def post_event(self, *args: object) -> None:
+            return None
+
+    kube = SlowStatusWrites()
+    monkeypatch.setattr(handlers.RUNTIME, "kube", kube)
+    key = ("ml", "job")
+
+    async def pause_during_a_reconcile() -> None:
+        stopped = asyncio.Event()
+        serve = asyncio.create_task(handlers._serve(namespace="ml", name="job", stopped=stopped))
+        await asyncio.sleep(0)
+        body = {"metadata": {"namespace": "ml", "name": "job", "resourceVersion": "1"}}
+        decision = Decision(status=RLFineTuneStatus(phase="Running"))
+        now = datetime.now(UTC)
+        apply = asyncio.create_task(
+            handlers._apply(key, body, RLFineTuneStatus(), decision, now, {})
+        )
+        await kube.writing.wait()
+        stopped.set()  # kopf pauses this replica
+        await serve
+        kube.release.set()
+        await apply
+
+    asyncio.run(pause_during_a_reconcile())
+    assert metrics.jobs.labels(phase="Running")._value.get() == 0
