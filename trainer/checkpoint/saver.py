@@ -106,6 +106,9 @@ class _Job:
     future: Any
     stage: Path
     side_files: dict[str, bytes] = field(default_factory=dict)
+    shared_files: dict[str, bytes] = field(default_factory=dict)
+    """Rank 0's files outside the step folder (keys from the location's root), uploaded
+    before the commit: what the checkpoint refers to but does not own."""
     started: float = field(default_factory=time.monotonic)
     retry_s: float = 900.0
     deadline: float = field(init=False)
@@ -236,11 +239,14 @@ class Checkpointer:
         wait: bool = False,
         emergency: bool = False,
         retry_seconds: float | None = None,
+        shared_files: dict[str, bytes] | None = None,
     ) -> bool:
         """Checkpoint `step` (on every rank at once, as `poll` decided).
 
         `extra` is rank 0's JSON-able run state (LR schedule, data cursor, detector…);
-        `rank_state` is per-rank JSON-able state stored next to each rank's RNG states.
+        `rank_state` is per-rank JSON-able state stored next to each rank's RNG states;
+        `shared_files` are rank 0's objects outside the step folder that `extra` refers
+        to (metrics history segments), uploaded before the commit and never pruned.
         Returns after staging (False) or, with `wait`, after the commit (True if it
         committed). A previous save still in flight is waited for first; for an
         `emergency` one, only until `retry_seconds` from now (`hurry`).
@@ -281,6 +287,7 @@ class Checkpointer:
             future=future,
             stage=stage,
             side_files=side,
+            shared_files=dict(shared_files or {}) if self.rank == 0 else {},
             started=started,
             retry_s=self.retry_seconds if retry_seconds is None else retry_seconds,
         )
@@ -378,6 +385,10 @@ class Checkpointer:
             path = job.stage / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
+        for key, data in job.shared_files.items():
+            self._retried(
+                f"uploading {key}", lambda k=key, d=data: self.storage.put_bytes(k, d), job
+            )
         ours = [p for p in job.stage.rglob("*") if p.is_file() and self._owns(p, job.stage)]
         folder = step_dir(job.step)
         if self.rank == 0:

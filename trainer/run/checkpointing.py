@@ -12,7 +12,6 @@ The warm start is not checkpointed: a run killed during it starts again (determi
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, NoReturn
@@ -31,6 +30,7 @@ from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.peer_stop import PeerStop
+from rlft.trainer.run.history import MetricsHistory
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.storage.retry import with_retries
 
@@ -106,6 +106,7 @@ class Checkpointing:
             on_event=self._on_event,
             job_uid=job_uid,
         )
+        self.history = MetricsHistory(self.checkpointer.storage, self.metrics)
 
     def _refuse_others_checkpoints(self) -> None:
         """A local run told `never` at a location that holds committed checkpoints: its
@@ -229,17 +230,8 @@ class Checkpointing:
         self.resumed_step = cursor.step
         self._descend_from(cursor.step)
         if self.dist.is_main:
-            self._restore_history(resumed.extra.get("metrics"), cursor.step)
+            self.history.restore(resumed.extra, cursor.step, self.supervisor.log)
         return cursor
-
-    def _restore_history(self, lines: list[str] | None, step: int) -> None:
-        """metrics.jsonl as it was at the checkpoint: its history (checkpoints from before
-        it was kept: the local file without the steps after the checkpoint, which the
-        resumed run writes again)."""
-        if lines is None:
-            local = self.metrics.read_text().splitlines() if self.metrics.exists() else []
-            lines = [line for line in local if json.loads(line)["step"] <= step]
-        self.metrics.write_text("".join(line + "\n" for line in lines))
 
     def _load(self, which, learner, restore_rng: bool):
         resumed = load_checkpoint(
@@ -364,6 +356,11 @@ class Checkpointing:
         """Checkpoint the step; with `wait`, whether it committed. `emergency`: on a stop
         signal (any rank's: the manifest says so even where rank 0, which writes it, was
         not the one signalled)."""
+        history: dict = {}
+        segments: dict[str, bytes] = {}
+        if self.dist.is_main:
+            self.checkpointer.wait()  # whether the previous save's segment committed
+            history, segments = self.history.for_save(cursor.step, self.last_step)
         return self.checkpointer.save(
             cursor.step,
             learner.models.policy,
@@ -371,9 +368,10 @@ class Checkpointing:
             extra={
                 "cursor": cursor.to_json(),
                 "guard": self.supervisor.state_dict(),
-                "metrics": self._history(),
+                **history,
                 **({PAUSED: True} if paused else {}),
             },
+            shared_files=segments,
             policy_version=cursor.policy_version,
             healthy=self.supervisor.healthy(),
             modules=_modules(learner),
@@ -381,12 +379,6 @@ class Checkpointing:
             emergency=emergency,
             retry_seconds=self.stop.remaining() if self.stop.requested else None,
         )
-
-    def _history(self) -> list[str]:
-        """Rank 0's metrics.jsonl so far (written and flushed step by step)."""
-        if not self.dist.is_main or not self.metrics.exists():
-            return []
-        return [line for line in self.metrics.read_text().splitlines() if line.strip()]
 
     def close(self) -> None:
         self.checkpointer.close()
