@@ -131,6 +131,14 @@ def _world(**spec: Any) -> World:
     return World(spec={"restartPolicy": dict(RESTARTS), **spec})
 
 
+def _running_world() -> tuple[World, str]:
+    """A job whose pods all run, and its trainer-0's uid (what its reports carry)."""
+    w = _world()
+    w.step()
+    w.run_all()
+    return w, w.pods["tiny-grpo-trainer-0"].uid
+
+
 def test_first_reconcile_creates_every_child_and_waits():
     w = _world()
     d = w.step()
@@ -449,10 +457,7 @@ def _checkpoint(step: int) -> dict[str, Any]:
 
 
 def test_status_mirrors_the_trainer_report_and_keeps_the_checkpoint():
-    w = _world()
-    w.step()
-    w.run_all()
-    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w, uid = _running_world()
     w.report = TrainerReport(
         pod_uid=uid,
         step=120,
@@ -475,10 +480,7 @@ def test_status_mirrors_the_trainer_report_and_keeps_the_checkpoint():
 def test_a_checkpoint_newer_than_the_last_healthy_one_is_not_marked_healthy() -> None:
     """A report whose last checkpoint does not say whether it is healthy: it is healthy
     only when it is the last healthy one, not whenever some healthy one exists."""
-    w = _world()
-    w.step()
-    w.run_all()
-    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w, uid = _running_world()
     w.report = TrainerReport(
         pod_uid=uid,
         step=120,
@@ -494,10 +496,7 @@ def test_a_checkpoint_newer_than_the_last_healthy_one_is_not_marked_healthy() ->
 def test_a_trainer_reporting_fewer_rollbacks_does_not_lower_the_count() -> None:
     """The job's rollback count only grows: a trainer that resumed from a checkpoint
     written before its last rollback reports the smaller count it holds."""
-    w = _world()
-    w.step()
-    w.run_all()
-    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w, uid = _running_world()
     w.report = TrainerReport(pod_uid=uid, step=60, rollbacks=2)
     w.step()
     assert w.status.rollbacks == 2
@@ -509,10 +508,7 @@ def test_a_trainer_reporting_fewer_rollbacks_does_not_lower_the_count() -> None:
 def test_the_final_checkpoint_in_the_verdict_replaces_an_older_one_in_status() -> None:
     """/status named step 10's checkpoint; the trainer then finished with step 12's
     before the next poll: the job shows the final one."""
-    w = _world()
-    w.step()
-    w.run_all()
-    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w, uid = _running_world()
     w.report = TrainerReport(pod_uid=uid, step=10, last_checkpoint=_checkpoint(10))
     w.step()
     assert w.status.last_checkpoint is not None and w.status.last_checkpoint.step == 10
@@ -529,10 +525,7 @@ def test_the_final_checkpoint_in_the_verdict_replaces_an_older_one_in_status() -
 def test_a_trainer_not_yet_training_leaves_step_and_version_as_they_were(phase):
     """A restarted trainer serves /status (step 0, version 0) before it restores its
     checkpoint: the job's step and policy version used to drop to 0 after every restart."""
-    w = _world()
-    w.step()
-    w.run_all()
-    uid = w.pods["tiny-grpo-trainer-0"].uid
+    w, uid = _running_world()
     w.report = TrainerReport(pod_uid=uid, step=50, policy_version=50, phase="training")
     w.step()
     w.report = TrainerReport(pod_uid=uid, step=0, policy_version=0, phase=phase)

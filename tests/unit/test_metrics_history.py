@@ -19,6 +19,11 @@ def _lines(steps: range) -> str:
     return "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in steps)
 
 
+def _append(metrics: Path, text: str) -> None:
+    with metrics.open("a") as file:
+        file.write(text)
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> FileStorage:
     return FileStorage(tmp_path / "checkpoints")
@@ -37,8 +42,7 @@ def test_each_save_uploads_only_the_lines_since_the_last_committed_one(tmp_path,
     history = MetricsHistory(store, metrics)
     metrics.write_text(_lines(range(1, 5)))
     first = _save(history, store, 4, None)
-    with metrics.open("a") as file:
-        file.write(_lines(range(5, 9)))
+    _append(metrics, _lines(range(5, 9)))
     second = _save(history, store, 8, 4)  # step 4 committed
     assert len(second[SEGMENTS]) == 2 and second[SEGMENTS][0] == first[SEGMENTS][0]
     assert store.get_bytes(second[SEGMENTS][1]["key"]).decode() == _lines(range(5, 9))
@@ -66,8 +70,7 @@ def test_a_damaged_or_missing_segment_is_named_and_left_out(tmp_path, store):
     history = MetricsHistory(store, metrics)
     metrics.write_text(_lines(range(1, 3)))
     _save(history, store, 2, None)
-    with metrics.open("a") as file:
-        file.write(_lines(range(3, 5)))
+    _append(metrics, _lines(range(3, 5)))
     extra = _save(history, store, 4, 2)
     store.put_bytes(extra[SEGMENTS][0]["key"], b"tampered\n")
     warnings: list[str] = []
@@ -85,8 +88,7 @@ def test_a_checkpoint_from_before_segments_is_restored_and_uploaded_whole_next(t
     history = MetricsHistory(store, metrics)
     old = [json.dumps({"step": s}) for s in (1, 2)]
     history.restore({"metrics": old}, 2, pytest.fail)
-    with metrics.open("a") as file:
-        file.write(json.dumps({"step": 3}) + "\n")
+    _append(metrics, json.dumps({"step": 3}) + "\n")
     (segment,) = _save(history, store, 3, 2)[SEGMENTS]
     assert store.get_bytes(segment["key"]).decode().splitlines() == [*old, '{"step": 3}']
 
