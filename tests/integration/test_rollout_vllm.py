@@ -95,3 +95,74 @@ def test_vllm_greedy_equals_transformers_before_and_after_an_update(
         assert list(server_tmp.glob("rlft-vllm-cache-*"))
         client.close()
     assert not list(server_tmp.glob("rlft-vllm-cache-*"))
+
+
+ON_THE_JOBS_OWN_FOLDER = """
+import json, sys
+from pathlib import Path
+from safetensors.torch import load_file
+from rlft.trainer.rollout import SamplingParams
+from rlft.trainer.rollout.engine import WeightNamesError
+from rlft.trainer.rollout.server import start_server
+
+if __name__ == "__main__":
+    folder, v1, v2, prompts = Path(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    server = start_server("vllm", "127.0.0.1", 0)
+    server.host.load_model(folder)  # as `rlft rollout` does with spec.model.path
+    engine = server.host.engine
+    engine.load_tensors(load_file(v1), 1)
+    try:
+        engine.load_tensors(load_file(v2), 2)
+        refused = None
+    except WeightNamesError as error:
+        refused = str(error)
+    greedy = SamplingParams(max_new_tokens=10, greedy=True)
+    tokens = [c.token_ids for c in engine.generate(prompts, 1, greedy, None, [])]
+    print(json.dumps({"version": engine.policy_version, "refused": refused, "tokens": tokens}))
+"""
+
+
+def test_vllm_on_the_jobs_own_moe_folder_takes_the_sets_rlft_publishes(tmp_path: Path) -> None:
+    """`spec.model.path`: the rollout pod starts from the user's folder, whose MoE experts
+    are saved one by one (`experts.0.gate_proj.weight`, as save_pretrained and the Hub
+    name them), where rlft publishes them fused (`experts.gate_up_proj`). The names of the
+    first set rlft sends are the ones checked after it, not the folder's: checked against
+    the folder's, every publication was refused for the life of the pod."""
+    import json
+    import os
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    from rlft.trainer.weights.store import unique_tensors
+
+    assert vllm_python() is not None, "vLLM is not installed: run `make vllm` (builds .venv-vllm)"
+    torch.set_num_threads(1)
+    model, tokenizer = tiny_model("qwen3-moe", seed=0)
+    model.save_pretrained(tmp_path / "model")
+    redraw(model, 1)
+    published = unique_tensors(model.state_dict())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in published  # fused, unlike the folder
+    save_file(published, tmp_path / "v1.safetensors")
+    del published["model.layers.0.self_attn.o_proj.weight"]
+    save_file(published, tmp_path / "v2.safetensors")
+    script = tmp_path / "own_folder.py"
+    script.write_text(ON_THE_JOBS_OWN_FOLDER)
+    files = [str(tmp_path / name) for name in ("model", "v1.safetensors", "v2.safetensors")]
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(tmp_path / "cache"),
+    }
+    done = subprocess.run(
+        [vllm_python(), str(script), *files, json.dumps(PROMPTS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["version"] == 1, answer
+    assert "weights lack 1 tensor(s)" in answer["refused"], answer
+    assert answer["tokens"] == greedy(model, tokenizer)

@@ -97,13 +97,20 @@ def resolve_engine(kind: str) -> str:
 
 
 def build_engine(
-    kind: str, folder: Path, version: int, tensor_parallel: int = 1, expert_parallel: int = 1
+    kind: str,
+    folder: Path,
+    version: int,
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    published: bool = True,
 ) -> ServedEngine:
+    """An engine serving `folder` as `version`: a folder rlft published (`published`), or
+    the job's own model, whose files may name its tensors otherwise than rlft does."""
     kind = resolve_engine(kind)
     if kind == "transformers":
         return TransformersServed(folder, version)
     if kind == "vllm":
         from rlft.trainer.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(folder, version, tensor_parallel, expert_parallel)
+        return VllmEngine(folder, version, tensor_parallel, expert_parallel, published=published)
     raise ValueError(f"unknown rollout engine {kind!r}: use transformers or vllm")

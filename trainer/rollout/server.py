@@ -62,7 +62,9 @@ ENGINE_FAILURES = 5
 class EngineHost:
     """The served engine plus the lock that makes weight updates atomic."""
 
-    def __init__(self, build: Callable[[Path, int], Any], metrics=None):
+    def __init__(self, build: Callable[[Path, int, bool], Any], metrics=None):
+        """`build(folder, version, published)`: an engine on a Hugging Face folder, one
+        rlft published (`published`) or the job's own model (`spec.model.path`)."""
         self._build = build
         self.engine = None
         self._cond = threading.Condition()
@@ -173,7 +175,7 @@ class EngineHost:
             tensors = read_tensors(folder) if self.engine is not None else None
             with self._use(writer=True):
                 if self.engine is None:
-                    self.engine = self._build(folder, request.version)
+                    self.engine = self._build(folder, request.version, True)
                 elif not self._older(request.version):
                     if tensors is None:  # a first load built the engine meanwhile
                         tensors = read_tensors(folder)
@@ -208,7 +210,7 @@ class EngineHost:
         """The job's own model folder (spec.model.path) as version 0, before the trainer
         publishes anything."""
         with self._use(writer=True):
-            self.engine = self._build(folder, 0)
+            self.engine = self._build(folder, 0, False)
         if self._metrics is not None:
             self._metrics.version(0)
 
@@ -424,8 +426,8 @@ def start_server(
     kind = resolve_engine(kind)
     metrics = ServerMetrics()
     engine_host = EngineHost(
-        lambda folder, version: build_engine(
-            kind, folder, version, tensor_parallel, expert_parallel
+        lambda folder, version, published: build_engine(
+            kind, folder, version, tensor_parallel, expert_parallel, published
         ),
         metrics,
     )

@@ -111,6 +111,7 @@ class VllmEngine:
         expert_parallel: int = 1,
         dtype: str | None = None,
         kv_cache_gib: int = 1,
+        published: bool = True,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         self.in_process = tensor_parallel * expert_parallel == 1
@@ -153,8 +154,10 @@ class VllmEngine:
         self.default_stops = [eos] if isinstance(eos, int) else list(eos or [])
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         # vLLM's reload takes any subset of names and keeps the rest: a partial set would
-        # be served, half old, as the new version. The first folder's names are the set.
-        self.weight_names = _tensor_names(folder)
+        # be served, half old, as the new version. The names are those of the first set
+        # rlft gave it: a folder it published, else (the job's own model, whose files may
+        # name tensors otherwise: per-expert, or a consolidated copy beside) its first load.
+        self.weight_names = _tensor_names(folder) if published else None
         self.policy_version = version
         self.moe_layers_repacked = 0
         self.llm.collective_rpc(install_moe_reload_fix)
@@ -214,17 +217,20 @@ class VllmEngine:
     def load_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         if self.weight_names is not None:
             check_names(self.weight_names, tensors, self.tied)
+        self._reload(tensors)
+        self.weight_names = self.weight_names or set(tensors)
+        self._after_reload(version)
+
+    def _reload(self, tensors: dict[str, torch.Tensor]) -> None:
         if not self.in_process:  # tensors cannot cross to worker processes: go by folder
             from safetensors.torch import save_file
 
             with tempfile.TemporaryDirectory(prefix="rlft-vllm-weights-") as staged:
                 save_file(self._with_tied(tensors), f"{staged}/model.safetensors")
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": staged})
-            self._after_reload(version)
             return
         items = list(self._with_tied(tensors).items())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
-        self._after_reload(version)
 
     def load_folder(self, folder: Path, version: int) -> None:
         from rlft.trainer.weights.store import read_tensors
