@@ -359,7 +359,9 @@ class Checkpointing:
         history: dict = {}
         segments: dict[str, bytes] = {}
         if self.dist.is_main:
-            self.checkpointer.wait()  # whether the previous save's segment committed
+            # Not waited for: a save still in flight counts as not committed (the new
+            # segment covers its lines again), and an emergency save must not wait out
+            # its predecessor's retries before the saver hurries them.
             history, segments = self.history.for_save(cursor.step, self.last_step)
         return self.checkpointer.save(
             cursor.step,
