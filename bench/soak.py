@@ -1,0 +1,135 @@
+"""Soak check of the trainer: a tiny async GRPO job with two local rollout servers
+(weights by broadcast) runs for many steps, checkpointing often, while this script reads
+the trainer process's resident memory, open file descriptors and threads from /proc
+every few seconds. A trainer that keeps something per step (a growing history, a
+connection or thread per request) shows here long before a week-long run meets its
+memory limit. Runs the job twice, with and without checkpoints, and prints the growth
+side by side. The last line is JSON.
+
+    .venv/bin/python bench/soak.py [--steps 3000] [--checkpoint-every 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RLFT = REPO / ".venv" / "bin" / "rlft"
+
+
+def _job(steps: int, every: int) -> dict:
+    spec = {
+        "model": {
+            "init": {
+                "family": "qwen3",
+                "hiddenSize": 64,
+                "numLayers": 2,
+                "numHeads": 2,
+                "numKvHeads": 2,
+                "intermediateSize": 64,
+                "maxPositionEmbeddings": 64,
+            },
+            "tokenizer": {"kind": "byte"},
+        },
+        "data": {"source": "arithmetic", "arithmetic": {"digits": 2, "evalSize": 16}},
+        "algorithm": {"sft": {"steps": 5, "batchSize": 16, "warmupSteps": 1}, "groupSize": 4},
+        "trainer": {"steps": steps, "promptsPerStep": 4, "microBatchSize": 16},
+        "rollout": {
+            "sampling": {"maxNewTokens": 4},
+            "local": "servers",
+            "instances": 2,
+            "maxStaleness": 2,
+            "publication": "broadcast",
+        },
+        "checkpoint": {"intervalSteps": every},
+        "eval": {"maxProblems": 16, "everySteps": 50},
+    }
+    return {"apiVersion": "rlft.dev/v1alpha1", "kind": "RLFineTune",
+            "metadata": {"name": "soak"}, "spec": spec}  # fmt: skip
+
+
+def _status(pid: int) -> tuple[int, int, int]:
+    """(resident KiB, open fds, threads) of `pid`."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    rss = int(fields["VmRSS"].split()[0])
+    return rss, len(os.listdir(f"/proc/{pid}/fd")), int(fields["Threads"])
+
+
+def _last_step(metrics: Path) -> int:
+    try:
+        lines = metrics.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def soak(folder: Path, steps: int, every: int) -> dict:
+    """Run the job; RSS growth from the first tenth of the steps to the end."""
+    folder.mkdir(parents=True)
+    (folder / "job.yaml").write_text(yaml.safe_dump(_job(steps, every)))
+    env = dict(os.environ, RLFT_POD_IP="127.0.0.7", OMP_NUM_THREADS="1")
+    with (folder / "train.log").open("w") as log:
+        process = subprocess.Popen(
+            [str(RLFT), "train", "job.yaml", "--out", "out"],
+            cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        samples: list[tuple[int, int, int, int]] = []
+        try:
+            while process.poll() is None:
+                step = _last_step(folder / "out" / "metrics.jsonl")
+                with contextlib.suppress(OSError, KeyError):  # it ended meanwhile
+                    samples.append((step, *_status(process.pid)))
+                time.sleep(2)
+        finally:
+            process.kill()
+            process.wait()
+    if process.returncode != 0:
+        raise SystemExit(f"the job failed (exit {process.returncode}): {folder / 'train.log'}")
+    running = [s for s in samples if steps // 10 <= s[0] < steps]
+    first, last = running[0], running[-1]
+    extras = sorted((folder / "out" / "checkpoints").glob("step-*/extra.json"))
+    return {
+        "steps": steps,
+        "checkpoint_every": every,
+        "rss_mib": [round(first[1] / 1024, 1), round(last[1] / 1024, 1)],
+        "rss_growth_kib_per_step": round((last[1] - first[1]) / max(1, last[0] - first[0]), 2),
+        "fds": [min(s[2] for s in running), max(s[2] for s in running)],
+        "threads": [min(s[3] for s in running), max(s[3] for s in running)],
+        "last_extra_json_bytes": extras[-1].stat().st_size if extras else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--checkpoint-every", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rlft-soak-") as scratch:
+        runs = {
+            "checkpoints": soak(Path(scratch) / "a", args.steps, args.checkpoint_every),
+            "no_checkpoints": soak(Path(scratch) / "b", args.steps, 10**6),
+        }
+    for name, run in runs.items():
+        print(
+            f"{name:>15}: RSS {run['rss_mib'][0]} → {run['rss_mib'][1]} MiB "
+            f"({run['rss_growth_kib_per_step']} KiB/step), fds {run['fds']}, "
+            f"threads {run['threads']}, last extra.json {run['last_extra_json_bytes']} B"
+        )
+    print(json.dumps({"machine": os.uname().nodename, "cores": os.cpu_count(), **runs}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
