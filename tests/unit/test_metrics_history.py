@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
-from rlft.trainer.run.history import SEGMENTS, MetricsHistory
+from rlft.trainer.checkpoint.history import SEGMENTS, MetricsHistory
 from rlft.trainer.storage.backends import FileStorage
+from rlft.trainer.storage.errors import StorageError
 
 
 def _lines(steps: range) -> str:
@@ -83,6 +84,34 @@ def test_a_damaged_or_missing_segment_is_named_and_left_out(tmp_path, store):
     assert "unreadable" in warnings[-1] and len(warnings) == 2
 
 
+def test_a_segment_the_store_refuses_for_a_moment_is_read_again(tmp_path, store):
+    """A resume retries a segment as it retries the checkpoint: a 503 cost its lines."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(_lines(range(1, 6)))
+    extra = _save(MetricsHistory(store, metrics), store, 5, None)
+    refusals = [StorageError("503 Slow Down", transient=True)]
+    read = store.get_bytes
+
+    def flaky(key: str) -> bytes:
+        if refusals:
+            raise refusals.pop()
+        return read(key)
+
+    store.get_bytes = flaky  # type: ignore[method-assign]
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    MetricsHistory(store, elsewhere, retry_s=30).restore(extra, 5, pytest.fail)
+    assert elsewhere.read_text() == _lines(range(1, 6)) and not refusals
+
+
+def test_a_local_file_cut_mid_line_is_restored_without_its_last_line(tmp_path, store):
+    """A checkpoint without a history of its own (from before it was kept) keeps the
+    local file's lines up to its step; a run killed mid-write left half a line."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(_lines(range(1, 5)) + '{"step": 5, "lo')
+    MetricsHistory(store, metrics).restore({}, 3, pytest.fail)
+    assert metrics.read_text() == _lines(range(1, 4))
+
+
 def test_a_checkpoint_from_before_segments_is_restored_and_uploaded_whole_next(tmp_path, store):
     metrics = tmp_path / "metrics.jsonl"
     history = MetricsHistory(store, metrics)
@@ -93,7 +122,7 @@ def test_a_checkpoint_from_before_segments_is_restored_and_uploaded_whole_next(t
     assert store.get_bytes(segment["key"]).decode().splitlines() == [*old, '{"step": 3}']
 
 
-def test_a_long_runs_checkpoints_stay_the_same_size(tmp_path, monkeypatch):
+def test_a_long_runs_checkpoints_stay_the_same_size(tmp_path, monkeypatch, capsys):
     """A real run, a checkpoint every 2 steps: the last checkpoint's extra.json is as
     small as the first's (the whole history used to grow in each), and a run resumed
     from it in a new folder has every line of the file."""
@@ -111,4 +140,10 @@ def test_a_long_runs_checkpoints_stay_the_same_size(tmp_path, monkeypatch):
     assert grown > 8000 and sizes[-1] - sizes[0] < 2000, (sizes, grown)
     segments = sorted((tmp_path / "out" / "checkpoints" / "metrics").iterdir())
     assert sum(s.stat().st_size for s in segments) == grown
+    # Outside the step folders and their manifests: `rlft checkpoints verify` checks them.
+    checkpoints = str(tmp_path / "out" / "checkpoints")
+    assert main(["checkpoints", "verify", checkpoints]) == 0
+    segments[0].write_text('{"step": 1}\n')
+    assert main(["checkpoints", "verify", checkpoints]) == 1
+    assert f"history metrics/{segments[0].name}: SHA-256 differs" in capsys.readouterr().out
     sys.modules.pop("parity_reward", None)

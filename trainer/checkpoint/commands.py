@@ -4,12 +4,14 @@ line's view of a checkpoint location. Prints plain lines; returns exit codes."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import BadUriError, CheckpointError, StorageError
-from rlft.trainer.checkpoint.manifest import split_location, step_dir
+from rlft.trainer.checkpoint.history import segment_problems
+from rlft.trainer.checkpoint.manifest import EXTRA, split_location, step_dir
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.storage.backends import FileStorage, S3Options, open_storage
 
@@ -83,7 +85,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check every committed checkpoint's files against its manifest (sizes and
-    SHA-256), or only `--step`'s; exit 1 if any checked is damaged or missing."""
+    SHA-256), and the metrics history segments it lists, or only `--step`'s; exit 1 if
+    any checked is damaged or missing."""
     base, named = split_location(args.uri)  # `…/step-000120` is that step, as for export
     if isinstance(named, int) and args.step not in (None, named):
         print(f"rlft: {args.uri} names step {named}, --step {args.step}: give one", file=sys.stderr)
@@ -111,6 +114,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 damaged += 1
                 continue
             problems = catalog.verify(scan.manifests[step])
+            if not problems:
+                problems = segment_problems(storage, _extra(storage, step))
             if problems and catalog.gone(scan.manifests[step]):
                 # A run writing here committed a newer one, and its retention deleted this.
                 print(f"{step_dir(step)}: deleted meanwhile (retention), not checked")
@@ -132,6 +137,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
             return ExitCode.FAILURE
     return ExitCode.FAILURE if damaged else ExitCode.OK
+
+
+def _extra(storage, step: int) -> dict:
+    """A committed checkpoint's extra.json (intact: its manifest's checksum was checked)."""
+    return json.loads(storage.get_bytes(f"{step_dir(step)}/{EXTRA}"))
 
 
 def cmd_export(args: argparse.Namespace) -> int:

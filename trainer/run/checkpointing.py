@@ -27,10 +27,10 @@ from rlft.trainer.checkpoint import (
 from rlft.trainer.checkpoint import load as load_checkpoint
 from rlft.trainer.checkpoint.errors import LocationTakenError
 from rlft.trainer.checkpoint.export import hf_files_of
+from rlft.trainer.checkpoint.history import MetricsHistory
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.peer_stop import PeerStop
-from rlft.trainer.run.history import MetricsHistory
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.storage.retry import with_retries
 
@@ -106,7 +106,7 @@ class Checkpointing:
             on_event=self._on_event,
             job_uid=job_uid,
         )
-        self.history = MetricsHistory(self.checkpointer.storage, self.metrics)
+        self.history = MetricsHistory(self.checkpointer.storage, self.metrics, self.retry_s)
 
     def _refuse_others_checkpoints(self) -> None:
         """A local run told `never` at a location that holds committed checkpoints: its

@@ -27,6 +27,7 @@ from typing import Any
 from rlft.trainer.checkpoint.manifest import step_dir
 from rlft.trainer.storage.backends import Storage
 from rlft.trainer.storage.errors import StorageError
+from rlft.trainer.storage.retry import with_retries
 
 SEGMENTS = "metrics_segments"
 """The key in a checkpoint's extra listing its history's segments."""
@@ -46,9 +47,11 @@ class Covered:
 class MetricsHistory:
     """metrics.jsonl at `path` against the segments of the newest committed checkpoint."""
 
-    def __init__(self, storage: Storage, path: Path):
+    def __init__(self, storage: Storage, path: Path, retry_s: float = 0.0):
         self.storage = storage
         self.path = path
+        self.retry_s = retry_s
+        """How long a segment the store refuses to read is retried (as the checkpoint)."""
         self.committed = Covered()
         self._pending: tuple[int, Covered] | None = None
 
@@ -64,14 +67,14 @@ class MetricsHistory:
             lines = extra[WHOLE]
         else:  # a checkpoint with no history of its own: the local file, cut at `step`
             local = self.path.read_text().splitlines() if self.path.exists() else []
-            lines = [line for line in local if line.strip() and json.loads(line)["step"] <= step]
+            lines = [line for line in local if (_step(line) or step + 1) <= step]
         self.path.write_text("".join(line + "\n" for line in lines))
         self.committed = Covered()  # no segment holds it yet: the next save uploads it all
 
     def _fetch(self, segment: dict[str, str], warn: Callable[[str], None]) -> bytes:
         key = segment["key"]
         try:
-            data = self.storage.get_bytes(key)
+            data = with_retries(lambda: self.storage.get_bytes(key), deadline_s=self.retry_s)
         except StorageError as error:
             warn(f"rlft: warning: metrics history {key} unreadable ({error}); its lines are lost")
             return b""
@@ -100,3 +103,26 @@ class MetricsHistory:
         covered = Covered((*self.committed.segments, segment), self.committed.size + len(new))
         self._pending = (step, covered)
         return {SEGMENTS: list(covered.segments)}, {key: new}
+
+
+def _step(line: str) -> int | None:
+    """The step of a metrics line; None for one cut short (a run killed mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def segment_problems(storage: Storage, extra: dict[str, Any]) -> list[str]:
+    """What is wrong with the history segments a checkpoint's extra lists (empty: each
+    is there, with its SHA-256): they live outside the step folder and its manifest."""
+    problems = []
+    for segment in extra.get(SEGMENTS, []):
+        try:
+            data = storage.get_bytes(segment["key"])
+        except StorageError as error:
+            problems.append(f"history {segment['key']}: unreadable ({error})")
+            continue
+        if hashlib.sha256(data).hexdigest() != segment["sha256"]:
+            problems.append(f"history {segment['key']}: SHA-256 differs")
+    return problems
