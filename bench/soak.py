@@ -25,22 +25,14 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 RLFT = REPO / ".venv" / "bin" / "rlft"
+sys.path.insert(0, str(REPO / "tests"))
+
+from tiny_jobs import TINY_INIT  # noqa: E402
 
 
 def _job(steps: int, every: int) -> dict:
     spec = {
-        "model": {
-            "init": {
-                "family": "qwen3",
-                "hiddenSize": 64,
-                "numLayers": 2,
-                "numHeads": 2,
-                "numKvHeads": 2,
-                "intermediateSize": 64,
-                "maxPositionEmbeddings": 64,
-            },
-            "tokenizer": {"kind": "byte"},
-        },
+        "model": {"init": TINY_INIT | {"hiddenSize": 64}, "tokenizer": {"kind": "byte"}},
         "data": {"source": "arithmetic", "arithmetic": {"digits": 2, "evalSize": 16}},
         "algorithm": {"sft": {"steps": 5, "batchSize": 16, "warmupSteps": 1}, "groupSize": 4},
         "trainer": {"steps": steps, "promptsPerStep": 4, "microBatchSize": 16},
