@@ -67,7 +67,8 @@ class MetricsHistory:
             lines = extra[WHOLE]
         else:  # a checkpoint with no history of its own: the local file, cut at `step`
             local = self.path.read_text().splitlines() if self.path.exists() else []
-            lines = [line for line in local if (_step(line) or step + 1) <= step]
+            steps = [(line, _step(line)) for line in local]
+            lines = [line for line, at in steps if at is not None and at <= step]
         self.path.write_text("".join(line + "\n" for line in lines))
         self.committed = Covered()  # no segment holds it yet: the next save uploads it all
 
