@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -503,3 +504,29 @@ def test_sampled_completions_do_not_depend_on_which_instances_are_live(tmp_path)
         client.close()
         for s in servers:
             s.stop()
+
+
+def test_a_generate_request_is_counted_before_its_answer_is_sent(monkeypatch, tmp_path) -> None:
+    """A caller that reads /metrics once it has its answer sees the request counted (the
+    count came after the reply, and a loaded machine showed it missing)."""
+    from rlft.trainer.rollout.server import ServerMetrics
+
+    counted = ServerMetrics.request
+
+    def slowly(self: ServerMetrics, status: str) -> None:
+        time.sleep(0.5)  # the handler thread descheduled between reply and count
+        counted(self, status)
+
+    monkeypatch.setattr(ServerMetrics, "request", slowly)
+    server = ThreadServer()
+    try:
+        model, tokenizer = tiny_model()
+        client = RolloutClient([server.url], timeout_s=60)
+        uri = publish(store_at(tmp_path), model, 1)
+        assert client.load_weights(client.instances[0], WeightsRequest(version=1, uri=uri), 60)
+        client.generate(GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id]))
+        client.close()
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=5) as response:
+            assert 'rlft_rollout_requests_total{status="ok"} 1.0' in response.read().decode()
+    finally:
+        server.stop()

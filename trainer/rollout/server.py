@@ -374,8 +374,11 @@ class _Handler(BaseHTTPRequestHandler):
                 vocab = getattr(host.engine, "vocab_size", None)
                 positions = getattr(host.engine, "max_positions", None)
                 request = GenerateRequest.from_json(self._body(), vocab, positions)
-                self._reply(200, host.generate(request))
+                answer = host.generate(request)
+                # Counted before the reply: a caller that reads /metrics once it has its
+                # answer (a test, a scrape right after) saw the request not counted yet.
                 metrics.request("ok")
+                self._reply(200, answer)
             elif self.path == "/weights":
                 self._reply(200, host.load(WeightsRequest.from_json(self._body())))
             else:
