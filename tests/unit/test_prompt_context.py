@@ -92,3 +92,16 @@ def test_a_rollout_jobs_warm_start_answers_are_checked(tmp_path):
     document["spec"]["algorithm"]["sft"] = {"steps": 2}
     with pytest.raises(DataFileError, match=r"train.jsonl:2: .* its longest answer's"):
         build_parts(parse_job(document))
+
+
+def test_a_rope_scaled_models_context_is_its_scaled_one():
+    """YaRN and the like extend the trained context by their factor (vLLM serves as many
+    positions): a prompt past max_position_embeddings but within that is no error."""
+    from transformers import Qwen3Config
+
+    from rlft.trainer.run.parts import context_positions
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    assert context_positions(Qwen3Config(max_position_embeddings=64, rope_scaling=scaling)) == 256
+    assert context_positions(Qwen3Config(max_position_embeddings=64)) == 64
+    assert context_positions(None) is None

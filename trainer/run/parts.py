@@ -37,10 +37,25 @@ def build_parts(job: RLFineTune) -> JobParts:
     policy, tokenizer = build_policy(spec.model, task.corpus(), spec.trainer.seed)
     stops = stop_token_ids(tokenizer)
     encoder = Encoder(tokenizer, spec.data, int(stops[0]))
-    positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    positions = context_positions(getattr(policy, "config", None))
     if positions:
-        check_context(job, task, encoder, int(positions))
+        check_context(job, task, encoder, positions)
     return JobParts(task, rewards, policy, tokenizer, encoder, stops)
+
+
+def context_positions(config: Any) -> int | None:
+    """The positions a model serves, prompt and completion together (None: unknown): its
+    `max_position_embeddings`, times a rope scaling's factor (YaRN and the like extend
+    the trained context by it, and vLLM serves that many)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions:
+        return None
+    for name in ("rope_parameters", "rope_scaling"):
+        scaling = getattr(config, name, None)
+        factor = scaling.get("factor") if isinstance(scaling, dict) else None
+        if isinstance(factor, int | float) and factor > 1:
+            return int(positions * factor)
+    return int(positions)
 
 
 def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int) -> None:
