@@ -104,7 +104,6 @@ class GracefulStop:
         log.error("%s: exiting", message)
         # Torchrun's agent exits 1 whatever its worker returned: without a verdict the
         # operator had no cause for the pod's end but its log tail.
-        verdict = termination.Verdict(ExitCode.FAILURE, message, self.rank)
-        termination.write(liveness.current().marked(verdict))
+        liveness.report(termination.Verdict(ExitCode.FAILURE, message, self.rank))
         logging.shutdown()
         os._exit(ExitCode.FAILURE)

@@ -94,7 +94,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     # Judging ends first: a stall declared between the final write and the end wrote
     # over the verdict (now it is declared before, and the final verdict says it).
     liveness.current().end()
-    _report(verdict)
+    liveness.report(verdict)
     if verdict.stopped and code == ExitCode.OK and _other_agents():
         # After its workers exit 0, torchrun's agent waits (up to 300 s, deaf to SIGTERM
         # inside a store call) in an exit barrier for every other agent, and an agent
@@ -162,7 +162,7 @@ def _verdict(job: RLFineTune, summary: dict, code: int, rank: int) -> terminatio
 def _failed(code: int, error: BaseException, rank: int) -> int:
     """Report an error the trainer understands: on stderr, and as the pod's verdict."""
     print(f"rlft: {error}", file=sys.stderr)
-    _report(termination.Verdict(code, str(error), rank))
+    liveness.report(termination.Verdict(code, str(error), rank))
     return code
 
 
@@ -269,7 +269,7 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         # in the message, where the operator tells a rendezvous failure by it.
         traceback.print_exc()
         message = f"could not join the process group: {type(error).__name__}: {error}"
-        _report(termination.Verdict(ExitCode.FAILURE, message, rank))
+        liveness.report(termination.Verdict(ExitCode.FAILURE, message, rank))
         exit_worker(ExitCode.FAILURE)
     liveness.beat("joined the process group")
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
@@ -285,7 +285,7 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         # stops the group with the failure.
         traceback.print_exc()
         message = f"{type(error).__name__}: {error}"
-        _report(termination.Verdict(ExitCode.FAILURE, message, dist.rank))
+        liveness.report(termination.Verdict(ExitCode.FAILURE, message, dist.rank))
         exit_worker(ExitCode.FAILURE)
     # The verdict is written: a peer gone from the goodbye barrier changes nothing of it
     # (its error escaped here, and the agent stopped rank 0 mid-publication).
@@ -308,15 +308,10 @@ def _stopped_while_starting(rank: int) -> NoReturn:
     hide the death (`rlft train --nproc` exited 0 with a rank SIGKILLed). The operator
     tells a pod it deleted or one preempted from the pod, not from this verdict."""
     print(f"rlft: {STOPPED_WHILE_STARTING}", file=sys.stderr, flush=True)
-    _report(termination.Verdict(ExitCode.FAILURE, STOPPED_WHILE_STARTING, rank))
+    liveness.report(termination.Verdict(ExitCode.FAILURE, STOPPED_WHILE_STARTING, rank))
     sys.stdout.flush()
     # Not exit_worker: its module imports torch, which the main thread may be importing.
     os._exit(ExitCode.FAILURE)
-
-
-def _report(verdict: termination.Verdict) -> None:
-    """Write the pod's verdict, marked with what liveness knows (a declared stall)."""
-    termination.write(liveness.current().marked(verdict))
 
 
 def collective_timeout_s(job: RLFineTune) -> float:

@@ -204,6 +204,11 @@ def current() -> Liveness:
     return _current
 
 
+def report(verdict: termination.Verdict) -> None:
+    """Write the pod's verdict, marked with what liveness knows (a declared stall)."""
+    termination.write(current().marked(verdict))
+
+
 def beat(what: str) -> None:
     """Progress of the main thread, for the process's liveness."""
     _current.beat(what)
