@@ -75,9 +75,12 @@ KINDS = (
 )
 
 # What a wedged collective or a failed rendezvous prints (torch elastic, c10d, NCCL, gloo).
+# DistStoreError: the store's waits that time out because a peer never came ("Timed out
+# after 600 seconds waiting for clients. 1/2 clients joined.", a store-based barrier).
 _RENDEZVOUS = re.compile(
     r"RendezvousTimeoutError|RendezvousClosedError|RendezvousConnectionError|"
-    r"DistNetworkError|connectFullMesh|Watchdog caught collective operation timeout|"
+    r"DistNetworkError|DistStoreError|connectFullMesh|"
+    r"Watchdog caught collective operation timeout|"
     r"NCCL[^\n]*(timeout|timed out)|ProcessGroupNCCL[^\n]*Timeout|"
     r"Timed out waiting for[^\n]*(clients|store)|Socket Timeout",
     re.IGNORECASE,

@@ -130,3 +130,33 @@ def test_sigterm_while_a_rank_waits_for_its_peers_stops_it_at_once_with_a_verdic
     assert verdict.exit_code == 1 and not verdict.stopped and verdict.rank == 0, verdict
     assert "stopped while starting (SIGTERM before training began)" in verdict.message
     assert verdict.last_checkpoint is None, verdict
+
+
+def test_a_peer_that_never_comes_is_a_rendezvous_failure_to_the_operator(tmp_path):
+    # Rank 0's store times out waiting for rank 1 (torch's own error, after 1 s here, 600
+    # s in a job): the verdict the worker writes for it, read back from the termination
+    # message by the operator's failure policy, restarts the gang as a rendezvous failure
+    # (not a plain error), which waits for capacity while a peer has no node.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rlft.operator.failures import RENDEZVOUS, classify
+    from rlft.operator.observe import PodView
+    from rlft.trainer.cli.training import join_failure
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    with pytest.raises(dist.DistStoreError) as raised:
+        dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=1), wait_for_workers=True)
+    path = tmp_path / "termination"
+    termination.write(join_failure(raised.value, rank=0), {termination.ENV: str(path)})
+    message = path.read_text()
+    pod = PodView(
+        name="job-trainer-0", uid="u0", role="trainer", index=0, phase="Failed",
+        exit_code=1, terminated_reason="Error", message=message,
+        verdict=termination.read(message),
+    )  # fmt: skip
+    failure = classify(pod)
+    assert failure is not None and failure.kind == RENDEZVOUS and failure.group, (failure, message)
+    assert "waiting for clients" in failure.message, failure

@@ -265,11 +265,8 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     try:
         dist = init_from_env(collective_timeout_s(job))
     except Exception as error:  # the store unreachable, a peer that never came
-        # Worth a retry (the rendezvous of the next attempt may succeed); its type stays
-        # in the message, where the operator tells a rendezvous failure by it.
         traceback.print_exc()
-        message = f"could not join the process group: {type(error).__name__}: {error}"
-        liveness.report(termination.Verdict(ExitCode.FAILURE, message, rank))
+        liveness.report(join_failure(error, rank))
         exit_worker(ExitCode.FAILURE)
     liveness.beat("joined the process group")
     print(f"rlft: rank {dist.rank} of world size {dist.world}", flush=True)
@@ -292,6 +289,14 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     with contextlib.suppress(Exception):
         shutdown()
     exit_worker(code)
+
+
+def join_failure(error: BaseException, rank: int) -> termination.Verdict:
+    """The verdict of a rank that could not join its process group. Worth a retry (the
+    next attempt's rendezvous may succeed); the error's type stays in the message, where
+    the operator tells a rendezvous failure by it (a DistStoreError: a peer never came)."""
+    message = f"could not join the process group: {type(error).__name__}: {error}"
+    return termination.Verdict(ExitCode.FAILURE, message, rank)
 
 
 STOPPED_WHILE_STARTING = (
