@@ -121,13 +121,19 @@ def test_moe_gspo_trains_and_reports_expert_load(tmp_path, family) -> None:
         },
         "moe": {"routerAuxCoef": 0.01},
     }
-    job = write_job(tmp_path, algorithm, init=moe)
+    spec = arithmetic_rl_spec(algorithm, 3, moe)
+    spec["telemetry"] = {"expertLoadEverySteps": 2}
+    job = write_parity_job(tmp_path, spec, "algorithms")
     result = rlft("train", str(job), "--out", "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    for record in metrics(tmp_path / "out"):
+    records = metrics(tmp_path / "out")
+    for record in records:
         assert len(record["expert_imbalance"]) == 2  # one per layer
         assert record["expert_imbalance_max"] >= 1.0
         assert 0.0 <= record["expert_dead_fraction"] <= 1.0
+    # The whole matrix on the first step and every expertLoadEverySteps, not every line.
+    assert [r["step"] for r in records if "expert_load" in r] == [1, 2], records
+    for record in records[:2]:
         for layer in record["expert_load"]:
             assert len(layer) == 4 and sum(layer) == pytest.approx(1.0)
 

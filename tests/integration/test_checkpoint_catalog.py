@@ -71,3 +71,27 @@ def test_a_newer_rlfts_checkpoint_named_by_the_pointer_is_refused_not_passed_ove
         with pytest.raises(NewerFormatError, match="step-000004"):
             catalog.choose(which, check=intact)
     assert catalog.choose(2, check=intact).step == 2  # an older step, named
+
+
+def test_the_catalog_lists_its_step_folders_not_the_history_and_outputs_beside_them(
+    tmp_path: Path,
+) -> None:
+    # A weeks-long run keeps a history segment per checkpoint under metrics/: the scan
+    # after every commit must not list (on S3: page through) all of them.
+    catalog = Catalog(open_storage(f"file://{tmp_path}"))
+    listed: list[str] = []
+    real_list = catalog.storage.list
+
+    def recording_list(prefix: str = "") -> list:
+        listed.append(prefix)
+        return real_list(prefix)
+
+    catalog.storage.list = recording_list  # type: ignore[method-assign]
+    for step in range(1, 30):
+        catalog.storage.put_bytes(f"metrics/{step_dir(step)}-0a.jsonl", b"{}\n")
+    catalog.storage.put_bytes("outputs/summary.json", b"{}")
+    catalog.commit(_manifest(2))
+    catalog.commit(_manifest(4))
+    assert sorted(catalog.scan().manifests) == [2, 4]
+    assert catalog.prune(keep_last=1) == {2}
+    assert listed and all(prefix.startswith("step-") for prefix in listed), listed

@@ -56,6 +56,39 @@ def test_put_get_list_exists_delete(store, tmp_path: Path) -> None:
         store.get_bytes("step-000001/manifest.json")
 
 
+def test_a_listing_by_a_name_prefix_holds_exactly_the_keys_that_start_with_it(store) -> None:
+    # What the checkpoint catalog asks for ("step-"): every step folder's keys, none of
+    # the history segments and outputs beside them, on both backends.
+    keys = [
+        "latest", "metrics/step-000002-ab.jsonl", "outputs/model/x", "step-000001/manifest.json",
+        "step-000010/a/b.distcp", "stepx/y", "step-/z",
+    ]  # fmt: skip
+    for key in keys:
+        store.put_bytes(key, b"1")
+    expected = sorted(k for k in keys if k.startswith("step-"))
+    assert [i.key for i in store.list("step-")] == expected
+    assert [i.key for i in store.list("step-00001")] == ["step-000010/a/b.distcp"]
+    assert [i.key for i in store.list("metrics/")] == ["metrics/step-000002-ab.jsonl"]
+
+
+def test_a_file_listing_does_not_walk_folders_outside_its_prefix(tmp_path, monkeypatch) -> None:
+    storage = FileStorage(tmp_path / "store")
+    for i in range(5):
+        storage.put_bytes(f"metrics/step-{i:06d}.jsonl", b"1")
+    storage.put_bytes("step-000001/manifest.json", b"{}")
+    walked: list[str] = []
+    real_walk = os.walk
+
+    def walk(top, *args, **kwargs):
+        for folder, subfolders, names in real_walk(top, *args, **kwargs):
+            walked.append(Path(folder).name)
+            yield folder, subfolders, names
+
+    monkeypatch.setattr(os, "walk", walk)
+    assert [i.key for i in storage.list("step-")] == ["step-000001/manifest.json"]
+    assert "metrics" not in walked and "step-000001" in walked, walked
+
+
 def test_a_range_past_the_end_reads_short_not_an_error(store) -> None:
     """As the Storage interface says and a file reads: fewer bytes at the object's end,
     none past it. S3 answered 416 (InvalidRange), a permanent error, for a range past

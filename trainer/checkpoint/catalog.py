@@ -105,7 +105,9 @@ class Catalog:
     def scan(self) -> Scan:
         scan = Scan(latest=self.read_latest())
         folders: dict[int, set[str]] = {}
-        for info in self.storage.list(""):
+        # Not the whole location: beside the step folders lie the metrics history's
+        # segments (one per checkpoint, never pruned) and the outputs.
+        for info in self.storage.list("step-"):
             head, _, rest = info.key.partition("/")
             step = parse_step_dir(head)
             if step is not None and rest:

@@ -59,9 +59,13 @@ class MetricsHistory:
         """Write metrics.jsonl as it was when the checkpoint of `step` was saved."""
         self._pending = None
         if SEGMENTS in extra:
-            data = b"".join(self._fetch(segment, warn) for segment in extra[SEGMENTS])
-            self.path.write_bytes(data)
-            self.committed = Covered(tuple(extra[SEGMENTS]), len(data))
+            # One segment in memory at a time: a weeks-long run's whole history is
+            # gigabytes, more than a restarted trainer may hold at once.
+            size = 0
+            with self.path.open("wb") as file:
+                for segment in extra[SEGMENTS]:
+                    size += file.write(self._fetch(segment, warn))
+            self.committed = Covered(tuple(extra[SEGMENTS]), size)
             return
         if WHOLE in extra:
             lines = extra[WHOLE]

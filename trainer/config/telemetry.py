@@ -24,6 +24,13 @@ class TelemetrySpec(Section):
     port in pods."""
     max_events: int = Field(50, ge=1, le=10_000)
     """Recent events kept in /status."""
+    expert_load_every_steps: int = Field(50, ge=1, le=1_000_000)
+    """Steps between the lines of metrics.jsonl that carry an MoE model's whole load
+    matrix (`expert_load`: each expert's share of its layer's tokens), and the first
+    step's line. Every line has the per-layer imbalance and the worst layer's figures
+    (what the stability guard judges); the matrix of a 48-layer model with 128 experts
+    is about 135 KB, every step a weeks-long run's file and checkpoint history would
+    carry."""
     otlp_endpoint: str | None = Field(None, min_length=1, max_length=2048)
     """OTLP/HTTP collector for step traces, e.g. `http://otel-collector:4318`. Unset: the
     standard OTEL_EXPORTER_OTLP_ENDPOINT variable is used if set, else no tracing."""

@@ -318,6 +318,8 @@ def _record(run: Run, phase: Phase, outcome: Outcome) -> dict:
     if run.learner.critic_optimizer is not None:
         record["critic_lr"] = run.learner.critic_optimizer.param_groups[0]["lr"]
     record |= drawn.fields | update_metrics(outcome.result)
+    if step % run.spec.telemetry.expert_load_every_steps and step != 1:
+        record.pop("expert_load", None)
     if drawn.data_digest is not None:
         record["data_digest"] = drawn.data_digest
     record |= {

@@ -146,6 +146,11 @@ def _os_error(error: OSError, what: str, location: str) -> StorageError:
     return StorageError(f"{what} under {location} failed: {error.strerror}")
 
 
+def _may_hold(folder: str, prefix: str) -> bool:
+    """Whether keys under `folder` (ending in /) can start with `prefix`."""
+    return folder.startswith(prefix) or prefix.startswith(folder)
+
+
 class FileStorage:
     """A folder on a local or mounted file system."""
 
@@ -240,7 +245,14 @@ class FileStorage:
         if not self.root.is_dir():
             return found
         for folder, subfolders, names in os.walk(self.root):
-            subfolders[:] = [d for d in subfolders if not d.startswith(TEMP_MARK)]
+            # Folders whose keys cannot start with `prefix` are not walked: a checkpoint
+            # catalog lists its step folders beside thousands of history segments.
+            above = Path(folder).relative_to(self.root).as_posix()
+            above = "" if above == "." else f"{above}/"
+            subfolders[:] = [
+                d for d in subfolders
+                if not d.startswith(TEMP_MARK) and _may_hold(f"{above}{d}/", prefix)
+            ]  # fmt: skip
             for name in names:
                 if name.startswith(TEMP_MARK):
                     continue
