@@ -22,7 +22,13 @@ from rlft.trainer.rollout.pipeline import (
     apply_gate,
     select_groups,
 )
-from rlft.trainer.rollout.staleness import FutureVersionError, gate, may_start, required_step
+from rlft.trainer.rollout.staleness import (
+    FutureVersionError,
+    Releases,
+    gate,
+    may_start,
+    required_step,
+)
 
 
 @given(
@@ -313,3 +319,28 @@ def test_a_pipeline_closed_while_it_waits_for_weights_generates_nothing() -> Non
     thread = pipeline._thread
     thread.join(10)
     assert not thread.is_alive() and calls == []
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2, 5])
+def test_releases_keep_every_version_the_producer_can_still_ask_for(max_staleness) -> None:
+    # The pipeline's producer and trainer, interleaved at random: each batch the producer
+    # starts finds the version it must wait for among the few kept, as a full list has it.
+    rng = random.Random(max_staleness)
+    kept, full = Releases(max_staleness), []
+    produced = consumed = 0
+    for _ in range(5000):
+        move = rng.random()
+        if move < 0.4 and may_start(produced, len(kept), max_staleness):
+            need = required_step(produced, max_staleness)
+            if need is not None:
+                assert kept[need] == full[need]
+            produced += 1
+        elif move < 0.7 and consumed < produced:
+            consumed += 1
+        elif len(kept) < consumed:  # the trainer finished a step: its version published
+            version = rng.randrange(10**6)
+            kept.append(version)
+            full.append(version)
+    assert len(kept) == len(full) > 1000
+    with pytest.raises(IndexError):
+        kept[len(full) - max_staleness - 3]

@@ -34,7 +34,7 @@ from rlft.trainer.checkpoint.rng import (
 )
 from rlft.trainer.rollout.batches import Rollouts, collect, sample_and_score, select_groups
 from rlft.trainer.rollout.engine import SamplingParams
-from rlft.trainer.rollout.staleness import gate, may_start, required_step
+from rlft.trainer.rollout.staleness import Releases, gate, may_start, required_step
 from rlft.trainer.telemetry import liveness
 
 Produce = Callable[[random.Random, torch.Generator], Rollouts]
@@ -137,7 +137,7 @@ class RolloutPipeline:
         self.wait_published = wait_published or (lambda version: None)
         self.tokens = tokens or (lambda: 0)
         self._cond = threading.Condition()
-        self._released: list[int] = []
+        self._released = Releases(max_staleness)
         """Policy version published after each finished step."""
         self._queue: queue.Queue[Produced | BaseException] = queue.Queue()
         self._produced: list[Produced] = []

@@ -12,6 +12,7 @@ a sample. The trainer, holding weights of version V, may train on it only if
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,30 @@ def may_start(batch: int, steps_released: int, max_staleness: int) -> bool:
     if batch < 0 or steps_released < 0 or max_staleness < 0:
         raise ValueError("batch, steps_released and max_staleness must be ≥ 0")
     return steps_released >= batch - max_staleness
+
+
+class Releases:
+    """The policy version published after each finished step, as a list indexed by step
+    that keeps only the last `max_staleness + 2` entries: `required_step` never reaches
+    further back (the producer is never more than `max_staleness` batches ahead of the
+    steps released), and a weeks-long run finishes millions of steps."""
+
+    def __init__(self, max_staleness: int):
+        self.count = 0
+        self._recent: deque[int] = deque(maxlen=max_staleness + 2)
+
+    def append(self, version: int) -> None:
+        self._recent.append(version)
+        self.count += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, step: int) -> int:
+        first = self.count - len(self._recent)
+        if not first <= step < self.count:
+            raise IndexError(f"step {step} is not among the kept {first}..{self.count - 1}")
+        return self._recent[step - first]
 
 
 def required_step(batch: int, max_staleness: int) -> int | None:
