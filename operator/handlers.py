@@ -281,7 +281,7 @@ def _forget(key: Key) -> None:
     state = RUNTIME.jobs.pop(key, None)
     if state is not None and state.timer is not None:
         state.timer.cancel()
-    RUNTIME.metrics.set_phase(key, None)
+    RUNTIME.metrics.forget_job(key)
 
 
 def _kube() -> Kube:
@@ -297,6 +297,7 @@ async def kick(key: Key) -> None:
     if state.lock.locked():
         return
     async with state.lock:
+        result = ""
         while state.dirty:
             state.dirty = False
             started = time.perf_counter()
@@ -315,6 +316,11 @@ async def kick(key: Key) -> None:
             state.reconciled_at = time.monotonic()
             RUNTIME.metrics.reconciles.labels(result=result).inc()
             RUNTIME.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        if result == "gone" and RUNTIME.jobs.get(key) is state:
+            # A deleted job's pods still send events while they terminate (or this
+            # replica never saw the job's deletion): their kicks made this state, and
+            # nothing else would remove it over the operator's lifetime.
+            _forget(key)
 
 
 def _schedule(key: Key, state: _JobState, delay: float) -> None:

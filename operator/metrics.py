@@ -6,6 +6,8 @@ and the dashboard import it from there); the operator-only series are defined he
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, MetricsHandler
 
 from rlft.operator.status import PHASES
@@ -67,6 +69,14 @@ class OperatorMetrics:
             self._phases[key] = phase
         for known in PHASES:
             self.jobs.labels(phase=known).set(sum(p == known for p in self._phases.values()))
+
+    def forget_job(self, key: tuple[str, str]) -> None:
+        """A deleted job's series go with it (one per job ever restarted would stay for
+        the operator's lifetime)."""
+        self.set_phase(key, None)
+        for counter in (self.restarts, self.rollbacks):
+            with contextlib.suppress(KeyError):  # never restarted, never rolled back
+                counter.remove(f"{key[0]}/{key[1]}")
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics, once: a second call (kopf retrying a startup that failed after

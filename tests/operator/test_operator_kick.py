@@ -90,3 +90,42 @@ def test_a_reconcile_in_flight_when_the_replica_pauses_does_not_count_the_job_ag
 
     asyncio.run(pause_during_a_reconcile())
     assert metrics.jobs.labels(phase="Running")._value.get() == 0
+
+
+def test_a_deleted_jobs_late_pod_events_leave_no_state_or_series_behind(monkeypatch):
+    """A deleted job's trainer pods terminate for their grace period after the job's
+    DELETED event: each of their events kicked a reconcile that made the job's state
+    again ("gone"), kept with its OOM record for the operator's lifetime, and the job's
+    restart and rollback series stayed on /metrics."""
+    from rlft.operator import failures as P
+    from rlft.operator import names as N
+
+    metrics = OperatorMetrics()
+    monkeypatch.setattr(handlers.RUNTIME, "metrics", metrics)
+    monkeypatch.setattr(handlers.RUNTIME, "jobs", {})
+
+    class NoJob:
+        async def get_job(self, namespace: str, name: str) -> None:
+            return None  # deleted
+
+    monkeypatch.setattr(handlers.RUNTIME, "kube", NoJob())
+    metrics.restarts.labels(rlfinetune="ml/old").inc(2)
+    metrics.rollbacks.labels(rlfinetune="ml/old").inc()
+    metrics.restarts.labels(rlfinetune="ml/live").inc()
+    labels = {N.LABEL_JOB: "old", N.LABEL_ROLE: N.ROLE_TRAINER, N.LABEL_INDEX: "0"}
+    pod = {
+        "metadata": {"name": "old-trainer-0", "namespace": "ml", "uid": "u1", "labels": labels},
+        "status": {"phase": "Failed", "containerStatuses": [{
+            "name": "main",
+            "state": {"terminated": {"exitCode": 137, "reason": P.OOM}},
+        }]},
+    }  # fmt: skip
+    asyncio.run(handlers._pod_event(namespace="ml", labels=pod["metadata"]["labels"], body=pod))
+    assert ("ml", "old") not in handlers.RUNTIME.jobs
+    assert metrics.reconciles.labels(result="gone")._value.get() == 1
+    exposed = {
+        (m.name, s.labels.get("rlfinetune"))
+        for m in metrics.registry.collect() for s in m.samples
+    }  # fmt: skip
+    assert ("rlft_restarts", "ml/live") in exposed
+    assert not any(job == "ml/old" for _, job in exposed), exposed
