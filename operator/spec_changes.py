@@ -52,10 +52,10 @@ from datetime import datetime
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from rlft.operator.status import RLFineTuneStatus, condition, set_condition
-from rlft.trainer.config import RLFineTuneSpec
+from rlft.trainer.config import RLFineTune, RLFineTuneSpec, dump_job
 
 FINISHED_PHASES = ("Succeeded", "Failed")
 """Phases that never run again (status.TERMINAL_PHASES): any edit is accepted, none applied."""
@@ -184,10 +184,27 @@ def config_change(observed: str | None, desired: str, pods_active: bool) -> Conf
         old = yaml.safe_load(observed)
     except yaml.YAMLError:
         old = None
-    changed = frozen_changes(old, yaml.safe_load(desired)) if isinstance(old, dict) else ["spec"]
+    new = yaml.safe_load(desired)
+    if isinstance(old, dict):
+        old, new = _as_written_now(old, new)
+    changed = frozen_changes(old, new) if isinstance(old, dict) else ["spec"]
     if not changed or not pods_active:
         return ConfigChange(update=True)
     return ConfigChange(waiting=tuple(changed))
+
+
+def _as_written_now(old: dict[str, Any], new: Any) -> tuple[dict[str, Any], Any]:
+    """Both job files as this operator writes them. One an older operator wrote lacks
+    the fields added since: they hold their defaults, which is no edit (read raw, every
+    job running through an operator upgrade waited for a suspend, naming a field nobody
+    changed). Files that do not parse as jobs are compared as they are."""
+    try:
+        return (
+            dump_job(RLFineTune.model_validate(old)),
+            dump_job(RLFineTune.model_validate(new)),
+        )
+    except ValidationError:
+        return old, new
 
 
 def gang_replicas(spec: RLFineTuneSpec) -> str:

@@ -447,3 +447,25 @@ def test_identity_fields_never_change_once_the_job_started(change, field):
         assert "create a new job" in problems[0].message
     old = _stored(None)
     assert validate(_edited(old, change), SCHEMA, old)[1] == []
+
+
+def test_a_job_file_from_an_older_operator_is_no_edit_for_the_fields_added_since():
+    # The ConfigMap of a running job, as the operator before telemetry.expertLoadEverySteps
+    # wrote it: the field absent. Read raw, this operator's file differed there, and the
+    # job waited for a suspend (replicas edits ignored meanwhile) for a field nobody set.
+    w = _running()
+    older = _job_file(w)
+    del older["spec"]["telemetry"]["expertLoadEverySteps"]
+    now = w.config[CM]
+    change = S.config_change(yaml.safe_dump(older), now, pods_active=True)
+    assert change == S.ConfigChange(update=True), change
+    w.config[CM] = yaml.safe_dump(older)
+    d = w.step()  # the reconcile of the upgraded operator: rewrites it, nothing waits
+    assert w.status.phase == "Running" and not d.delete_pods, d
+    assert [u["metadata"]["name"] for u in d.update] == [CM], d.update
+    assert not any(e.reason == "SuspendToApply" for e in d.events), d.events
+    # A value the user did set is still an edit that waits.
+    edited = yaml.safe_load(now)
+    edited["spec"]["telemetry"]["expertLoadEverySteps"] = 7
+    waiting = S.config_change(yaml.safe_dump(older), yaml.safe_dump(edited), pods_active=True)
+    assert waiting.waiting == ("spec.telemetry.expertLoadEverySteps",), waiting

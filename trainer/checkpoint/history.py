@@ -62,9 +62,11 @@ class MetricsHistory:
             # One segment in memory at a time: a weeks-long run's whole history is
             # gigabytes, more than a restarted trainer may hold at once.
             size = 0
-            with self.path.open("wb") as file:
+            restoring = self.path.with_name(f".{self.path.name}.restoring")
+            with restoring.open("wb") as file:
                 for segment in extra[SEGMENTS]:
                     size += file.write(self._fetch(segment, warn))
+            restoring.replace(self.path)  # the local file as it was until the whole is here
             self.committed = Covered(tuple(extra[SEGMENTS]), size)
             return
         if WHOLE in extra:
