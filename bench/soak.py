@@ -4,10 +4,9 @@ the trainer process's resident memory, open file descriptors and threads from /p
 every few seconds. A trainer that keeps something per step (a growing history, a
 connection or thread per request) shows here long before a week-long run meets its
 memory limit. Runs the job three times: with and without checkpoints, and with
-checkpoints under a fixed glibc mmap threshold (`MALLOC_MMAP_THRESHOLD_=131072`: glibc
-otherwise raises the threshold as large blocks are freed, and the heap then fragments
-around the blocks of each checkpoint); prints the growth side by side. The last line is
-JSON.
+checkpoints under glibc's own mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=131072`, where
+`rlft train` fixes 4 MiB: trainer/allocator.py, which says why); prints the growth side
+by side. The last line is JSON.
 
     .venv/bin/python bench/soak.py [--steps 3000] [--checkpoint-every 20]
 """

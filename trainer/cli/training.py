@@ -171,6 +171,9 @@ def _out(job: RLFineTune, args: argparse.Namespace) -> Path:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from rlft.trainer.allocator import fix_mmap_threshold
+
+    fix_mmap_threshold()  # before the run allocates: see allocator.py
     job = _job(args.job)
     if job is None:
         return ExitCode.INVALID_CONFIG
