@@ -4,14 +4,16 @@ each checkpoint, and the trainer's memory, with the length of the run)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 import sys
 from pathlib import Path
 
 import pytest
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
-from rlft.trainer.checkpoint.history import SEGMENTS, MetricsHistory
+from rlft.trainer.checkpoint.history import FANOUT, SEGMENTS, MetricsHistory, merge_plan
 from rlft.trainer.storage.backends import FileStorage
 from rlft.trainer.storage.errors import StorageError
 
@@ -147,3 +149,156 @@ def test_a_long_runs_checkpoints_stay_the_same_size(tmp_path, monkeypatch, capsy
     assert main(["checkpoints", "verify", checkpoints]) == 1
     assert f"history metrics/{segments[0].name}: SHA-256 differs" in capsys.readouterr().out
     sys.modules.pop("parity_reward", None)
+
+
+def _replay_plans(saves_made: int, sizes: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """merge_plan applied after every save, as for_save does: the last list's
+    (saves, bytes) per segment and the bytes uploaded in all."""
+    segments: list[tuple[int, int]] = []
+    uploaded = 0
+    for size in sizes[:saves_made]:
+        segments.append((1, size))
+        plan = merge_plan([s for s, _ in segments], [b for _, b in segments])
+        merged = []
+        for start, end in plan:
+            run = segments[start:end]
+            if end - start > 1 or start == len(segments) - 1:
+                uploaded += sum(b for _, b in run)
+            merged.append((sum(s for s, _ in run), sum(b for _, b in run)))
+        segments = merged
+    return segments, uploaded
+
+
+def test_a_long_runs_list_of_segments_stays_short_and_each_line_is_uploaded_a_few_times():
+    """5,000 saves: the list holds at most FANOUT-1 segments per power of FANOUT (it held
+    one per save, read one by one at every resume), and a line is uploaded once per
+    level it climbs."""
+    rng = random.Random(0)
+    sizes = [rng.randint(200, 4000) for _ in range(5000)]
+    for saves in (1, 15, 16, 17, 255, 256, 4095, 4096, 5000):
+        segments, uploaded = _replay_plans(saves, sizes)
+        levels = len(f"{saves:x}")  # base-16 digits
+        assert sum(s for s, _ in segments) == saves
+        assert sum(b for _, b in segments) == sum(sizes[:saves])
+        # As a base-FANOUT counter: one segment per unit of each digit of `saves`.
+        assert len(segments) == sum(int(d, 16) for d in f"{saves:x}"), (saves, segments)
+        assert uploaded <= (levels + 1) * sum(sizes[:saves])
+    assert FANOUT == 16
+
+
+def test_no_merge_makes_a_segment_larger_than_the_limit():
+    plan = merge_plan([1] * 16, [10] * 16, max_bytes=159)
+    assert plan == [(i, i + 1) for i in range(16)]
+    assert merge_plan([1] * 16, [10] * 16, max_bytes=160) == [(0, 16)]
+
+
+def _saved_folder(store: FileStorage, step: int, extra: dict) -> None:
+    store.put_bytes(f"step-{step:06d}/extra.json", json.dumps(extra).encode())
+
+
+def test_merged_segments_restore_the_same_file_and_the_unlisted_ones_are_deleted(tmp_path, store):
+    """300 saves through for_save with a real store: the list stays short, a restore from
+    any retained checkpoint gives that checkpoint's file byte for byte, and after
+    retention only the segments a retained checkpoint (or the saver) lists remain."""
+    metrics = tmp_path / "metrics.jsonl"
+    history = MetricsHistory(store, metrics)
+    files: dict[int, str] = {}
+    committed = None
+    for step in range(1, 301):
+        _append(metrics, _lines(range(step * 10, step * 10 + (step % 7) + 1)))
+        extra = _save(history, store, step, committed)
+        _saved_folder(store, step, extra)
+        files[step] = metrics.read_text()
+        committed = step
+        for old in range(1, step - 2):  # retention: the newest 3 folders stay
+            store.delete_prefix(f"step-{old:06d}/")
+        history.collect(step)
+    assert len(extra[SEGMENTS]) == sum(int(d, 16) for d in f"{300:x}")  # 1 + 2 + 12
+    listed = {
+        segment["key"]
+        for step in (298, 299, 300)
+        for segment in json.loads(store.get_bytes(f"step-{step:06d}/extra.json"))[SEGMENTS]
+    }
+    assert {i.key for i in store.list("metrics/")} == listed
+    for step in (298, 299, 300):
+        elsewhere = tmp_path / f"restored-{step}.jsonl"
+        extra = json.loads(store.get_bytes(f"step-{step:06d}/extra.json"))
+        MetricsHistory(store, elsewhere).restore(extra, step, pytest.fail)
+        assert elsewhere.read_text() == files[step]
+
+
+def test_the_collector_spares_what_a_save_may_still_list(tmp_path, store):
+    """A save is made while its predecessor uploads (for_save does not wait): it lists
+    the last committed checkpoint's segments, whose folder retention may delete when the
+    one in flight commits. Those, the pending save's, later saves' and objects that are
+    not segments stay."""
+    metrics = tmp_path / "metrics.jsonl"
+    history = MetricsHistory(store, metrics)
+    _append(metrics, _lines(range(1, 3)))
+    first = _save(history, store, 2, None)  # committed below; its folder will go
+    _append(metrics, _lines(range(3, 5)))
+    pending = _save(history, store, 4, 2)  # in flight
+    store.put_bytes("metrics/step-000009-0000abcd.jsonl", b"a later save's\n")
+    store.put_bytes("metrics/notes.txt", b"not a segment\n")
+    orphan = "metrics/step-000001-deadbeef.jsonl"  # a save that never committed
+    store.put_bytes(orphan, b"lost\n")
+    assert history.collect(4) == [orphan]
+    kept = {i.key for i in store.list("metrics/")}
+    assert {s["key"] for s in first[SEGMENTS] + pending[SEGMENTS]} <= kept
+    assert {"metrics/step-000009-0000abcd.jsonl", "metrics/notes.txt"} <= kept
+
+
+def test_a_list_from_before_compaction_is_merged_at_the_next_save(tmp_path, store):
+    """A run's 40 one-save segments (an rlft before compaction wrote no `saves`) become
+    the compacted list at the next save, and its file is restored the same."""
+    metrics = tmp_path / "metrics.jsonl"
+    segments = []
+    for index in range(40):
+        text = _lines(range(index * 2, index * 2 + 2)).encode()
+        key = f"metrics/step-{index:06d}-{index:08x}.jsonl"
+        store.put_bytes(key, text)
+        segments.append({"key": key, "sha256": hashlib.sha256(text).hexdigest()})
+    history = MetricsHistory(store, metrics)
+    history.restore({SEGMENTS: segments}, 80, pytest.fail)
+    _append(metrics, _lines(range(80, 82)))
+    extra = _save(history, store, 82, 80)
+    # Newest first: the 41 segments' last 32 in two, the oldest nine as they were.
+    assert [s.get("saves", 1) for s in extra[SEGMENTS]] == [1] * 9 + [16, 16]
+    assert extra[SEGMENTS][:9] == segments[:9]
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    MetricsHistory(store, elsewhere).restore(extra, 82, pytest.fail)
+    assert elsewhere.read_text() == metrics.read_text() == _lines(range(0, 82))
+
+
+def test_a_run_that_prunes_its_checkpoints_keeps_only_the_segments_they_list(tmp_path, monkeypatch):
+    """A real run, a checkpoint every step and the newest two kept, segments merged by
+    fours: its 20 saves' lists are compacted, retention's "pruned" event has the
+    trainer delete every segment no retained checkpoint lists, and the last checkpoint
+    still restores the whole file."""
+    from rlft.trainer.checkpoint import history
+    from rlft.trainer.cli.main import main
+
+    monkeypatch.setattr(history, "FANOUT", 4)
+    spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4}, steps=20)
+    spec["checkpoint"] = {"intervalSteps": 1, "keepLast": 2}
+    write_parity_job(tmp_path, spec)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "job.yaml", "--out", "out"]) == 0
+    sys.modules.pop("parity_reward", None)
+    store = FileStorage(tmp_path / "out" / "checkpoints")
+    extras = {
+        info.key: json.loads(store.get_bytes(info.key))
+        for info in store.list("step-")
+        if info.key.endswith("/extra.json")
+    }
+    assert len(extras) == 2, sorted(extras)
+    listed = {s["key"] for extra in extras.values() for s in extra[SEGMENTS]}
+    assert {i.key for i in store.list("metrics/")} == listed
+    # A save made while its predecessor uploads covers that one's lines again (saves
+    # are not waited for), so fewer than 20 saves are counted; 3 digits in base 4.
+    saves = [s.get("saves", 1) for s in extras[max(extras)][SEGMENTS]]
+    assert max(saves) >= 4 and len(saves) <= 9, saves
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    MetricsHistory(store, elsewhere).restore(extras[max(extras)], 20, pytest.fail)
+    assert elsewhere.read_text() == (tmp_path / "out" / "metrics.jsonl").read_text()

@@ -6,10 +6,18 @@ save wrote, hashed and uploaded a copy growing with the run (4.9 MB at step 4,00
 tiny job, against a 1.1 MB model), and the trainer's memory grew with it (about 25 KB a
 step, none without checkpoints). Now each save uploads only the lines appended since the
 last committed checkpoint, as one segment under `metrics/` beside the step folders, and
-its `extra.json` lists the segments (key and SHA-256) that make the file up to it. The
-segments are never pruned: later checkpoints list their predecessors' (their total is
-the file's size). A save that did not commit leaves its segment unlisted; the next one
-covers its lines again.
+its `extra.json` lists the segments (key and SHA-256) that make the file up to it. A save
+that did not commit leaves its segment unlisted; the next one covers its lines again.
+
+One segment per save kept for good made a weeks-long run's list, and a resume's reads,
+grow with its checkpoints (5,000 saves: 5,000 reads before the first resumed step, and
+600 KB of list in every `extra.json`). So the list is compacted as a base-`FANOUT`
+counter: when the newest `FANOUT` segments cover alike many saves, the save uploads them
+as one (its bytes are the local file's, which the list covers byte for byte), up to
+`MAX_SEGMENT_BYTES`. A list then holds at most FANOUT−1 segments per power of FANOUT
+saves, and each line is uploaded about once per such power. Segments no remaining
+checkpoint lists (merged away, or of saves that never committed) are deleted after
+retention (`unlisted_segments`).
 
 Rank 0 only: it writes metrics.jsonl.
 """
@@ -18,30 +26,42 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlft.trainer.checkpoint.manifest import step_dir
+from rlft.trainer.checkpoint.manifest import EXTRA, parse_step_dir, step_dir
 from rlft.trainer.storage.backends import Storage
-from rlft.trainer.storage.errors import StorageError
+from rlft.trainer.storage.errors import ObjectMissingError, StorageError
 from rlft.trainer.storage.retry import with_retries
 
 SEGMENTS = "metrics_segments"
 """The key in a checkpoint's extra listing its history's segments."""
 WHOLE = "metrics"
 """The key of the whole history (lines), in checkpoints from before segments."""
+log = logging.getLogger("rlft.checkpoint")
+
 PREFIX = "metrics"
+FANOUT = 16
+"""Segments covering alike many saves that are merged into one."""
+MAX_SEGMENT_BYTES = 64 << 20
+"""No merge makes a segment larger (a save holds it in memory to upload it)."""
 
 
 @dataclass(frozen=True)
 class Covered:
     """What a checkpoint's segments hold: the first `size` bytes of metrics.jsonl."""
 
-    segments: tuple[dict[str, str], ...] = ()
-    size: int = 0
+    segments: tuple[dict, ...] = ()
+    sizes: tuple[int, ...] = ()
+    """Bytes of the local file each segment stands for (0 for one lost at the restore)."""
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
 
 
 class MetricsHistory:
@@ -61,13 +81,13 @@ class MetricsHistory:
         if SEGMENTS in extra:
             # One segment in memory at a time: a weeks-long run's whole history is
             # gigabytes, more than a restarted trainer may hold at once.
-            size = 0
+            sizes = []
             restoring = self.path.with_name(f".{self.path.name}.restoring")
             with restoring.open("wb") as file:
                 for segment in extra[SEGMENTS]:
-                    size += file.write(self._fetch(segment, warn))
+                    sizes.append(file.write(self._fetch(segment, warn)))
             restoring.replace(self.path)  # the local file as it was until the whole is here
-            self.committed = Covered(tuple(extra[SEGMENTS]), size)
+            self.committed = Covered(tuple(extra[SEGMENTS]), tuple(sizes))
             return
         if WHOLE in extra:
             lines = extra[WHOLE]
@@ -97,19 +117,126 @@ class MetricsHistory:
         if self._pending is not None and self._pending[0] == last_committed:
             self.committed = self._pending[1]
         self._pending = None
-        new = b""
+        committed = self.committed
+        tail = b""
         if self.path.exists():
             with self.path.open("rb") as file:
-                file.seek(self.committed.size)
-                new = file.read()
-        new = new[: new.rfind(b"\n") + 1]  # whole lines only (one being written waits)
+                file.seek(committed.size)
+                tail = file.read()
+        new = tail.rfind(b"\n") + 1  # whole lines only (one being written waits)
         if not new:
-            return {SEGMENTS: list(self.committed.segments)}, {}
-        key = f"{PREFIX}/{step_dir(step)}-{uuid.uuid4().hex[:8]}.jsonl"
-        segment = {"key": key, "sha256": hashlib.sha256(new).hexdigest()}
-        covered = Covered((*self.committed.segments, segment), self.committed.size + len(new))
+            return {SEGMENTS: list(committed.segments)}, {}
+        segments = [*committed.segments, {"saves": 1}]
+        sizes = [*committed.sizes, new]
+        kept: list[dict] = []
+        kept_sizes: list[int] = []
+        uploads: dict[str, bytes] = {}
+        offset = 0
+        for start, end in merge_plan([_saves(s) for s in segments], sizes):
+            length = sum(sizes[start:end])
+            if end - start == 1 and start < len(committed.segments):
+                kept.append(segments[start])
+            else:
+                # The new lines alone, or merged segments: the local file's bytes they cover.
+                fresh = start == len(committed.segments)
+                data = tail[:new] if fresh else self._read(offset, length)
+                key = f"{PREFIX}/{step_dir(step)}-{uuid.uuid4().hex[:8]}.jsonl"
+                saves = sum(_saves(s) for s in segments[start:end])
+                digest = hashlib.sha256(data).hexdigest()
+                kept.append({"key": key, "sha256": digest, "saves": saves})
+                uploads[key] = data
+            kept_sizes.append(length)
+            offset += length
+        covered = Covered(tuple(kept), tuple(kept_sizes))
         self._pending = (step, covered)
-        return {SEGMENTS: list(covered.segments)}, {key: new}
+        return {SEGMENTS: list(covered.segments)}, uploads
+
+    def _read(self, offset: int, length: int) -> bytes:
+        with self.path.open("rb") as file:
+            file.seek(offset)
+            return file.read(length)
+
+    def collect(self, newest: int) -> list[str]:
+        """Delete the segments no checkpoint lists any more (after retention, on the
+        saver's thread); the keys deleted. Failures are logged, not raised: what stays
+        is deleted after a later commit."""
+        try:
+            unlisted = unlisted_segments(self.storage, self.in_use(), newest)
+            for key in unlisted:
+                self.storage.delete_prefix(key)
+        except StorageError as error:
+            log.warning("metrics history segments at %s stay for now: %s", self.storage.uri, error)
+            return []
+        return unlisted
+
+    def in_use(self) -> set[str]:
+        """The segment keys a save may still list: the committed checkpoint's, and the
+        pending save's (read from the saver's thread, while the trainer's may save)."""
+        pending = self._pending
+        keys = {s["key"] for s in self.committed.segments}
+        return keys | ({s["key"] for s in pending[1].segments} if pending else set())
+
+
+def _saves(segment: dict) -> int:
+    """How many saves' lines a segment holds (1 in lists from before compaction)."""
+    return int(segment.get("saves", 1))
+
+
+def _level(saves: int) -> int:
+    level = 0
+    while saves >= FANOUT:
+        saves //= FANOUT
+        level += 1
+    return level
+
+
+def merge_plan(
+    saves: list[int], sizes: list[int], max_bytes: int = MAX_SEGMENT_BYTES
+) -> list[tuple[int, int]]:
+    """The list's segments grouped into consecutive [start, end) runs, each to become
+    one segment: FANOUT neighbours of one level (saves covered, in powers of FANOUT)
+    merge, newest first, again until none do, unless the merge would pass `max_bytes`."""
+    runs = [(s, b, i, i + 1) for i, (s, b) in enumerate(zip(saves, sizes, strict=True))]
+    merged = True
+    while merged:
+        merged = False
+        for end in range(len(runs), FANOUT - 1, -1):
+            window = runs[end - FANOUT : end]
+            if len({_level(r[0]) for r in window}) > 1 or sum(r[1] for r in window) > max_bytes:
+                continue
+            total = (sum(r[0] for r in window), sum(r[1] for r in window))
+            runs[end - FANOUT : end] = [(*total, window[0][2], window[-1][3])]
+            merged = True
+            break
+    return [(start, end) for _, _, start, end in runs]
+
+
+def unlisted_segments(storage: Storage, in_use: Iterable[str], newest: int) -> list[str]:
+    """Segment keys no step folder's extra.json lists, nor `in_use`, of saves up to step
+    `newest`: merged away, or of saves that never committed. A StorageError (or an
+    unreadable extra.json) is raised: then nothing is known to be free."""
+    listed = set(in_use)
+    folders = {i.key.partition("/")[0] for i in storage.list("step-") if i.key.endswith(EXTRA)}
+    for folder in sorted(folders):
+        try:
+            extra = json.loads(storage.get_bytes(f"{folder}/{EXTRA}"))
+            listed |= {segment["key"] for segment in extra.get(SEGMENTS, [])}
+        except ObjectMissingError:
+            continue  # deleted since the listing (retention): it lists nothing now
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise StorageError(f"{folder}/{EXTRA} unreadable: {error!r}") from None
+    unlisted = []
+    for info in storage.list(f"{PREFIX}/"):
+        step = _segment_step(info.key)  # None: not a segment's name; left alone
+        if info.key not in listed and step is not None and step <= newest:
+            unlisted.append(info.key)
+    return unlisted
+
+
+def _segment_step(key: str) -> int | None:
+    """The step of the save that wrote segment `key` (`metrics/step-NNNNNN-xxxxxxxx.jsonl`)."""
+    name = key.rpartition("/")[2]
+    return parse_step_dir(name.rsplit("-", 1)[0])
 
 
 def _step(line: str) -> int | None:

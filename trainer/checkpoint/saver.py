@@ -246,7 +246,8 @@ class Checkpointer:
         `extra` is rank 0's JSON-able run state (LR schedule, data cursor, detector…);
         `rank_state` is per-rank JSON-able state stored next to each rank's RNG states;
         `shared_files` are rank 0's objects outside the step folder that `extra` refers
-        to (metrics history segments), uploaded before the commit and never pruned.
+        to (metrics history segments), uploaded before the commit; retention leaves them
+        to their owner (the "pruned" event).
         Returns after staging (False) or, with `wait`, after the commit (True if it
         committed). A previous save still in flight is waited for first; for an
         `emergency` one, only until `retry_seconds` from now (`hurry`).
@@ -503,6 +504,7 @@ class Checkpointer:
         deleted = self.catalog.prune(self.keep_last)
         if deleted:
             log.info("checkpoint retention deleted steps %s", sorted(deleted))
+            self._emit("pruned", step=job.step, steps=sorted(deleted))
         return True
 
     def _remove_uncommitted(self, job: _Job) -> None:

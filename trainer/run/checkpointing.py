@@ -163,6 +163,9 @@ class Checkpointing:
         if name == "committed":
             self.own_commits.add(info["step"])
             self.supervisor.checkpointed(info["step"], info["uri"], info["healthy"])
+        elif name == "pruned":  # saver thread: the history's and the timeline's share
+            self.own_commits.difference_update(info["steps"])
+            self.history.collect(info["step"])
         elif name == "retry":
             message = f"checkpoint of step {info.get('step')}: {info.get('what')} retried"
             self.supervisor.checkpoint_retry(f"{message} ({info.get('error')})", info.get("step"))
