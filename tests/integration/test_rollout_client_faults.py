@@ -137,6 +137,39 @@ def test_a_request_every_instance_times_out_on_ends_at_the_deadline_naming_why(
             server.stop()
 
 
+def test_a_request_that_timed_out_on_a_stalled_instance_is_answered_by_another(
+    tmp_path: Path,
+) -> None:
+    """The trainer's client is built with the request timeout alone: its deadline was the
+    same 600 s as the timeout, so a request that timed out on a stalled instance was
+    never re-issued (the deadline had passed) and the run ended with another instance
+    idle. Now it goes to the other instance."""
+    model, tokenizer = tiny_model()
+    uri = publish(store_at(tmp_path), model, 0)
+    stalled, steady = ThreadServer(), ThreadServer()
+    client = RolloutClient([stalled.url, steady.url], timeout_s=1.0, probe_every_s=60)
+    release = threading.Event()
+    try:
+        for server in (stalled, steady):
+            http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+        engine = stalled.server.host.engine
+        real = engine.generate
+
+        def hangs(*args: Any, **kwargs: Any) -> Any:  # a wedged engine
+            release.wait(30)
+            return real(*args, **kwargs)
+
+        engine.generate = hangs
+        request = GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id])
+        answer = client.generate(request)  # ties go to the first instance: the stalled one
+        assert (answer.url, client.reissued) == (steady.url, 1)
+    finally:
+        release.set()
+        client.close()
+        stalled.stop()
+        steady.stop()
+
+
 def test_a_stalled_instance_takes_requests_again_once_it_serves_the_current_weights(
     tmp_path: Path,
 ) -> None:

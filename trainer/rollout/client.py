@@ -163,17 +163,21 @@ class RolloutClient:
         self,
         urls: list[str],
         timeout_s: float = 600.0,
-        deadline_s: float = 600.0,
+        deadline_s: float | None = None,
         probe_every_s: float = 1.0,
         token: str | None = None,
     ):
-        """`token`: the bearer token of the instances' POSTs (default: $RLFT_ROLLOUT_TOKEN,
-        which the operator gives each trainer pod of a job)."""
+        """`timeout_s`: one attempt of a request; `deadline_s`: the request's attempts
+        together (default twice `timeout_s`: a request that timed out on a stalled
+        instance is re-issued at least once; equal, it never was, and one stalled
+        instance ended the run). `token`: the bearer token of the instances' POSTs
+        (default: $RLFT_ROLLOUT_TOKEN, which the operator gives each trainer pod)."""
         if not urls:
             raise ValueError("a rollout client needs at least one instance URL")
         self.instances = [Instance(u.rstrip("/")) for u in urls]
         self.token = token or os.environ.get(TOKEN_ENV) or None
-        self.timeout_s, self.deadline_s, self.probe_every_s = timeout_s, deadline_s, probe_every_s
+        self.timeout_s, self.probe_every_s = timeout_s, probe_every_s
+        self.deadline_s = 2 * timeout_s if deadline_s is None else deadline_s
         self._lock = threading.Condition()
         self._pool = ThreadPoolExecutor(
             max_workers=max(4, 4 * len(urls)), thread_name_prefix="rollout"
@@ -220,9 +224,13 @@ class RolloutClient:
         """Healthy and serving the current version (call with the lock held)."""
         if not instance.healthy:
             return False
-        if self._current is None:
-            return True
-        return instance.policy_version is not None and instance.policy_version >= self._current
+        if instance.policy_version is None:
+            # Not probed yet (before the first load it serves what it started from), or
+            # its /healthz named no version: a load failed part-way there, and it
+            # refuses requests until the next load (before the first one, each request
+            # went there, was refused and re-issued, round and round).
+            return self._current is None and not instance.last_probe
+        return self._current is None or instance.policy_version >= self._current
 
     def usable(self) -> list[Instance]:
         """The instances generate requests go to."""

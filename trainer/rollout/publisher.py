@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -75,6 +76,8 @@ class WeightPublisher:
         self._latest: tuple[int, str] | None = None
         """(version, URI) of the newest acknowledged version with a store copy: what an
         instance behind is sent."""
+        self._written: tuple[int, str] | None = None
+        """(version, URI) of the last store copy written, acknowledged or not."""
         self.catch_up_every_s = catch_up_every_s
         self.catch_up_backoff_max_s = catch_up_backoff_max_s
         self._held: dict[str, tuple[float, float]] = {}  # absent: (0, 0), not held
@@ -137,6 +140,16 @@ class WeightPublisher:
 
     # ---------------------------------------------------------- background side
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as error:  # surfaced to the trainer on its next call
+            # Whatever ended the thread: a catch-up's error (no thread to start, say)
+            # ended it silently, and the trainer waited for an ack forever.
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(self._woken, self.catch_up_every_s)
@@ -148,13 +161,7 @@ class WeightPublisher:
                 continue
             version, snapshot, config = pending
             started = time.perf_counter()
-            try:
-                shipped, uri = self._ship_retrying(version, snapshot, config)
-            except BaseException as error:  # surfaced to the trainer on its next call
-                with self._cond:
-                    self._error = error
-                    self._cond.notify_all()
-                return
+            shipped, uri = self._ship_retrying(version, snapshot, config)
             if not shipped:
                 continue  # a newer version replaced it
             with self._cond:
@@ -229,7 +236,7 @@ class WeightPublisher:
     def _ship(self, version: int, snapshot, config: str) -> str | None:
         """Ship `version`; the URI of its store copy, if one was written."""
         if isinstance(snapshot, bytes):
-            uri = self.store.write(version, snapshot, config)
+            uri = self._stored(version, lambda: snapshot, config)
             self._post_all(WeightsRequest(version=version, uri=uri))
             return uri
         try:
@@ -239,9 +246,18 @@ class WeightPublisher:
                 "weights of version %d: broadcast failed (%s); by the store", version, error
             )
             self._group, self._members = None, ()
-            uri = self.store.write(version, save(snapshot), config)
+            uri = self._stored(version, lambda: save(snapshot), config)
             self._post_all(WeightsRequest(version=version, uri=uri))
             return uri
+
+    def _stored(self, version: int, weights: Callable[[], bytes], config: str) -> str:
+        """The URI of `version`'s store copy, written unless an earlier attempt of this
+        publication wrote it (each retry uploaded the whole model again)."""
+        if self._written is not None and self._written[0] == version:
+            return self._written[1]
+        uri = self.store.write(version, weights(), config)
+        self._written = (version, uri)
+        return uri
 
     def _post_all(self, request: WeightsRequest) -> None:
         # Every instance that answers, weights or not (a fresh one answers 503, and only
@@ -292,7 +308,7 @@ class WeightPublisher:
         members = tuple((i.url, i.server_id) for i in live)
         if members != self._members:
             self._group = None
-        uri = self.store.write(version, save(state), config) if self._group is None else None
+        uri = self._stored(version, lambda: save(state), config) if self._group is None else None
         if self._group is None:
             # Named: a new group may get the last one's port, and a member at the same
             # rank in both took it for the old (dead) group and never joined the new one.

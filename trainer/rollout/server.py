@@ -37,6 +37,8 @@ from typing import Any
 from rlft.trainer import termination
 from rlft.trainer.addresses import http_url, is_loopback
 from rlft.trainer.api_token import TOKEN_ENV, authorized
+from rlft.trainer.checkpoint.commands import storage_options
+from rlft.trainer.checkpoint.factory import s3_options
 from rlft.trainer.http_server import HTTPServer
 from rlft.trainer.rollout.arguments import add_arguments
 from rlft.trainer.rollout.engine import WeightNamesError
@@ -47,8 +49,11 @@ from rlft.trainer.rollout.protocol import (
     completion_to_json,
 )
 from rlft.trainer.rollout.ray_cluster import RayClusterError
+from rlft.trainer.storage.backends import S3Options
 
 MAX_BODY = 64 << 20
+DISCARD_CHUNK = 64 << 10
+"""An unauthorized request's body is read and dropped this much at a time."""
 
 HANDLER_TIMEOUT_S = 30.0
 """Seconds a connection may send nothing (headers or body) before its thread drops it: a
@@ -62,10 +67,14 @@ ENGINE_FAILURES = 5
 class EngineHost:
     """The served engine plus the lock that makes weight updates atomic."""
 
-    def __init__(self, build: Callable[[Path, int, bool], Any], metrics=None):
+    def __init__(
+        self, build: Callable[[Path, int, bool], Any], metrics=None, s3: S3Options | None = None
+    ):
         """`build(folder, version, published)`: an engine on a Hugging Face folder, one
-        rlft published (`published`) or the job's own model (`spec.model.path`)."""
+        rlft published (`published`) or the job's own model (`spec.model.path`); `s3`:
+        how to reach published versions on S3."""
         self._build = build
+        self.s3 = s3
         self.engine = None
         self._cond = threading.Condition()
         self._busy = False
@@ -171,7 +180,7 @@ class EngineHost:
         short, missing) fails the load with the served weights intact, not damaged."""
         from rlft.trainer.weights.store import fetched, read_tensors
 
-        with fetched(request.uri) as folder:
+        with fetched(request.uri, s3=self.s3) as folder:
             tensors = read_tensors(folder) if self.engine is not None else None
             with self._use(writer=True):
                 if self.engine is None:
@@ -359,7 +368,13 @@ class _Handler(BaseHTTPRequestHandler):
         except ProtocolError:
             length = 0
         if 0 < length <= MAX_BODY:
-            self.rfile.read(length)
+            # In pieces: a caller without the token must not make the server hold
+            # MAX_BODY per connection.
+            while length > 0:
+                chunk = self.rfile.read(min(length, DISCARD_CHUNK))
+                if not chunk:
+                    break
+                length -= len(chunk)
         self.server.metrics.request("unauthorized")
         error = {"error": f"no or a wrong rollout token (see {TOKEN_ENV})"}
         self._reply(401, error, headers={"WWW-Authenticate": "Bearer"})
@@ -383,6 +398,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(200, host.load(WeightsRequest.from_json(self._body())))
             else:
                 self._reply(404, {"error": f"no route POST {self.path}"})
+        except (BrokenPipeError, ConnectionResetError):
+            # The caller went away (it timed out and re-issued the request elsewhere):
+            # nobody to answer, nor an error of this server's to count.
+            self.close_connection = True
         except ProtocolError as error:
             metrics.request("bad_request")
             self._reply(400, {"error": str(error)})
@@ -421,9 +440,10 @@ def start_server(
     tensor_parallel: int = 1,
     expert_parallel: int = 1,
     token: str | None = None,
+    s3: S3Options | None = None,
 ) -> RolloutHTTPServer:
     """A server on (host, port), not yet serving (call serve_forever); with `token`, its
-    POSTs require it."""
+    POSTs require it; `s3`: how to reach published versions on S3."""
     from rlft.trainer.rollout.served import build_engine, resolve_engine
 
     kind = resolve_engine(kind)
@@ -433,6 +453,7 @@ def start_server(
             kind, folder, version, tensor_parallel, expert_parallel, published
         ),
         metrics,
+        s3,
     )
     return RolloutHTTPServer((host, port), engine_host, metrics, kind, token)
 
@@ -447,14 +468,14 @@ def open_api_warning(host: str, token: str | None) -> str | None:
     )
 
 
-def _initial_weights(args: argparse.Namespace, job) -> WeightsRequest | Path | None:
+def _initial_weights(args: argparse.Namespace, job, s3: S3Options) -> WeightsRequest | Path | None:
     """What to load before serving: the newest published version, else the folder of
     spec.model.path (the user's own model: complete, with no READY marker to look for)."""
     from rlft.trainer.weights.store import WeightStore
 
     uri = args.weights_uri or (job.spec.rollout.weights_uri if job is not None else None)
     if uri:
-        latest = WeightStore.at(uri).latest_uri()
+        latest = WeightStore.at(uri, s3=s3).latest_uri()
         if latest is not None:
             return WeightsRequest(version=latest[0], uri=latest[1])
     if job is not None and job.spec.model.path:
@@ -495,10 +516,13 @@ def run(args: argparse.Namespace) -> int:
     warning = open_api_warning(args.host, token)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    # The job's spec.checkpoint (the operator puts the weights under its location);
+    # without a job file (local servers), the flags.
+    s3 = s3_options(job.spec.checkpoint) if job is not None else storage_options(args)
     server = start_server(
-        kind, args.host, args.port, args.tensor_parallel, args.expert_parallel, token
+        kind, args.host, args.port, args.tensor_parallel, args.expert_parallel, token, s3
     )
-    initial = _initial_weights(args, job)
+    initial = _initial_weights(args, job, s3)
     if isinstance(initial, Path):
         server.host.load_model(initial)
     elif initial is not None:

@@ -1,0 +1,169 @@
+"""Publication and serving under faults a long run meets, on real servers over loopback
+HTTP: a load refused for a while (the publication is retried, its store copy written
+once), a publisher thread that fails outside a publication (the trainer hears of it), an
+instance whose load failed part-way before the first publication (it gets no requests),
+a caller that gave up on its request (no error counted), and a caller without the token
+sending a large body (not held in memory)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rollout_fixtures import PROMPTS, ThreadServer, publish, store_at, tiny_model
+
+from rlft.trainer.rollout import SamplingParams
+from rlft.trainer.rollout.client import RequestFailed, RolloutClient, http_json
+from rlft.trainer.rollout.protocol import GenerateRequest, WeightsRequest
+from rlft.trainer.rollout.publisher import WeightPublisher
+from rlft.trainer.telemetry.metrics import ROLLOUT_REQUESTS
+
+GREEDY = SamplingParams(max_new_tokens=4, greedy=True)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_a_retried_publication_writes_its_store_copy_once(tmp_path: Path) -> None:
+    """The instance refuses loads for a while (restarting, its store unreadable): each
+    retry of the publication uploaded the whole model to the store again."""
+    server = ThreadServer()
+    host = server.server.host
+    real, refusals = host.load, [OSError("store unreadable")] * 2
+
+    def load(request: WeightsRequest):  # fault injection: the first two loads fail
+        if refusals:
+            raise refusals.pop()
+        return real(request)
+
+    host.load = load  # type: ignore[method-assign]
+    store = store_at(tmp_path)
+    written: list[int] = []
+    write = store.write
+
+    def counted(version: int, weights: bytes, config: str) -> str:
+        written.append(version)
+        return write(version, weights, config)
+
+    store.write = counted  # type: ignore[method-assign]
+    client = RolloutClient([server.url], timeout_s=10, probe_every_s=0.05)
+    publisher = WeightPublisher(client, store, "store", 30, "127.0.0.1")
+    try:
+        publisher.publish_now(tiny_model()[0], 1)
+        assert not refusals and host.policy_version == 1
+        assert written == [1]
+    finally:
+        publisher.close()
+        client.close()
+        server.stop()
+
+
+def test_a_publisher_thread_ended_by_a_catch_up_error_tells_the_trainer(tmp_path: Path) -> None:
+    """Its catch-ups ran outside the error handling: an error there (no thread left to
+    start, say) ended the thread silently, and the trainer waited for an ack forever."""
+    server = ThreadServer()
+    client = RolloutClient([server.url], timeout_s=10, probe_every_s=0.05)
+    publisher = WeightPublisher(client, store_at(tmp_path), "store", 30, "127.0.0.1", 0.05)
+    model = tiny_model()[0]
+    try:
+        publisher.publish_now(model, 1)
+
+        def behind(version: int):  # fault injection
+            raise RuntimeError("can't start new thread")
+
+        client.behind = behind  # type: ignore[method-assign]
+        publisher._thread.join(timeout=10)
+        assert not publisher._thread.is_alive()
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            publisher.publish(model, 2)
+    finally:
+        publisher.close()
+        client.close()
+        server.stop()
+
+
+def test_an_instance_damaged_before_the_first_publication_gets_no_requests(
+    tmp_path: Path,
+) -> None:
+    """A load failed part-way: the instance answers /healthz (ok, no version) so that the
+    next load reaches it. Before the client knew any version it took generate requests,
+    refused each, and was probed back, round and round."""
+    model, tokenizer = tiny_model()
+    uri = publish(store_at(tmp_path), model, 0)
+    damaged, steady = ThreadServer(), ThreadServer()
+    for server in (damaged, steady):
+        http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+    damaged.server.host.damaged = "the load of version 1 failed part-way"  # the fault
+    client = RolloutClient([damaged.url, steady.url], timeout_s=10, probe_every_s=0.05)
+    try:
+        for instance in client.instances:
+            client.probe(instance)
+        assert client.current_version is None
+        request = GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id])
+        answers = [client.generate(request) for _ in range(3)]
+        assert {a.url for a in answers} == {steady.url} and client.reissued == 0
+    finally:
+        client.close()
+        damaged.stop()
+        steady.stop()
+
+
+def test_a_caller_that_gave_up_is_no_error_of_the_server(tmp_path: Path) -> None:
+    """The caller timed out and went (the client re-issues elsewhere): the reply's broken
+    pipe was counted as a server error and answered again, with a traceback."""
+    model, tokenizer = tiny_model()
+    uri = publish(store_at(tmp_path), model, 0)
+    server = ThreadServer()
+    http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+    engine = server.server.host.engine
+    real, done = engine.generate, threading.Event()
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)  # longer than the caller waits
+        try:
+            return real(*args, **kwargs)
+        finally:
+            done.set()
+
+    engine.generate = slow
+    request = GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id])
+    try:
+        with pytest.raises(RequestFailed):
+            http_json(f"{server.url}/generate", request.to_json(), 0.2)
+        assert done.wait(10)
+        time.sleep(0.5)  # the reply to nobody
+        registry = server.server.metrics.registry
+        counts = {
+            status: registry.get_sample_value(ROLLOUT_REQUESTS.name, {"status": status})
+            for status in ("ok", "error")
+        }
+        assert counts == {"ok": 1.0, "error": None}, counts
+    finally:
+        server.stop()
+
+
+def test_a_large_body_without_the_token_is_not_held_in_memory() -> None:
+    """A caller without the token made the server read its whole body (up to 64 MiB) at
+    once before the 401: a few connections held hundreds of MiB."""
+    server = ThreadServer(token="the-token")
+    port = server.server.server_address[1]
+    body = 32 << 20
+    tracemalloc.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+            head = f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {body}\r\n\r\n"
+            connection.sendall(head.encode())
+            chunk = b"x" * (1 << 20)
+            for _ in range(body >> 20):
+                connection.sendall(chunk)
+            reply = connection.recv(4096)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        server.stop()
+    assert reply.split(b" ")[1] == b"401", reply[:80]
+    assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB traced at the peak"
