@@ -311,20 +311,24 @@ def test_weights_published_to_s3_reach_new_and_running_instances(
     """`publication: store` on a real S3 server (SeaweedFS): an instance started later
     catches up from the newest version there, and a POST /weights naming an s3:// URI
     loads that version; a version never published is refused and the old one kept.
-    The downloaded copies go once loaded: an instance fetches a version every few steps."""
+    The downloaded copies go once loaded: an instance fetches a version every few steps.
+    The endpoint is the job's spec.checkpoint.endpointUrl, not the environment's: the
+    store and the servers ignored it, and went to AWS while checkpoints went to it."""
+    from rlft.trainer.storage.backends import S3Options
     from rlft.trainer.weights.store import WeightStore
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)  # the server subprocess reads it
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    s3 = S3Options(endpoint_url=s3_env.endpoint, addressing_style="path")
     server_tmp = tmp_path / "server-tmp"  # where the server subprocess downloads to
     server_tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(server_tmp))
-    store = WeightStore.at(f"s3://{bucket}/weights")
+    store = WeightStore.at(f"s3://{bucket}/weights", s3=s3)
     for version in range(2):
         model, tokenizer = tiny_model(seed=version)
         publish(store, model, version)
     assert store.versions() == [0, 1]
     stops = [tokenizer.eos_token_id]
-    with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
+    with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path, s3=s3) as servers:
         client = RolloutClient(servers.start(), timeout_s=60, token=servers.token)
         client.wait_ready(120)
         answer = client.generate(GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=stops))

@@ -30,7 +30,20 @@ def add_storage_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _options(args: argparse.Namespace) -> S3Options:
+def s3_arguments(options: S3Options) -> list[str]:
+    """The flags of `add_storage_options` that give `options` (credentials never: a
+    child process reads them from the environment or the folder named)."""
+    flags = [
+        ("--endpoint-url", options.endpoint_url),
+        ("--region", options.region),
+        ("--addressing-style", options.addressing_style),
+        ("--credentials-dir", options.credentials_dir),
+    ]
+    return [part for flag, value in flags if value for part in (flag, value)]
+
+
+def storage_options(args: argparse.Namespace) -> S3Options:
+    """The S3 options `add_storage_options` added."""
     return S3Options(
         endpoint_url=args.endpoint_url,
         region=args.region,
@@ -42,7 +55,7 @@ def _options(args: argparse.Namespace) -> S3Options:
 def _readable(uri: str, args: argparse.Namespace):
     """The location's storage; a local folder that does not exist is the caller's typo,
     not an empty location (a CI gate on a wrong path used to pass)."""
-    storage = open_storage(uri, _options(args))
+    storage = open_storage(uri, storage_options(args))
     if isinstance(storage, FileStorage) and not storage.root.is_dir():
         raise BadUriError(f"no folder at {storage.root}: check the path")
     return storage
@@ -147,7 +160,7 @@ def _extra(storage, step: int) -> dict:
 def cmd_export(args: argparse.Namespace) -> int:
     from rlft.trainer.checkpoint.export import FINAL_MODEL, export_final, export_hf, split_location
 
-    out, s3 = Path(args.out_dir), _options(args)
+    out, s3 = Path(args.out_dir), storage_options(args)
     final = split_location(args.checkpoint)[1] == "auto" and not args.latest_checkpoint
     try:
         if final and export_final(args.checkpoint, out, s3=s3):

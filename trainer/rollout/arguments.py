@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlft.trainer.checkpoint.commands import add_storage_options
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", nargs="?", help="RLFineTune manifest (YAML); optional locally")
@@ -23,4 +25,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ray-timeout", type=float, default=600.0, help="seconds to wait for the Ray nodes"
     )
     parser.add_argument("--weights-uri", help="publication location to catch up from")
+    add_storage_options(parser)  # how to reach an s3:// one without a job file
     parser.add_argument("--ready-file", help="write {port, pid} here once listening")

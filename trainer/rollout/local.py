@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlft.trainer.api_token import TOKEN_ENV
+from rlft.trainer.checkpoint.commands import s3_arguments
+from rlft.trainer.storage.backends import S3Options
 
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
@@ -72,7 +74,10 @@ class LocalServers:
         extra_env: dict[str, str] | None = None,
         startup_timeout_s: float = 180.0,
         warn=print,
+        s3: S3Options | None = None,
     ):
+        """`s3`: how the servers reach an s3:// `weights_uri` (the job's spec.checkpoint;
+        they are started without the job file)."""
         self.python = sys.executable
         if engine == "vllm":
             found = vllm_python()
@@ -90,6 +95,7 @@ class LocalServers:
         """The servers' rollout token (drawn per run unless the environment has one):
         another local user cannot push weights into them or spend their capacity."""
         self.startup_timeout_s = startup_timeout_s
+        self.s3 = s3 or S3Options()
         self._scratch = Path(tempfile.mkdtemp(prefix="rlft-rollout-"))
         self.log_dir = log_dir or self._scratch
         self.processes: list[subprocess.Popen] = []
@@ -110,6 +116,7 @@ class LocalServers:
             self.weights_uri,
             "--ready-file",
             str(ready),
+            *s3_arguments(self.s3),
         ]
 
     def start_one(self, index: int, port: int = 0) -> str:

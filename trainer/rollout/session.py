@@ -171,6 +171,7 @@ class RolloutSession:
     ) -> RolloutSession:
         """Rollout instances started by someone else (the operator): wait until they
         answer, load the current weights into them through the store, then sample."""
+        from rlft.trainer.checkpoint.factory import s3_options
         from rlft.trainer.rollout.client import RolloutClient
         from rlft.trainer.weights.store import WeightStore
 
@@ -185,7 +186,7 @@ class RolloutSession:
         try:
             session.client = RolloutClient(urls, rollout.request_timeout_seconds)
             session.client.wait_reachable(pods_start_within(job), log, stopping)
-            store = WeightStore.at(rollout.weights_uri)
+            store = WeightStore.at(rollout.weights_uri, s3=s3_options(job.spec.checkpoint))
             _go_on_after(_newest_published(store, session.client), cursor, log)
             session._connect(job, producer, stop_ids, cursor, store)
             session.publisher.publish_now(model, cursor.policy_version)
@@ -199,6 +200,7 @@ class RolloutSession:
     def _with_servers(
         cls, job, producer, stop_ids, model, cursor, out, log, stopping
     ) -> RolloutSession:
+        from rlft.trainer.checkpoint.factory import s3_options
         from rlft.trainer.rollout.client import RolloutClient
         from rlft.trainer.rollout.local import LocalServers
         from rlft.trainer.weights.store import WeightStore, config_json, serialize
@@ -206,13 +208,16 @@ class RolloutSession:
         rollout = job.spec.rollout
         base = out if out is not None else Path.cwd() / "runs" / job.metadata.name
         uri = rollout.weights_uri or (base.resolve() / "weights").as_uri()
-        store = WeightStore.at(uri)
+        s3 = s3_options(job.spec.checkpoint)
+        store = WeightStore.at(uri, s3=s3)
         # Its servers are new, but the store may hold an earlier run's later versions.
         _go_on_after(max(store.numbers(), default=None), cursor, log)
         version = cursor.policy_version
         store.write(version, serialize(model), config_json(model))  # servers start from it
         engine = local_engine(rollout)
-        servers = LocalServers(rollout.instances, engine, uri, _cpus_from_env(), base, warn=log)
+        servers = LocalServers(
+            rollout.instances, engine, uri, _cpus_from_env(), base, warn=log, s3=s3
+        )
         session = cls(None, servers=servers)  # type: ignore[arg-type]
         try:
             session.client = RolloutClient(

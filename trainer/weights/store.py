@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from rlft.trainer.storage.backends import FileStorage, Storage, open_storage
+from rlft.trainer.storage.backends import FileStorage, S3Options, Storage, open_storage
 from rlft.trainer.storage.errors import ObjectMissingError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -76,8 +76,10 @@ class WeightStore:
         self.keep = max(2, keep)
 
     @classmethod
-    def at(cls, uri: str, keep: int = 3) -> WeightStore:
-        return cls(open_storage(uri), keep)
+    def at(cls, uri: str, keep: int = 3, s3: S3Options | None = None) -> WeightStore:
+        """The store at `uri`; `s3`: how to reach it (the job's spec.checkpoint: the
+        operator puts the weights under its checkpoint location)."""
+        return cls(open_storage(uri, s3), keep)
 
     def uri_of(self, version: int) -> str:
         return f"{self.storage.uri.rstrip('/')}/{version_key(version)}"
@@ -138,11 +140,11 @@ class WeightStore:
 
 
 @contextmanager
-def fetched(uri: str, scratch: Path | None = None) -> Iterator[Path]:
+def fetched(uri: str, scratch: Path | None = None, s3: S3Options | None = None) -> Iterator[Path]:
     """Version `uri` as a local folder for the length of the block: file:// as it is,
     s3:// downloaded and the download removed after it. A rollout instance loads a new
     version every few steps for weeks; a copy kept per version would fill its disk."""
-    storage = open_storage(uri)
+    storage = open_storage(uri, s3)
     if not storage.exists(READY):
         raise ObjectMissingError(
             f"{uri} is not a published weight version (no {READY} marker): publish it first"
