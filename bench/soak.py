@@ -61,6 +61,20 @@ def _status(pid: int) -> tuple[int, int, int]:
     return rss, len(os.listdir(f"/proc/{pid}/fd")), int(fields["Threads"])
 
 
+def _servers(pid: int) -> list[int]:
+    """The trainer's rollout servers: its child processes running `rlft.trainer.rollout.server`."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):  # any thread may start one
+        with contextlib.suppress(OSError):
+            children += task.read_text().split()
+    found = []
+    for child in children:
+        with contextlib.suppress(OSError):
+            if b"rlft.trainer.rollout.server" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+    return found
+
+
 def _last_step(metrics: Path) -> int:
     try:
         lines = metrics.read_text().splitlines()
@@ -81,11 +95,15 @@ def soak(folder: Path, steps: int, every: int, environ: dict[str, str] | None = 
             cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         samples: list[tuple[int, int, int, int]] = []
+        servers: dict[int, list[tuple[int, int]]] = {}  # pid → [(step, resident KiB)]
         try:
             while process.poll() is None:
                 step = _last_step(folder / "out" / "metrics.jsonl")
                 with contextlib.suppress(OSError, KeyError):  # it ended meanwhile
                     samples.append((step, *_status(process.pid)))
+                for server in _servers(process.pid):
+                    with contextlib.suppress(OSError, KeyError):
+                        servers.setdefault(server, []).append((step, _status(server)[0]))
                 time.sleep(2)
         finally:
             process.kill()
@@ -94,12 +112,18 @@ def soak(folder: Path, steps: int, every: int, environ: dict[str, str] | None = 
         raise SystemExit(f"the job failed (exit {process.returncode}): {folder / 'train.log'}")
     running = [s for s in samples if steps // 3 <= s[0] < steps]
     first, last = running[0], running[-1]
+    served = [[s for s in series if steps // 3 <= s[0] < steps] for series in servers.values()]
+    served = [s for s in served if len(s) > 1]  # a server replaced mid-run has its own series
     extras = sorted((folder / "out" / "checkpoints").glob("step-*/extra.json"))
     return {
         "steps": steps,
         "checkpoint_every": every,
         "rss_mib": [round(first[1] / 1024, 1), round(last[1] / 1024, 1)],
         "rss_growth_kib_per_step": round((last[1] - first[1]) / max(1, last[0] - first[0]), 2),
+        "server_rss_mib": [[round(s[0][1] / 1024, 1), round(s[-1][1] / 1024, 1)] for s in served],
+        "server_growth_kib_per_step": [
+            round((s[-1][1] - s[0][1]) / max(1, s[-1][0] - s[0][0]), 2) for s in served
+        ],
         "fds": [min(s[2] for s in running), max(s[2] for s in running)],
         "threads": [min(s[3] for s in running), max(s[3] for s in running)],
         "last_extra_json_bytes": extras[-1].stat().st_size if extras else None,
@@ -124,7 +148,9 @@ def main() -> None:
         print(
             f"{name:>22}: RSS {run['rss_mib'][0]} → {run['rss_mib'][1]} MiB "
             f"({run['rss_growth_kib_per_step']} KiB/step), fds {run['fds']}, "
-            f"threads {run['threads']}, last extra.json {run['last_extra_json_bytes']} B"
+            f"threads {run['threads']}, last extra.json {run['last_extra_json_bytes']} B; "
+            f"rollout servers {run['server_rss_mib']} MiB "
+            f"({run['server_growth_kib_per_step']} KiB/step)"
         )
     print(json.dumps({"machine": os.uname().nodename, "cores": os.cpu_count(), **runs}))
     sys.stdout.flush()

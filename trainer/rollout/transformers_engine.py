@@ -6,11 +6,10 @@ that it returns exactly the per-token log-probs of the distribution it sampled f
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import PreTrainedModel
 
+from rlft.trainer.algorithms.prefix import cache_argument
 from rlft.trainer.rollout.engine import Completion, SamplingParams
 
 
@@ -20,9 +19,7 @@ class TransformersEngine:
         self.pad_id = pad_id
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long)
         self.policy_version = 0
-        # transformers renamed `past_key_values` to `cache` during 5.x; accept either.
-        parameters = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_arg = cache_argument(model)
 
     def set_policy_version(self, version: int) -> None:
         """The model is shared with the trainer: its weights are always the latest ones."""
