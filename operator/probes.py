@@ -27,8 +27,10 @@ Rollout pods and Ray heads (which serve the rollout protocol; Ray workers serve 
   weights. Not `/healthz` for startup: a job whose model the trainer builds has no
   weights before the trainer's first publication, after its warm start;
 - a liveness probe on `/livez` (503 once requests fail in the engine again and again: a
-  dead vLLM engine, a GPU in an error state, behind an HTTP server that still answers):
-  the container is killed, the pod fails, and the operator replaces it.
+  dead vLLM engine, a GPU in an error state, behind an HTTP server that still answers;
+  or once one generate call has been in the engine for twice
+  `spec.rollout.requestTimeoutSeconds`: a hung one): the container is killed, the pod
+  fails, and the operator replaces it.
 
 With `restartPolicy: Never` the kubelet does not restart a killed container: the pod
 ends Failed and the operator's failure policy decides (a trainer's verdict says

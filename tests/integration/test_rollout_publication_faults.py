@@ -3,14 +3,18 @@ HTTP: a load refused for a while (the publication is retried, its store copy wri
 once), a publisher thread that fails outside a publication (the trainer hears of it), an
 instance whose load failed part-way before the first publication (it gets no requests),
 a caller that gave up on its request (no error counted), and a caller without the token
-sending a large body (not held in memory)."""
+sending a large body (not held in memory), an engine hung in a generate call (its
+liveness probe fails)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 import tracemalloc
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +171,69 @@ def test_a_large_body_without_the_token_is_not_held_in_memory() -> None:
         server.stop()
     assert reply.split(b" ")[1] == b"401", reply[:80]
     assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB traced at the peak"
+
+
+def test_a_hung_engine_fails_the_liveness_probe_and_is_live_again_once_it_returns(
+    tmp_path: Path,
+) -> None:
+    """A generate call that never returns failed nothing, so /livez stayed 200 and
+    /healthz ok: the pod was never replaced, and every request and load sent to it
+    waited out the trainer's timeout. Past the stall limit both answer 503."""
+    model, tokenizer = tiny_model()
+    uri = publish(store_at(tmp_path), model, 0)
+    server = ThreadServer()
+    server.server.stall_s = 0.5
+    http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+    engine = server.server.host.engine
+    real, release = engine.generate, threading.Event()
+
+    def hangs(*args: Any, **kwargs: Any) -> Any:  # fault injection: a wedged engine
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    engine.generate = hangs
+    request = GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id])
+    caller = threading.Thread(
+        target=lambda: http_json(f"{server.url}/generate", request.to_json(), 60), daemon=True
+    )
+    try:
+        assert _status(f"{server.url}/livez") == (200, None)
+        caller.start()
+        time.sleep(1.0)
+        code, reason = _status(f"{server.url}/livez")
+        assert code == 503 and "one generate call has been in the engine" in reason
+        assert _status(f"{server.url}/healthz")[0] == 503
+        release.set()
+        caller.join(30)
+        assert _status(f"{server.url}/livez") == (200, None)
+        assert _status(f"{server.url}/healthz")[0] == 200
+    finally:
+        release.set()
+        server.stop()
+
+
+def _status(url: str) -> tuple[int, str | None]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read()).get("reason")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()).get("reason")
+
+
+def test_the_stall_limit_is_twice_the_jobs_request_timeout_unless_given() -> None:
+    from argparse import Namespace
+
+    from tiny_jobs import arithmetic_rl_spec
+
+    from rlft.trainer.config import RLFineTune
+    from rlft.trainer.rollout.server import stall_seconds
+
+    spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4}, steps=2)
+    spec.setdefault("rollout", {})["requestTimeoutSeconds"] = 45
+    job = RLFineTune.model_validate(
+        {"apiVersion": "rlft.dev/v1alpha1", "kind": "RLFineTune", "metadata": {"name": "j"},
+         "spec": spec}
+    )  # fmt: skip
+    assert stall_seconds(Namespace(stall_seconds=None), job) == 90
+    assert stall_seconds(Namespace(stall_seconds=7.0), job) == 7
+    assert stall_seconds(Namespace(stall_seconds=None), None) == 0

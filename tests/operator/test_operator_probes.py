@@ -86,8 +86,9 @@ def test_rollout_pods_start_within_their_startup_timeout_and_are_ready_with_weig
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
     assert startup["periodSeconds"] * (startup["failureThreshold"] - 1) < 3600
     assert ready["periodSeconds"] == 5 and ready["failureThreshold"] == 3
-    # Liveness: /livez, which a broken engine fails (a busy one still answers: a hung
-    # engine's requests are re-issued elsewhere, not the pod killed for them).
+    # Liveness: /livez, which a broken engine fails, and a hung one: a generate call in
+    # it for twice requestTimeoutSeconds, which the trainer gave up on twice (a busy one
+    # still answers; test_rollout_publication_faults.py has both).
     alive = main["livenessProbe"]
     assert alive["httpGet"] == {"path": "/livez", "port": port, "scheme": "HTTP"}
     assert alive["failureThreshold"] == 3 and alive["periodSeconds"] == 10

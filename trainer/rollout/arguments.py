@@ -25,5 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ray-timeout", type=float, default=600.0, help="seconds to wait for the Ray nodes"
     )
     parser.add_argument("--weights-uri", help="publication location to catch up from")
+    parser.add_argument(
+        "--stall-seconds",
+        type=float,
+        help="a generate call in the engine this long makes /livez 503 (0: never; default "
+        "twice the job's spec.rollout.requestTimeoutSeconds, 0 without a job)",
+    )
     add_storage_options(parser)  # how to reach an s3:// one without a job file
     parser.add_argument("--ready-file", help="write {port, pid} here once listening")

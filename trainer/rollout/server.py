@@ -10,8 +10,9 @@ Start-up: the engine is built from the newest version under the publication loca
 until then `/healthz` answers 503 (a rollout pod's readiness). `/livez` answers 200 as
 soon as the server serves, weights or not (its startup probe: a job whose model is built
 by the trainer has no weights until the trainer's first publication, after its warm
-start), and 503 once ENGINE_FAILURES requests in a row failed in the engine (its liveness
-probe: a dead engine behind a live HTTP server was never replaced). A request refused for
+start), and 503 once ENGINE_FAILURES requests in a row failed in the engine, or one
+generate call has been in it for `--stall-seconds` (its liveness probe: a dead or hung
+engine behind a live HTTP server was never replaced). A request refused for
 its own content (a prompt longer than the model's context, a temperature that overflows
 the logits, a ValueError the engine raises) is answered 400 and is no engine failure: the
 trainer re-sends it nowhere, and one bad request does not get every instance restarted.
@@ -93,6 +94,8 @@ class EngineHost:
         """Why the engine is past recovery in this process (ENGINE_FAILURES requests in a
         row failed in it: a dead vLLM engine, a GPU in an error state): /livez says so,
         and the pod's liveness probe has it replaced."""
+        self._generating_since: float | None = None
+        """When the generate call in the engine began (None: none is)."""
 
     @contextlib.contextmanager
     def _use(self, writer: bool) -> Iterator[None]:
@@ -119,6 +122,15 @@ class EngineHost:
             return None
         return self.engine.policy_version
 
+    def stuck(self, limit_s: float) -> str | None:
+        """Why the engine counts as wedged: one generate call in it for over `limit_s`
+        (0: never). A hung engine failed nothing, so `broken` never said so, and each
+        request and load sent to it waited out the trainer's timeout."""
+        since = self._generating_since
+        if not limit_s or since is None or time.monotonic() - since <= limit_s:
+            return None
+        return f"one generate call has been in the engine for over {limit_s:.0f} s"
+
     def generate(self, request: GenerateRequest) -> dict[str, Any]:
         started = time.perf_counter()
         with self._use(writer=False):
@@ -126,6 +138,7 @@ class EngineHost:
                 raise RuntimeError("no weights loaded yet")
             if self.damaged:
                 raise RuntimeError(self.damaged)
+            self._generating_since = time.monotonic()
             try:
                 completions = self.engine.generate(
                     request.prompts, request.n, request.sampling, request.seed, request.stop_ids
@@ -140,6 +153,8 @@ class EngineHost:
                         f"last with {type(error).__name__}: {error}"
                     )[:1000]
                 raise
+            finally:
+                self._generating_since = None
             self.failed_in_a_row, self.broken = 0, None
             version = self.engine.policy_version
         seconds = time.perf_counter() - started
@@ -338,6 +353,10 @@ class _Handler(BaseHTTPRequestHandler):
                 "engine": self.server.kind,
                 "server_id": self.server.server_id,
             }
+            stuck = host.stuck(self.server.stall_s)
+            if stuck:  # not ready: requests and loads would wait behind the stuck call
+                self._reply(503, body | {"ok": False, "reason": stuck})
+                return
             if host.damaged:
                 # Still ready: the trainer's next publication must reach it (it sends
                 # to instances that answer), and version None keeps requests away.
@@ -348,8 +367,9 @@ class _Handler(BaseHTTPRequestHandler):
                 body["reason"] = "no weights loaded yet"
             self._reply(200 if version is not None else 503, body)
         elif self.path == "/livez":
-            if host.broken:
-                self._reply(503, {"ok": False, "engine": self.server.kind, "reason": host.broken})
+            reason = host.broken or host.stuck(self.server.stall_s)
+            if reason:
+                self._reply(503, {"ok": False, "engine": self.server.kind, "reason": reason})
             else:
                 self._reply(200, {"ok": True, "engine": self.server.kind})
         elif self.path == "/metrics":
@@ -431,6 +451,9 @@ class RolloutHTTPServer(HTTPServer):
         restarted in its pod) has a new one, and is not in the trainer's broadcast group."""
         self.handler_timeout_s = HANDLER_TIMEOUT_S
         """Read by each connection's handler as it starts (a test shortens it)."""
+        self.stall_s = 0.0
+        """A generate call in the engine longer than this is a wedged engine: /livez and
+        /healthz answer 503 (0: never; see `stall_seconds`)."""
 
 
 def start_server(
@@ -466,6 +489,15 @@ def open_api_warning(host: str, token: str | None) -> str | None:
         f"rlft rollout: warning: {TOKEN_ENV} is not set, so POST /generate and POST "
         f"/weights answer anyone who can reach {host}"
     )
+
+
+def stall_seconds(args: argparse.Namespace, job) -> float:
+    """--stall-seconds, else twice the job's spec.rollout.requestTimeoutSeconds: by then
+    the trainer gave up on the call and re-issued it elsewhere, twice. 0 without a job
+    (local servers: no kubelet acts on /livez)."""
+    if args.stall_seconds is not None:
+        return args.stall_seconds
+    return 2 * job.spec.rollout.request_timeout_seconds if job is not None else 0.0
 
 
 def _initial_weights(args: argparse.Namespace, job, s3: S3Options) -> WeightsRequest | Path | None:
@@ -522,6 +554,7 @@ def run(args: argparse.Namespace) -> int:
     server = start_server(
         kind, args.host, args.port, args.tensor_parallel, args.expert_parallel, token, s3
     )
+    server.stall_s = stall_seconds(args, job)
     initial = _initial_weights(args, job, s3)
     if isinstance(initial, Path):
         server.host.load_model(initial)
