@@ -124,18 +124,25 @@ def test_a_checkpoint_from_before_segments_is_restored_and_uploaded_whole_next(t
     assert store.get_bytes(segment["key"]).decode().splitlines() == [*old, '{"step": 3}']
 
 
+def _train(tmp_path: Path, monkeypatch, steps: int, checkpoint: dict) -> None:
+    """`rlft train` of a GRPO job of `steps` with `spec.checkpoint` = `checkpoint`."""
+    from rlft.trainer.cli.main import main
+
+    spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4}, steps=steps)
+    spec["checkpoint"] = checkpoint
+    write_parity_job(tmp_path, spec)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "job.yaml", "--out", "out"]) == 0
+
+
 def test_a_long_runs_checkpoints_stay_the_same_size(tmp_path, monkeypatch, capsys):
     """A real run, a checkpoint every 2 steps: the last checkpoint's extra.json is as
     small as the first's (the whole history used to grow in each), and a run resumed
     from it in a new folder has every line of the file."""
     from rlft.trainer.cli.main import main
 
-    spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4}, steps=16)
-    spec["checkpoint"] = {"intervalSteps": 2, "keepLast": 8}
-    write_parity_job(tmp_path, spec)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    assert main(["train", "job.yaml", "--out", "out"]) == 0
+    _train(tmp_path, monkeypatch, steps=16, checkpoint={"intervalSteps": 2, "keepLast": 8})
     folders = sorted((tmp_path / "out" / "checkpoints").glob("step-*"))
     sizes = [len((folder / "extra.json").read_bytes()) for folder in folders]
     grown = (tmp_path / "out" / "metrics.jsonl").stat().st_size
@@ -276,15 +283,9 @@ def test_a_run_that_prunes_its_checkpoints_keeps_only_the_segments_they_list(tmp
     trainer delete every segment no retained checkpoint lists, and the last checkpoint
     still restores the whole file."""
     from rlft.trainer.checkpoint import history
-    from rlft.trainer.cli.main import main
 
     monkeypatch.setattr(history, "FANOUT", 4)
-    spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4}, steps=20)
-    spec["checkpoint"] = {"intervalSteps": 1, "keepLast": 2}
-    write_parity_job(tmp_path, spec)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    assert main(["train", "job.yaml", "--out", "out"]) == 0
+    _train(tmp_path, monkeypatch, steps=20, checkpoint={"intervalSteps": 1, "keepLast": 2})
     sys.modules.pop("parity_reward", None)
     store = FileStorage(tmp_path / "out" / "checkpoints")
     extras = {
