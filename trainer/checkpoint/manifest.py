@@ -5,7 +5,7 @@ Layout under the checkpoint URI (docs/architecture.md, "Contracts"):
     step-000120/               one folder per checkpoint
         .metadata, __0_0.distcp, __1_0.distcp, …   DCP shards (each rank writes its own)
         extra.json             the caller's state (step, cursors, schedules, job config…)
-        rng.json               RNG states of every rank
+        ranks.json             every rank's RNG states and rank_state
         hf/config.json, hf/tokenizer.json, …       what `rlft export` needs
         manifest.json          written LAST: the commit
     latest                     names the newest committed folder (moves after a commit)
@@ -30,7 +30,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 EXTRA = "extra.json"
-RNG = "rng.json"
 HF_DIR = "hf"
 OUTPUTS = "outputs"
 """Beside the step folders: a finished run's final model, metrics.jsonl and summary.json."""

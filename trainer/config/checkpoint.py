@@ -16,7 +16,8 @@ class CheckpointSpec(Section):
     """Sharded checkpoints in object storage."""
 
     uri: str | None = None
-    """`s3://bucket/prefix` or `file:///path`; locally defaults to the output folder."""
+    """`s3://bucket/prefix` or `file:///path`; locally defaults to the output folder's
+    `checkpoints/`."""
     interval_steps: int = Field(50, ge=1, le=1_000_000)
     """Checkpoint every N optimizer steps."""
     interval_minutes: float = Field(30.0, gt=0, le=10080)

@@ -1,7 +1,8 @@
 """The configuration reference, generated from the job file's pydantic models.
 
-`python -m rlft.trainer.config.docs > docs/configuration.md`; a test fails when the file
-is stale, so the reference can never drift from the code.
+`.venv/bin/python -m rlft.trainer.config.docs > docs/configuration.md` (it prints the
+reference); a test fails when the file is stale, so the reference can never drift from the
+code.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from rlft.trainer.config import RLFineTuneSpec, Section
 
 HEADER = """# Configuration reference
 
-Generated from `rlft.trainer.config` by `python -m rlft.trainer.config.docs`; do not edit.
+Generated from `rlft.trainer.config` by
+`.venv/bin/python -m rlft.trainer.config.docs > docs/configuration.md`; do not edit.
 Every field of an `RLFineTune` manifest's `spec`, with its type, default and bounds.
 Fields marked *(Kubernetes only)* are part of the job file but ignored by `rlft train`.
 """

@@ -61,11 +61,13 @@ SchedulerName = Annotated[
 
 
 class GangSpec(Section):
-    """Gang scheduling and queueing of the job's pods (Kubernetes only): with `kueue`,
-    `volcano` or `coscheduling` the trainer gang (`replicas.min` pods) is admitted and
-    placed whole or not at all, so two jobs that cannot both fit never hold part of each
-    other's capacity. The cluster must run the chosen system, and the operator needs
-    the chart's `rbac.gangScheduling` for the PodGroups of `volcano` and `coscheduling`."""
+    """Gang scheduling and queueing of the job's pods (Kubernetes only), so that two jobs
+    that cannot both fit do not each hold part of the other's capacity. With `volcano` or
+    `coscheduling` the job's minimum, `replicas.min` trainer pods and every rollout pod, is
+    placed whole or not at all; with `kueue` each trainer gang attempt, `replicas.max`
+    trainer pods, is admitted whole, and each rollout pod on its own (`kind` says more).
+    The cluster must run the chosen system, and the operator needs the chart's
+    `rbac.gangScheduling` for the PodGroups of `volcano` and `coscheduling`."""
 
     kind: GangKind = "none"
     """`none`: each pod is scheduled on its own by the cluster's scheduler. `kueue`: the

@@ -64,4 +64,5 @@ class SchedulingSpec(Section):
     grace (its kubelet gone) is then force-deleted so its slot can be filled."""
     gang: GangSpec = GangSpec()
     """Gang scheduling and queueing: Kueue, Volcano or scheduler-plugins' coscheduling
-    admit and place the trainer gang whole or not at all (default: none)."""
+    admit or place a group of the job's pods whole or not at all (which pods: `gang.kind`;
+    default: none)."""
