@@ -123,7 +123,7 @@ def test_max_steps_caps_the_run_and_existing_output_is_kept(tmp_path: Path, caps
     args = ["train", str(job), "--out", str(out), "--max-steps", "3"]
     assert main([*args, "--resume", "never"]) == 2
     error = capsys.readouterr().err  # it has checkpoints: said was "no checkpoint to resume"
-    assert "already holds a run" in error and "does not resume (--resume never)" in error
+    assert "already holds a run" in error and "does not resume (resume: never)" in error
     assert (out / "metrics.jsonl").read_text() == first
     # ...by default it continues from the last checkpoint...
     assert main(args) == 0

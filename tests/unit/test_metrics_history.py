@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
 
-from rlft.trainer.checkpoint.history import FANOUT, SEGMENTS, MetricsHistory, merge_plan
+from rlft.trainer.checkpoint.history import (
+    FANOUT,
+    MAX_DELETES,
+    SEGMENTS,
+    MetricsHistory,
+    merge_plan,
+)
 from rlft.trainer.storage.backends import FileStorage
 from rlft.trainer.storage.errors import StorageError
 
@@ -199,6 +205,25 @@ def test_no_merge_makes_a_segment_larger_than_the_limit():
     assert merge_plan([1] * 16, [10] * 16, max_bytes=160) == [(0, 16)]
 
 
+def test_a_long_list_from_before_compaction_is_merged_over_several_saves():
+    """1,000 one-save segments of 100 KB (a list from before compaction): one save used to
+    read and upload nearly the whole history at once; now each uploads at most the limit,
+    and the list is compacted over the saves that follow."""
+    segments = [(1, 100_000)] * 1000
+    limit = 2_000_000
+    for _ in range(200):
+        segments.append((1, 100))  # each save's new lines
+        plan = merge_plan([s for s, _ in segments], [b for _, b in segments], max_bytes=limit)
+        runs = [segments[start:end] for start, end in plan]
+        assert sum(sum(b for _, b in run) for run in runs if len(run) > 1) <= limit
+        segments = [(sum(s for s, _ in run), sum(b for _, b in run)) for run in runs]
+    # Merged 16 at a time, one window a save (the limit allows one); fewer than 16 of the
+    # old segments are left alone, and no merge made a segment over the limit.
+    assert sum(s for s, _ in segments) == 1200 and len(segments) < 100
+    assert sum(1 for s, b in segments if (s, b) == (1, 100_000)) < 16
+    assert max(b for _, b in segments) <= limit
+
+
 def _saved_folder(store: FileStorage, step: int, extra: dict) -> None:
     store.put_bytes(f"step-{step:06d}/extra.json", json.dumps(extra).encode())
 
@@ -253,6 +278,18 @@ def test_the_collector_spares_what_a_save_may_still_list(tmp_path, store):
     kept = {i.key for i in store.list("metrics/")}
     assert {s["key"] for s in first[SEGMENTS] + pending[SEGMENTS]} <= kept
     assert {"metrics/step-000009-0000abcd.jsonl", "metrics/notes.txt"} <= kept
+
+
+def test_the_collector_deletes_a_bounded_number_at_a_time(tmp_path, store):
+    """It runs in the commit's path: a run from before compaction leaves one segment per
+    save to delete once its last checkpoints go, spread over the commits that follow."""
+    orphans = [f"metrics/step-{i:06d}-{i:08x}.jsonl" for i in range(MAX_DELETES + 6)]
+    for key in orphans:
+        store.put_bytes(key, b"old\n")
+    history = MetricsHistory(store, tmp_path / "metrics.jsonl")
+    assert len(history.collect(10**6)) == MAX_DELETES
+    assert history.collect(10**6) == orphans[MAX_DELETES:]
+    assert not store.list("metrics/")
 
 
 def test_a_list_from_before_compaction_is_merged_at_the_next_save(tmp_path, store):

@@ -49,6 +49,10 @@ FANOUT = 16
 """Segments covering alike many saves that are merged into one."""
 MAX_SEGMENT_BYTES = 64 << 20
 """No merge makes a segment larger (a save holds it in memory to upload it)."""
+MAX_DELETES = 64
+"""Segments one `collect` deletes at most: it runs on the saver's thread before the
+commit's verdict reaches the ranks, and the one after retention first deletes the
+segments of a run from before compaction (one per save) is spread over later commits."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ class MetricsHistory:
         saver's thread); the keys deleted. Failures are logged, not raised: what stays
         is deleted after a later commit."""
         try:
-            unlisted = unlisted_segments(self.storage, self.in_use(), newest)
+            unlisted = unlisted_segments(self.storage, self.in_use(), newest)[:MAX_DELETES]
             for key in unlisted:
                 self.storage.delete_prefix(key)
         except StorageError as error:
@@ -195,16 +199,27 @@ def merge_plan(
 ) -> list[tuple[int, int]]:
     """The list's segments grouped into consecutive [start, end) runs, each to become
     one segment: FANOUT neighbours of one level (saves covered, in powers of FANOUT)
-    merge, newest first, again until none do, unless the merge would pass `max_bytes`."""
+    merge, newest first, again until none do. No merge passes `max_bytes`, nor makes the
+    merged runs pass it together: a save uploads them, and a long list from before
+    compaction is merged over several saves, not read and uploaded whole at one."""
     runs = [(s, b, i, i + 1) for i, (s, b) in enumerate(zip(saves, sizes, strict=True))]
+
+    def merged_bytes() -> int:
+        return sum(r[1] for r in runs if r[3] - r[2] > 1)
+
     merged = True
     while merged:
         merged = False
         for end in range(len(runs), FANOUT - 1, -1):
             window = runs[end - FANOUT : end]
-            if len({_level(r[0]) for r in window}) > 1 or sum(r[1] for r in window) > max_bytes:
-                continue
             total = (sum(r[0] for r in window), sum(r[1] for r in window))
+            already = sum(r[1] for r in window if r[3] - r[2] > 1)
+            if (
+                len({_level(r[0]) for r in window}) > 1
+                or total[1] > max_bytes
+                or merged_bytes() - already + total[1] > max_bytes
+            ):
+                continue
             runs[end - FANOUT : end] = [(*total, window[0][2], window[-1][3])]
             merged = True
             break

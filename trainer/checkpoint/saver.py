@@ -504,7 +504,8 @@ class Checkpointer:
         deleted = self.catalog.prune(self.keep_last)
         if deleted:
             log.info("checkpoint retention deleted steps %s", sorted(deleted))
-            self._emit("pruned", step=job.step, steps=sorted(deleted))
+            if not job.emergency:  # the grace period is for the emergency save alone
+                self._emit("pruned", step=job.step, steps=sorted(deleted))
         return True
 
     def _remove_uncommitted(self, job: _Job) -> None:

@@ -31,7 +31,9 @@ class CheckpointSpec(Section):
     credentials_dir: str | None = Field(None, min_length=1, max_length=4096)
     """Folder holding the object store's credentials as files named AWS_ACCESS_KEY_ID and
     AWS_SECRET_ACCESS_KEY (and optionally AWS_SESSION_TOKEN), e.g. a mounted Secret.
-    Unset: the standard AWS environment variables and config files."""
+    Rollout pods read published weights from the store with it too: on Kubernetes mount
+    it in `spec.rollout.pod` as in `spec.trainer.pod`. Unset: the standard AWS environment
+    variables and config files."""
     endpoint_url: str | None = Field(None, pattern=r"^https?://[^\s/@]+(/\S*)?$", max_length=2048)
     """Endpoint of an S3-compatible store (SeaweedFS, MinIO, Ceph…), e.g.
     `http://seaweedfs.storage:8333`. Unset: AWS S3 (or AWS_ENDPOINT_URL)."""

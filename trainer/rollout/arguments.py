@@ -7,6 +7,13 @@ import argparse
 from rlft.trainer.checkpoint.commands import add_storage_options
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text}: give seconds, 0 or more")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", nargs="?", help="RLFineTune manifest (YAML); optional locally")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
@@ -27,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-uri", help="publication location to catch up from")
     parser.add_argument(
         "--stall-seconds",
-        type=float,
+        type=_seconds,
         help="a generate call in the engine this long makes /livez 503 (0: never; default "
         "twice the job's spec.rollout.requestTimeoutSeconds, 0 without a job)",
     )

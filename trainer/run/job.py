@@ -90,7 +90,7 @@ def prepare_output(out: Path, overwrite: bool, never: bool = False) -> None:
     checkpoints to resume from: the error says how)."""
     existing = existing_run_files(out)
     if existing and not overwrite:
-        why = "this run does not resume (--resume never)" if never else "no checkpoint to resume"
+        why = "this run does not resume (resume: never)" if never else "no checkpoint to resume"
         raise OutputExistsError(
             f"{out} already holds a run ({', '.join(existing)}) and {why}; choose another "
             f"--out or pass --overwrite to replace it{' (or resume it)' if never else ''}"

@@ -256,10 +256,12 @@ class RolloutSource(_Source):
 
     def describe(self, record: dict[str, Any]) -> str:
         nan = float("nan")
+        accuracy = record.get("train_accuracy", nan)
         return (
             f"reward {record.get('reward_mean', nan):.3f} "
-            f"acc {record.get('train_accuracy', nan):.2f} "
-            f"loss {record.get('loss', nan):+.4f} "
+            # A job whose rewards hold no exact_match term has no accuracy to show.
+            + ("" if math.isnan(accuracy) else f"acc {accuracy:.2f} ")
+            + f"loss {record.get('loss', nan):+.4f} "
             f"gnorm {record.get('grad_norm', nan):.3f}"
         )
 
