@@ -93,3 +93,25 @@ def test_the_trainer_waits_for_operator_rollout_pods_as_long_as_they_may_take() 
     assert session.pods_start_within(slow) == 3300
     quick = job({"startupTimeoutSeconds": 10, "requestTimeoutSeconds": 900}, {})
     assert session.pods_start_within(quick) == 900
+
+
+def test_a_requests_deadline_allows_a_reissue_within_the_trainers_stall_timeout() -> None:
+    """Twice the request timeout (equal, a request timed out on a stalled instance was
+    never re-issued), but under the stall timeout: rank 0 waiting on a hung request shows
+    no progress, and the liveness probe would end the run before the client named why."""
+    from tiny_jobs import TINY_MODEL, manifest
+
+    from rlft.trainer.config import parse_job
+
+    def job(request_s: int, stall_s: int):
+        spec = {
+            "model": TINY_MODEL,
+            "rollout": {"requestTimeoutSeconds": request_s},
+            "trainer": {"stallTimeoutSeconds": stall_s},
+        }
+        return parse_job(manifest(spec))
+
+    assert session.request_deadline(job(600, 1800)) == 1200
+    assert session.request_deadline(job(1000, 1800)) == 1620  # 0.9 of the stall timeout
+    assert session.request_deadline(job(1000, 0)) == 2000  # no stall timeout
+    assert session.request_deadline(job(600, 300)) == 600  # one attempt at least

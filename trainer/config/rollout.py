@@ -74,7 +74,8 @@ class RolloutSpec(Section):
 
     request_timeout_seconds: float = Field(600.0, gt=0, le=86_400)
     """A generate request unanswered for this long is re-issued to another instance; one
-    that no instance answered within twice this long ends the run."""
+    that no instance answered within twice this long (but within 0.9 ×
+    spec.trainer.stallTimeoutSeconds, when set) ends the run, naming the instances."""
     request_prompts: int = Field(0, ge=0, le=65_536)
     """Prompts per generate request (0: the step's prompts split evenly over
     `instances`, whether or not all are up, so the samples do not depend on it); smaller

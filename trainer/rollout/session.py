@@ -93,6 +93,17 @@ def pods_start_within(job: RLFineTune) -> float:
     return float(max(rollout.request_timeout_seconds, placed_and_started))
 
 
+def request_deadline(job: RLFineTune) -> float:
+    """How long a generate request's attempts may take together: twice
+    requestTimeoutSeconds (one re-issue after a time-out), but within the trainer's stall
+    timeout, where there is one: rank 0 waiting on a request that hangs shows no progress,
+    and a longer deadline was judged a stall before it could name the instances."""
+    timeout = job.spec.rollout.request_timeout_seconds
+    stall = job.spec.trainer.stall_timeout_seconds
+    deadline = 2 * timeout
+    return min(deadline, max(timeout, 0.9 * stall)) if stall else deadline
+
+
 def operator_instances() -> list[str]:
     """The rollout instances the operator created for this job (none when run locally)."""
     return [u.strip() for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
@@ -184,7 +195,9 @@ class RolloutSession:
             )
         session = cls(None)  # type: ignore[arg-type]
         try:
-            session.client = RolloutClient(urls, rollout.request_timeout_seconds)
+            session.client = RolloutClient(
+                urls, rollout.request_timeout_seconds, request_deadline(job)
+            )
             session.client.wait_reachable(pods_start_within(job), log, stopping)
             store = WeightStore.at(rollout.weights_uri, s3=s3_options(job.spec.checkpoint))
             _go_on_after(_newest_published(store, session.client), cursor, log)
@@ -221,7 +234,10 @@ class RolloutSession:
         session = cls(None, servers=servers)  # type: ignore[arg-type]
         try:
             session.client = RolloutClient(
-                servers.start(), rollout.request_timeout_seconds, token=servers.token
+                servers.start(),
+                rollout.request_timeout_seconds,
+                request_deadline(job),
+                token=servers.token,
             )
             session.client.wait_ready(servers.startup_timeout_s, stopping)
             session._connect(job, producer, stop_ids, cursor, store)
