@@ -588,3 +588,26 @@ def test_latest_healthy_without_any_checkpoint_starts_the_job_again(tmp_path) ->
     named = start(tmp_path, "attempt", "--resume", "99")
     output = named.communicate(timeout=600)[0]
     assert named.returncode == 2 and "99" in output, output
+
+
+def test_a_checkpoint_saved_before_the_first_rl_update_resumes(tmp_path, monkeypatch) -> None:
+    """The warm start's last gradients stayed on the parameters when RL's fresh optimizer
+    came: a checkpoint saved before RL's first update (here its first step trains no
+    token: every 1-token completion is cut off and overlong filtering masks it) held an
+    optimizer without its moments, and the resume failed for good (exit 2, "another
+    model's checkpoint")."""
+    from rlft.trainer.cli.main import main
+
+    spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 4, "overlong": {"filter": True}})
+    spec["rollout"] = {"sampling": {"maxNewTokens": 1}}
+    spec["checkpoint"] = {"intervalSteps": 1}
+    write_parity_job(tmp_path, spec)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "job.yaml", "--out", "out", "--max-steps", "1"]) == 0
+    first = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["update_applied"] is False, first  # the premise: no update at step 1
+    assert main(["train", "job.yaml", "--out", "out", "--max-steps", "2"]) == 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert steps == [1, 2]
+    sys.modules.pop("parity_reward", None)

@@ -89,7 +89,12 @@ class Learner:
         self.critic_lr = lr
 
     def reset_optimizer(self, lr: float) -> None:
-        """A fresh optimizer (new phase, e.g. RL after the warm start)."""
+        """A fresh optimizer (new phase, e.g. RL after the warm start). The last phase's
+        gradients go with the old one: left on the parameters, a checkpoint saved before
+        the new phase's first backward (its first batches dropped, a SIGTERM at step 1)
+        held an optimizer without its moments (torch skips initialising its state where
+        a gradient exists), which no resume could load."""
+        self.models.policy.zero_grad(set_to_none=True)
         self.optimizer = self._adamw(self.models.policy, lr)
 
     def set_lr(self, lr: float, scale: float = 1.0) -> None:
