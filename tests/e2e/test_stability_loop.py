@@ -118,7 +118,7 @@ def test_planted_spike_is_skipped_and_prometheus_fires(tmp_path, prometheus) -> 
 @pytest.mark.parametrize("skip_window", [True, False], ids=["skip-window", "replay-window"])
 def test_persistent_blowup_is_rolled_back_and_the_run_finishes(tmp_path, skip_window) -> None:
     stability = {"skipDataWindow": skip_window}
-    write_job(tmp_path, 70, checkpoint={"intervalSteps": 5}, stability=stability)
+    write_job(tmp_path, 70, checkpoint={"intervalSteps": 5, "keepLast": 20}, stability=stability)
     run = start(tmp_path, [{"kind": "grad_scale", "from": 40, "to": 46, "factor": 100}])
     output = run.communicate(timeout=600)[0]
     assert run.returncode == 0, output
@@ -136,6 +136,10 @@ def test_persistent_blowup_is_rolled_back_and_the_run_finishes(tmp_path, skip_wi
     versions = [by_step[s]["policy_version"] for s in sorted(by_step)]
     assert versions == sorted(versions)
     assert by_step[rollback + 1]["lr"] < by_step[rollback - 1]["lr"]  # scaled down
+    # Saved at once (it waited for the next step due: a crash meanwhile undid it).
+    assert rollback % 5, rollback  # else the schedule saves it anyway
+    extra = tmp_path / "out" / "checkpoints" / f"step-{rollback:06d}" / "extra.json"
+    assert json.loads(extra.read_text())["guard"]["rollbacks"] == 1
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 70
     # The step after the rollback trains on what came after the restored checkpoint

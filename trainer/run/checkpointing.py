@@ -293,6 +293,10 @@ class Checkpointing:
         if replay_data:
             cursor.set_streams(resumed.extra["cursor"])
         self.supervisor.load_state_dict(resumed.extra.get("guard", {}), rollback=True)
+        # Saved at the end of this step, not at the next one due: until then the rollback
+        # (its weights, counter, learning-rate scale, the data past the bad window) lived
+        # in memory only, and a crash resumed the state it had escaped, uncounted.
+        self.checkpointer.policy.pending = True
         return target
 
     def _descend_from(self, step: int) -> None:
