@@ -237,9 +237,15 @@ def ask_restart(
     backoff: float,
 ) -> Budget:
     """May the job restart once more now? Never lets the window hold more than
-    max_restarts restarts."""
+    max_restarts restarts. No wait is longer than the window's share of one restart
+    beyond the budget: doubling from backoffSeconds, the waits alone outlasted the window
+    (defaults: 10 s doubled 9 times pass 60 minutes), so a job failing at once after
+    every start restarted for ever and never failed."""
     recent = in_window(history, now, window_minutes)
     if len(recent) + 1 > max_restarts:
         return Budget(allowed=False, history=recent, delay=0.0)
     recent = [*recent, now]
-    return Budget(allowed=True, history=recent, delay=backoff_seconds(backoff, len(recent)))
+    share = window_minutes * 60.0 / (max_restarts + 1)
+    return Budget(
+        allowed=True, history=recent, delay=min(backoff_seconds(backoff, len(recent)), share)
+    )

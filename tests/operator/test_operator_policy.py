@@ -222,6 +222,25 @@ def test_backoff_doubles_and_is_capped():
     assert P.backoff_seconds(10, 0) == 0  # no restart in the window yet: no delay
 
 
+@pytest.mark.parametrize("runs_for_s", [0, 30, 120])
+def test_a_crash_loop_under_the_default_policy_fails_the_job(runs_for_s: int) -> None:
+    """maxRestarts 10 in 60 minutes, backoff from 10 s: the doubling waits alone passed
+    the window before the 11th failure, so a job failing after every start was
+    restarted for ever (2,000 times in two weeks) and never failed."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    history: list[datetime] = []
+    failures = 0
+    while failures < 200:
+        failures += 1
+        budget = P.ask_restart(history, now, max_restarts=10, window_minutes=60, backoff=10)
+        if not budget.allowed:
+            break
+        history = budget.history
+        now += timedelta(seconds=budget.delay + runs_for_s)  # restarted, fails again
+    assert not budget.allowed and failures == 11, failures
+    assert now - datetime(2026, 1, 1, tzinfo=UTC) < timedelta(minutes=60)
+
+
 def test_restart_budget_is_per_window():
     history: list[datetime] = []
     for i in range(3):

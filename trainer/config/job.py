@@ -51,7 +51,9 @@ class RestartPolicy(Section):
     window_minutes: float = Field(60.0, gt=0, le=525600)
     """Sliding window in which restarts are counted."""
     backoff_seconds: float = Field(10.0, ge=0, le=86400)
-    """First restart delay; doubles with each further restart in the window."""
+    """First restart delay; doubles with each further restart in the window, up to
+    windowMinutes ÷ (maxRestarts + 1), so that a job failing at once after every start
+    still spends its budget within the window and fails."""
     count_disruptions: bool = False
     """Whether restarts after a disruption count against `maxRestarts`: a preemption
     (by the scheduler or by Kueue), an eviction through the Eviction API (a node drain)
