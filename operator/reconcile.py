@@ -277,6 +277,8 @@ class _Run(FailureResponses):
         # shape, and again each round. The new replicas apply with that edit.
         if st.gang_replicas in (None, shape) or not trainers or self.waiting:
             return
+        if self.run_ended_by_rank_0():  # finished or paused: nothing to restart for it
+            return
         self.event(
             "Normal",
             "Rescaling",

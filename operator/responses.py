@@ -273,11 +273,13 @@ class FailureResponses:
         still the cause the user must act on, so it becomes the last failure (the
         restart is counted once already) with one Event."""
         last = self.st.last_failure
+        if last is not None and last.reason == P.OOM:
+            # Named already. Two ranks OOM-killed together (they use memory alike) were
+            # named in turn, each reconcile the other one, with a Warning each time.
+            return
         seen = {p.uid: p for p in self.observed.oom_killed} | {p.uid: p for p in self.pods.values()}
         for pod in sorted(seen.values(), key=lambda p: p.name):
             if pod.uid not in self.handled or pod.terminated_reason != P.OOM:
-                continue
-            if last is not None and (last.reason, last.pod) == (P.OOM, pod.name):
                 continue
             message = (
                 f"pod {pod.name} was OOM-killed at its memory limit while the gang restarted "

@@ -1130,6 +1130,28 @@ def test_an_oom_kill_seen_only_in_a_gone_pods_final_status_still_names_the_cause
     _assert_the_oom_is_named_once(w)
 
 
+def test_two_ranks_oom_killed_together_name_one_cause_once():
+    """Both ranks OOM-killed (ranks use memory alike): each reconcile named the one that
+    was not the last failure, flipping between them with a Warning each time, and each
+    status write kicked the next reconcile at once, for as long as the pods remained."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 2}})
+    w.step()
+    w.run_all()
+    w.step()
+    names = ("tiny-grpo-trainer-0", "tiny-grpo-trainer-1")
+    uids = {name: w.pods[name].uid for name in names}
+    for name in names:
+        w.set(name, **OOM_KILLED)
+    w.step()
+    first, events = w.status.last_failure.pod, len(w.events)
+    for _ in range(4):  # still Terminating, both OOMKilled
+        for name in names:
+            w.pods[name] = view(name, uid=uids[name], deleting=True, **OOM_KILLED)
+        w.step()
+    assert (w.status.last_failure.reason, w.status.last_failure.pod) == (P.OOM, first)
+    assert len(w.events) == events and w.status.restarts == 1, w.events
+
+
 def _rdzv_ids(d: Decision) -> set[str]:
     commands = [m["spec"]["containers"][0]["command"] for m in d.create if m["kind"] == "Pod"]
     return {a for c in commands for a in c if a.startswith("--rdzv-id=")}

@@ -237,6 +237,26 @@ def test_replicas_edited_while_suspended_need_no_extra_restart():
     assert w.status.observed_generation == 3
 
 
+@pytest.mark.parametrize("ended", ["completed", "paused"])
+def test_a_replicas_edit_seen_with_rank_0_ended_restarts_nothing(ended):
+    """The edit and rank 0's end met in one reconcile (a leader failover): the rescale
+    deleted the gang, the completed pod too, and made it again (or turned the collapse
+    pause into a restart, never suspending the job)."""
+    from rlft.trainer.termination import Verdict
+
+    w = _running(trainer={"replicas": {"min": 1, "max": 2}})
+    verdict = Verdict(0, completed=ended == "completed", collapsed=ended == "paused", step=12)
+    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0, verdict=verdict)
+    w.set("tiny-grpo-trainer-1", phase="Succeeded", exit_code=0, verdict=Verdict(0, rank=1))
+    w.edit(trainer={"replicas": {"min": 1, "max": 3}})
+    d = w.step()
+    assert "tiny-grpo-trainer-0" not in d.delete_pods and "Rescaling" not in w.events
+    if ended == "completed":
+        assert w.status.phase == "Succeeded"
+    else:  # suspended: the operator asks for spec.suspend, restarting nothing
+        assert d.set_suspend and w.status.restarts == 0 and d.create == []
+
+
 def test_a_finished_job_never_applies_an_edit():
     w = _running()
     w.edit(**_trainer(steps=900))
