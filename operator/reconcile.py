@@ -399,7 +399,10 @@ class _Run(FailureResponses):
             self.terminal()
             return
         exited = [p for p in trainers if ended_cleanly(p)]
-        if exited and not any(p.active for p in trainers) and not self.trainer_being_deleted():
+        # A member still Pending (no node: an elastic gang above replicas.min) cannot
+        # carry the stopped run on, and waiting for it waited for capacity, for good.
+        holding = [p for p in trainers if p.active and p.phase != "Pending"]
+        if exited and not holding and not self.trainer_being_deleted():
             self.stopped_early(exited)
             return
         # A rank that exited 0 waits for rank 0 to finish publishing: still in the gang.

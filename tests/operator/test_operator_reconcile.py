@@ -1350,6 +1350,37 @@ def test_a_gang_whose_ranks_all_stopped_is_restarted_not_left_waiting():
     assert {"tiny-grpo-trainer-0", "tiny-grpo-trainer-1"} <= set(w.created[-2:])
 
 
+def test_an_elastic_gang_whose_ranks_stopped_is_restarted_though_a_member_has_no_node():
+    """replicas 2:3 and trainer-2 never placed (no capacity): the gang was judged only
+    once no trainer was active, and a Pending one is, so the stopped gang waited for
+    capacity, for good."""
+    w = _world(trainer={"replicas": {"min": 2, "max": 3}})
+    w.step()
+    w.run_all()
+    w.set("tiny-grpo-trainer-2", phase="Pending", pod_ip=None)
+    w.step()
+    for rank in (0, 1):
+        stopped = Verdict(ExitCode.OK, stopped=True, rank=rank, last_checkpoint=6)
+        w.set(f"tiny-grpo-trainer-{rank}", phase="Failed", exit_code=1, verdict=stopped)
+    d = w.step()
+    assert {"tiny-grpo-trainer-0", "tiny-grpo-trainer-1"} <= set(d.delete_pods), d.delete_pods
+    assert w.status.restarts == 1 and w.status.phase == "Restarting"
+
+
+def test_a_paused_run_is_suspended_though_a_member_has_no_node():
+    """replicas 1:2, trainer-1 never placed, trainer-0's guard paused the run: the job
+    showed Running ("training with 1 trainer pods") and kept its rollout pods for good."""
+    w = _world(trainer={"replicas": {"min": 1, "max": 2}})
+    w.step()
+    w.run_all()
+    w.set("tiny-grpo-trainer-1", phase="Pending", pod_ip=None)
+    w.step()
+    paused = Verdict(0, "collapse at step 9 (reward collapse); paused", collapsed=True)
+    w.set("tiny-grpo-trainer-0", phase="Succeeded", exit_code=0, verdict=paused)
+    d = w.step()
+    assert d.set_suspend and w.status.restarts == 0 and d.create == []
+
+
 def test_peers_stopped_by_a_preempted_rank_wait_for_its_end_and_are_not_counted():
     """The same stops, but the cluster is taking trainer-1 (preempted, still ending): its
     end explains them, a disruption not counted against restartPolicy."""
