@@ -56,13 +56,19 @@ class Decision:
 
 
 def invalid_spec(
-    status: Status, problems: list[str], now: datetime, pods: Sequence[PodView] = ()
+    status: Status,
+    problems: list[str],
+    now: datetime,
+    pods: Sequence[PodView] = (),
+    suspend: bool = False,
 ) -> Decision:
     """A custom resource the API server accepted but pydantic rejects (the CRD cannot say
     everything; a stricter operator after an upgrade): fail it once, naming every field,
     and free what its pods hold, as every failed job does. A finished job is left as it
     is (an edit never runs it again), and a suspended one stays suspended until the spec
-    is fixed: the edit is what is wrong, not the run its checkpoints hold."""
+    is fixed: the edit is what is wrong, not the run its checkpoints hold. So is one whose
+    `spec.suspend` the operator has not acted on yet (`suspend`): the user suspended it,
+    then made the edit that the CRD allows only while suspended."""
     st = status.model_copy(deep=True)
     failed_otherwise = st.phase == "Failed" and (
         st.last_failure is None or st.last_failure.reason != P.INVALID_CONFIG
@@ -71,7 +77,8 @@ def invalid_spec(
         return Decision(status=st)
     message = "invalid spec: " + "; ".join(problems)
     d = Decision(status=st, delete_pods=sorted(p.name for p in pods if p.active))
-    if st.phase == "Suspended":
+    if st.phase == "Suspended" or suspend:
+        st.phase = "Suspended"
         held = f"{message}; fix the spec before resuming"[:1024]
         if st.message != held:
             d.events.append(Event("Warning", "InvalidSpec", held))

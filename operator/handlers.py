@@ -402,7 +402,8 @@ async def _reconcile_once(key: Key, state: _JobState) -> str:
         if problems := spec_problems(job):
             raise JobFileError(f"{namespace}/{name}", problems)
     except JobFileError as error:
-        decision = invalid_spec(status, error.problems, now, pods)
+        suspend = bool((body.get("spec") or {}).get("suspend"))
+        decision = invalid_spec(status, error.problems, now, pods, suspend)
     else:
         observed = Observed(
             pods=pods,

@@ -207,6 +207,15 @@ def test_an_edit_the_operator_rejects_keeps_a_suspended_job_suspended():
     assert invalid_spec(d.status, PROBLEM, T0, []).events == []  # said once
 
 
+def test_an_edit_the_operator_rejects_before_it_saw_the_suspend_keeps_the_job():
+    """Suspended, then edited before the operator moved the phase: the phase alone said
+    Running, and the job failed for good instead of staying suspended."""
+    pod = _trainer(0, "n0", phase="Running")
+    d = invalid_spec(Status(phase="Running", step=120), PROBLEM, T0, [pod], suspend=True)
+    assert d.status.phase == "Suspended" and "before resuming" in d.status.message
+    assert d.status.last_failure is None and d.delete_pods == [pod.name]
+
+
 def test_an_edit_the_operator_rejects_leaves_a_finished_job_as_it_was():
     done = Status(phase="Succeeded", message="training finished")
     assert invalid_spec(done, PROBLEM, T0, []).status == done
