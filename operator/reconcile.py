@@ -236,12 +236,16 @@ class _Run(FailureResponses):
                 why = "permanent" if w.permanent else f"for {waited:.0f} s ≥ schedulingTimeout"
                 self.fail(w.kind, f"pod {w.pod} cannot start ({why}): {w.message}")
                 return
+            self.requeue(timeout - waited)
+            if self.cannot_start:
+                # The condition names one pod: each pod's in turn made every problem look
+                # new, and each reconcile posted a Warning per pod.
+                continue
             self.cannot_start = True
             before = next((c.reason for c in self.st.conditions if c.type == "Ready"), None)
             set_condition(self.st, "Ready", "False", w.kind, f"pod {w.pod}: {w.message}", self.now)
             if before != w.kind:  # one Event when the problem appears, not one per reconcile
                 self.event("Warning", w.kind, f"pod {w.pod} cannot start yet: {w.message}")
-            self.requeue(timeout - waited)
 
     def active_pods(self) -> bool:
         """A pod of the job that reads, or may yet read, its job file (not going away)."""

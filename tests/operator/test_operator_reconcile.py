@@ -696,6 +696,19 @@ def test_image_pull_warns_then_fails_after_the_timeout():
     assert w.status.phase == "Failed" and w.status.last_failure.reason == P.IMAGE_PULL
 
 
+def test_two_pods_that_cannot_start_for_different_reasons_warn_once_each():
+    """The Ready condition took each pod's reason in turn, so each reconcile found both
+    problems new: two Warnings every poll until the scheduling timeout."""
+    w = _world(scheduling={"schedulingTimeoutSeconds": 100})
+    w.step()
+    w.set("tiny-grpo-rollout-0", waiting="ImagePullBackOff")
+    w.set("tiny-grpo-trainer-0", waiting="CreateContainerConfigError")
+    for _ in range(4):
+        w.step()
+    assert w.events.count(P.IMAGE_PULL) + w.events.count(P.CONFIG_ERROR) == 1, w.events
+    assert w.status.phase != "Failed"
+
+
 def test_a_pod_being_deleted_that_cannot_pull_its_image_does_not_fail_the_job() -> None:
     """A wrong image fixed with a suspend and an edit: the old rollout pod (an invalid
     image name, a permanent problem) is still terminating when the job resumes. It is
