@@ -237,3 +237,17 @@ def test_the_stall_limit_is_twice_the_jobs_request_timeout_unless_given() -> Non
     assert stall_seconds(Namespace(stall_seconds=None), job) == 90
     assert stall_seconds(Namespace(stall_seconds=7.0), job) == 7
     assert stall_seconds(Namespace(stall_seconds=None), None) == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_stall_limit_below_zero_is_refused(value: str) -> None:
+    """A negative limit made every generate call count as stuck at once."""
+    import argparse
+
+    from rlft.trainer.rollout.arguments import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--stall-seconds", "2.5"]).stall_seconds == 2.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--stall-seconds", value])

@@ -16,3 +16,14 @@ def test_the_progress_line_says_why_an_update_was_skipped():
     record = {"loss": 2.0, "skip_reason": "skip"}
     assert _progress_line(phase, record) == "loss 2.0 (update skipped: skip)"
     assert _progress_line(phase, {"loss": 2.0}) == "loss 2.0"
+
+
+def test_an_rl_step_without_an_accuracy_shows_none():
+    """A job whose rewards hold no exact_match term has no train accuracy: the line said
+    `acc nan` on every step."""
+    from rlft.trainer.run.sources import RolloutSource
+
+    record = {"reward_mean": 0.5, "loss": 0.25, "grad_norm": 1.0}
+    assert RolloutSource().describe(record) == "reward 0.500 loss +0.2500 gnorm 1.000"
+    line = RolloutSource().describe(record | {"train_accuracy": 0.75})
+    assert line == "reward 0.500 acc 0.75 loss +0.2500 gnorm 1.000"
