@@ -49,6 +49,7 @@ def test_two_gangs_that_cannot_both_fit_run_one_after_the_other(cluster, seaweed
     gang_size = 2  # replicas.min = max = 2, no rollout pods
     cluster.apply(yaml.safe_dump_all([_gang_job(n, f"cluster-{n}") for n in names]))
     done: dict[str, float] = {}
+    attempts: dict[str, int] = {}
     first_bound: dict[str, float] = {}
     waited_as_a_gang: set[str] = set()
     placed: dict[str, tuple[str | None, str | None]] = {}
@@ -88,13 +89,19 @@ def test_two_gangs_that_cannot_both_fit_run_one_after_the_other(cluster, seaweed
                 status = job["status"]
                 assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
                 done[name] = now
+                attempts[name] = status.get("gangAttempt", 0)
         time.sleep(0.3)
     assert len(done) == len(names), f"not finished: {set(names) - set(done)}; {timeline}"
     first, second = sorted(names, key=lambda n: first_bound[n])
     # One job ran to Succeeded, then the other: none of the second's pods was placed
     # before the first had let go of the nodes, and it waited as a gang meanwhile.
     last_held = max(t for t, holding in timeline if holding[first])
-    assert first_bound[second] > last_held and done[first] < done[second], timeline
+    if not attempts[first]:
+        assert first_bound[second] > last_held and done[first] < done[second], timeline
+    # Else the first gang was restarted (here pods share the machine's ports, and a
+    # worker's rendezvous port can be taken by another process: EADDRINUSE) and let go
+    # of the nodes in its backoff; the second may then run between its attempts. What
+    # must hold is checked throughout: never both on the nodes.
     assert second in waited_as_a_gang, timeline
     for name in names:
         group = cluster.api.request("GET", f"{POD_GROUPS}/{name}-gang")
