@@ -216,8 +216,7 @@ def merge_plan(
             already = sum(r[1] for r in window if r[3] - r[2] > 1)
             if (
                 len({_level(r[0]) for r in window}) > 1
-                or total[1] > max_bytes
-                or merged_bytes() - already + total[1] > max_bytes
+                or merged_bytes() - already + total[1] > max_bytes  # this run's bytes too
             ):
                 continue
             runs[end - FANOUT : end] = [(*total, window[0][2], window[-1][3])]

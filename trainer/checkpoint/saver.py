@@ -207,6 +207,11 @@ class Checkpointer:
         """A checkpoint of this rank is still in flight."""
         return self._thread is not None and self._thread.is_alive()
 
+    def save_soon(self) -> None:
+        """Make a save due at the next `poll`, whatever the schedule says (call on every
+        rank alike: `poll` agrees on it with the others)."""
+        self.policy.pending = True
+
     def poll(self, step: int, stop_requested: bool = False) -> SaveDecision:
         """Call after every optimizer step, on every rank: whether to save now, and
         whether to stop. One tiny all-reduce, so every rank decides the same."""

@@ -296,7 +296,7 @@ class Checkpointing:
         # Saved at the end of this step, not at the next one due: until then the rollback
         # (its weights, counter, learning-rate scale, the data past the bad window) lived
         # in memory only, and a crash resumed the state it had escaped, uncounted.
-        self.checkpointer.policy.pending = True
+        self.checkpointer.save_soon()
         return target
 
     def _descend_from(self, step: int) -> None:
