@@ -62,15 +62,16 @@ def write_job(folder: Path, steps: int, **spec: dict) -> Path:
     return path
 
 
-def start(folder: Path, faults: list[dict]) -> subprocess.Popen:
+def start(folder: Path, faults: list[dict], *args: str, **env: str) -> subprocess.Popen:
     env = dict(
         os.environ,
         PYTHONPATH=str(folder),
         OMP_NUM_THREADS="1",
         RLFT_PLANT_FAULTS=json.dumps(faults),
+        **env,
     )
     return subprocess.Popen(
-        [sys.executable, "-m", "rlft.trainer.cli.main", "train", "job.yaml", "--out", "out"],
+        [sys.executable, "-m", "rlft.trainer.cli.main", "train", "job.yaml", "--out", "out", *args],
         cwd=folder,
         env=env,
         stdout=subprocess.PIPE,
@@ -188,3 +189,34 @@ def test_a_paused_run_run_again_goes_on_from_its_newest_healthy_checkpoint(tmp_p
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 12
     assert max(records(tmp_path)) == 12
+
+
+def test_a_run_paused_before_any_healthy_checkpoint_starts_again_from_the_beginning(
+    tmp_path,
+) -> None:
+    """A pause before the first healthy checkpoint: the only checkpoint to go on from was
+    the pause's, and resumed it paused again after one step, on every try. Run again
+    here, the run says so and leaves everything as it is (its folder holds results);
+    restarted as the operator restarts it, it starts from the beginning, the newest
+    healthy state, and finishes, and its commits abandon the paused checkpoint."""
+    write_job(tmp_path, 10, checkpoint={"intervalSteps": 100}, stability={"onCollapse": "suspend"})
+    run = start(tmp_path, [{"kind": "grad_scale", "from": 2, "to": 5, "factor": 1e40}])
+    output = run.communicate(timeout=600)[0]
+    assert run.returncode == 0 and "paused (a resume goes on from the newest" in output, output
+    paused_at = max(records(tmp_path))
+    checkpoints = tmp_path / "out" / "checkpoints"
+    assert (checkpoints / f"step-{paused_at:06d}" / "manifest.json").exists()
+    again = start(tmp_path, [])
+    output = again.communicate(timeout=600)[0]
+    assert again.returncode == 2, output
+    assert f"the only checkpoint to go on from is step {paused_at}'s" in output, output
+    assert (checkpoints / f"step-{paused_at:06d}" / "manifest.json").exists()
+    restart = start(tmp_path, [], "--resume", "latest-healthy", RLFT_JOB_UID="uid-1")
+    output = restart.communicate(timeout=600)[0]
+    assert restart.returncode == 0, output
+    assert f"the newest one, step {paused_at}, is the one the collapse guard's" in output
+    assert "collapse at step" not in output, output
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 10
+    assert min(records(tmp_path)) == 1  # the folder's metrics are this run's alone
+    kept = sorted(p.name for p in checkpoints.glob("step-*"))
+    assert kept == ["step-000010"], kept

@@ -5,6 +5,9 @@ newer rlft's checkpoint. No model is saved: the rules, not the bytes, are under 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -95,3 +98,25 @@ def test_the_catalog_lists_its_step_folders_not_the_history_and_outputs_beside_t
     assert sorted(catalog.scan().manifests) == [2, 4]
     assert catalog.prune(keep_last=1) == {2}
     assert listed and all(prefix.startswith("step-") for prefix in listed), listed
+
+
+def test_the_listing_marks_the_steps_off_the_timeline_and_retention_deletes_them(
+    tmp_path: Path,
+) -> None:
+    """An earlier run's 55 and 70 after `--resume 50` committed 60 (its parent 50):
+    `rlft checkpoints list` says they are abandoned, and the next retention deletes them
+    (70 is above `latest`; 55 is between 60 and its parent)."""
+    uri = f"file://{tmp_path}/ckpts"
+    catalog = Catalog(open_storage(uri))
+    for step, parent in ((40, None), (50, 40), (55, 50), (70, 55), (60, 50)):
+        catalog.commit(replace(_manifest(step), parent=parent))
+    listing = subprocess.run(
+        [sys.executable, "-m", "rlft.trainer.cli.main", "checkpoints", "list", uri],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    notes = {int(line.split()[0]): line.split()[5:] for line in listing.splitlines()[1:]}
+    assert notes == {40: [], 50: [], 55: ["abandoned"], 60: ["latest"], 70: ["abandoned"]}
+    assert catalog.prune(keep_last=3) == {55, 70}
+    assert _steps(catalog) == {40, 50, 60}

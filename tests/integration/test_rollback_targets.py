@@ -15,6 +15,8 @@ from checkpoint_fixtures import corrupt
 from tiny_jobs import TINY_MODEL, manifest
 
 from rlft.trainer.checkpoint import NoCheckpointError
+from rlft.trainer.checkpoint.errors import StorageError
+from rlft.trainer.checkpoint.manifest import FRESH_START
 from rlft.trainer.config import parse_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.learner.learner import Learner
@@ -174,3 +176,88 @@ def test_a_resume_names_its_checkpoint_and_counters_in_status(saved_run) -> None
     assert status["lastCheckpoint"]["uri"].endswith("/ckpts/step-000030")
     assert status["lastHealthyCheckpoint"]["step"] == 30
     assert (status["rollbacks"], status["skippedUpdates"]) == (1, 2)
+
+
+def test_a_restart_never_falls_back_to_the_timeline_a_resume_n_left(saved_run) -> None:
+    """`--resume 10`, then a commit at 40: 20 and 30 are below the pointer but not 40's
+    past (its manifest names 10 as its parent). Retention deletes them, and with 40
+    damaged a restart resumes 10, not the 30 the user left."""
+    _, learner, _, weights, next_run = saved_run
+    checkpoints = next_run()
+    cursor = checkpoints.resume(10, learner)
+    with torch.no_grad():
+        for parameter in learner.models.policy.parameters():
+            parameter.add_(0.5)
+    cursor.step = cursor.policy_version = 40
+    checkpoints.end_of_step(cursor, learner)
+    checkpoints.checkpointer.wait()
+    scan = checkpoints.checkpointer.catalog.scan()
+    assert scan.parents == {10: FRESH_START, 40: 10}  # before: 20 and 30 kept, 10 deleted
+    _damage(checkpoints, 40)
+    restarted = next_run()
+    cursor = restarted.resume("auto", learner)
+    assert cursor is not None and cursor.step == 10
+    assert _holds(learner, weights[10])
+
+
+def test_a_restart_after_a_rollback_resumes_the_restored_checkpoint(saved_run) -> None:
+    """A crash between a rollback and the run's next commit: `latest` already names the
+    restored step, so the restart does not resume the collapse it escaped."""
+    checkpoints, learner, cursor, weights, next_run = saved_run
+    cursor.step = 35
+    assert checkpoints.rollback(25, cursor, learner, replay_data=False) == 10
+    with torch.no_grad():
+        for parameter in learner.models.policy.parameters():
+            parameter.add_(1.0)
+    restarted = next_run()  # no commit since the rollback
+    cursor = restarted.resume("latest-healthy", learner)
+    assert cursor is not None and cursor.step == 10  # before: 30
+    assert _holds(learner, weights[10])
+
+
+def test_a_checkpoint_whose_pointer_failed_stays_the_next_ones_parent(saved_run) -> None:
+    """Step 40's manifest is written but moving `latest` to it fails: it is committed
+    (a resume finds it), so step 50 descends from it and retention keeps it. Were 50's
+    parent still 30, 40 would be deleted as another timeline's."""
+    checkpoints, learner, cursor, _, _ = saved_run
+    storage = checkpoints.checkpointer.storage
+    put_bytes = storage.put_bytes
+
+    def refuse_the_pointer(key: str, data: bytes) -> None:
+        if key == "latest":
+            raise StorageError("403 AccessDenied (injected)")
+        put_bytes(key, data)
+
+    storage.put_bytes = refuse_the_pointer
+    cursor.step = cursor.policy_version = 40
+    checkpoints.end_of_step(cursor, learner)
+    checkpoints.checkpointer.wait()
+    assert checkpoints.stats.failed == 1
+    storage.put_bytes = put_bytes
+    cursor.step = cursor.policy_version = 50
+    checkpoints.end_of_step(cursor, learner)
+    checkpoints.checkpointer.wait()
+    scan = checkpoints.checkpointer.catalog.scan()
+    assert scan.latest == 50 and scan.parents[50] == 40  # before: 30, and 40 deleted
+    assert set(scan.manifests) == {30, 40, 50}  # keepLast 3
+
+
+def test_a_rollback_skips_what_a_failed_retention_left_of_another_timeline(
+    saved_run, monkeypatch
+) -> None:
+    """`--resume 10` commits 40, whose retention fails: 20 and 30 stay. A restart resumes
+    40; a collapse before 40 must go back to 10, 40's past, not to the healthy 30."""
+    _, learner, _, weights, next_run = saved_run
+    checkpoints = next_run()
+    cursor = checkpoints.resume(10, learner)
+    monkeypatch.setattr(checkpoints.checkpointer.catalog, "prune", lambda keep_last: set())
+    cursor.step = cursor.policy_version = 40
+    checkpoints.end_of_step(cursor, learner)
+    checkpoints.checkpointer.wait()
+    assert set(checkpoints.checkpointer.catalog.scan().manifests) == {10, 20, 30, 40}
+    restarted = next_run()
+    cursor = restarted.resume("auto", learner)
+    assert cursor is not None and cursor.step == 40
+    cursor.step = 43
+    assert restarted.rollback(40, cursor, learner, replay_data=False) == 10  # before: 30
+    assert _holds(learner, weights[10])

@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from rlft.trainer.checkpoint.errors import BadUriError, ManifestError, StorageError, redact
 from rlft.trainer.checkpoint.manifest import (
+    FRESH_START,
     FileEntry,
     Manifest,
     config_hash,
+    off_timeline,
     parse_step_dir,
     parse_which,
     problems_with,
@@ -51,6 +53,14 @@ def test_manifest_round_trips_and_names_its_folder() -> None:
     assert manifest.folder == "step-000120"
     assert manifest.total_bytes == 13
     assert json.loads(manifest.to_json())["worldSize"] == 2
+
+
+def test_the_parent_round_trips_and_an_older_manifest_has_none() -> None:
+    manifest = dataclasses.replace(_manifest(), parent=110)
+    assert json.loads(manifest.to_json())["parent"] == 110
+    assert Manifest.from_json(manifest.to_json(), "x") == manifest
+    assert "parent" not in json.loads(_manifest().to_json())
+    assert Manifest.from_json(_manifest().to_json(), "x").parent is None
 
 
 def test_piece_checksums_round_trip_and_must_cover_the_file() -> None:
@@ -160,6 +170,67 @@ def test_resume_order_is_newest_first_and_never_above_the_pointer(
         assert all(committed[step] for step in order)
 
 
+def test_steps_between_the_links_of_the_chain_are_another_timeline() -> None:
+    """A `--resume 50` that committed 60 (saves every 10) over a run that had saved 55
+    (an emergency save) and 60: the old 55 is not the new 60's past, and a fallback
+    from a damaged 60 must take 50, not the timeline the user left."""
+    committed = {40: True, 50: True, 55: True, 60: True}
+    parents = {40: 30, 50: 40, 55: 50, 60: 50}
+    assert off_timeline(parents, 60) == {55}
+    assert resume_order(committed, 60, "auto", parents) == [60, 50, 40]
+    assert resume_order(committed, 60, "latest-healthy", parents) == [60, 50, 40]
+    assert resume_order(committed, 60, 55, parents) == [55]  # by name, still
+    # A rollback from 58 to 50 that committed 51: 55 is above nothing of its chain.
+    rolled = {50: 40, 55: 50, 51: 50}
+    assert off_timeline(rolled, 51) == set()
+    assert resume_order(dict.fromkeys(rolled, True), 55, "auto", rolled) == [55, 50]
+
+
+def test_where_the_chain_ends_every_older_step_is_the_timelines() -> None:
+    """A parent deleted by retention still bounds what is known: between it and its
+    child nothing is the timeline's; below it, lineage is unknown and kept."""
+    parents = {20: 10, 25: 20, 30: 20, 35: 30, 40: 30}
+    del parents[30]  # retention deleted it: 40 names it
+    assert off_timeline(parents, 40) == {35}
+    # No parent (a fresh start, or an older rlft): nothing is known below it.
+    assert off_timeline({20: 10, 25: 20, 30: None}, 30) == set()
+    assert off_timeline({20: None, 25: None, 30: 20}, 30) == {25}
+    assert off_timeline({}, 30) == set()
+    # A run that started from none (--overwrite): nothing older is its past.
+    assert off_timeline({10: None, 20: 10, 30: FRESH_START, 40: 30}, 40) == {10, 20}
+    assert off_timeline({30: 20}, None) == set()
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 4)), max_size=30), st.integers(1, 3))
+def test_resume_and_retention_keep_to_the_pointers_past_across_resumes(
+    moves: list[tuple[bool, int]], keep: int
+) -> None:
+    """Runs that commit, and resume (or roll back to) older checkpoints and commit over
+    them, with retention after each commit: whatever is left, a resume by the pointer
+    only ever takes the pointer's own past, and the newest of it are still there."""
+    true_parent: dict[int, int | None] = {}  # every commit ever, by its parent
+    parents: dict[int, int | None] = {}  # what the location holds
+    latest: int | None = None
+    current: int | None = None  # the step the run's weights descend from
+    for descend, n in moves:
+        if descend and parents:
+            current = sorted(parents)[-min(n, len(parents))]
+            continue
+        step = (current or 0) + n
+        true_parent[step] = parents[step] = current
+        latest = current = step
+        for gone in retention_plan(dict.fromkeys(parents, True), set(), latest, keep, parents):
+            del parents[gone]
+        past = set()
+        walk: int | None = latest
+        while walk is not None:
+            past.add(walk)
+            walk = true_parent[walk]
+        order = resume_order(dict.fromkeys(parents, True), latest, "auto", parents)
+        assert set(order) <= past
+        assert order[: min(keep, len(order))] == sorted(past & set(parents), reverse=True)[:keep]
+
+
 # ----------------------------------------------------------------------- retention
 
 
@@ -171,6 +242,14 @@ def test_retention_keeps_last_n_and_healthy_and_drops_leftovers() -> None:
     assert retention_plan(committed, {1}, None, keep_last=1) == set()
     with pytest.raises(ValueError, match="keep_last"):
         retention_plan(committed, set(), 60, keep_last=0)
+
+
+def test_retention_deletes_what_is_between_the_links_of_the_chain() -> None:
+    parents = {40: 30, 50: 40, 55: 50, 60: 50}
+    assert retention_plan(dict.fromkeys(parents, True), set(), 60, 2, parents) == {40, 55}
+    assert retention_plan(dict.fromkeys(parents, True), set(), 60, 3, parents) == {55}
+    # without parents (an older rlft's manifests) it is kept as the timeline's
+    assert retention_plan(dict.fromkeys(parents, True), set(), 60, 3) == {40}
 
 
 def test_retention_leaves_the_folder_the_pointer_names_without_a_manifest() -> None:

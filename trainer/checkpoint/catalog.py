@@ -6,6 +6,7 @@ A thin I/O layer over a Storage; the decisions themselves live in manifest.py.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -20,15 +21,18 @@ from rlft.trainer.checkpoint.errors import (
     StorageError,
 )
 from rlft.trainer.checkpoint.manifest import (
+    EXTRA,
     LATEST,
     MANIFEST,
     Manifest,
     Which,
+    off_timeline,
     parse_step_dir,
     problems_with,
     resume_order,
     retention_plan,
     step_dir,
+    timeline_head,
 )
 from rlft.trainer.storage.backends import CHUNK, Storage
 
@@ -56,6 +60,21 @@ class Scan:
     @property
     def committed(self) -> dict[int, bool]:
         return {step: m.healthy for step, m in self.manifests.items()}
+
+    @property
+    def parents(self) -> dict[int, int | None]:
+        """Each committed step's parent (`Manifest.parent`): what gives the timeline."""
+        return {step: m.parent for step, m in self.manifests.items()}
+
+    @property
+    def abandoned(self) -> set[int]:
+        """Committed steps off the timeline `latest` names (above it, or between the
+        links of its chain): never resumed by the pointer, deleted by retention."""
+        head = timeline_head(self.manifests, self.latest)
+        if head is None:
+            return set()
+        above = {s for s in self.manifests if s > head}
+        return above | off_timeline(self.parents, head)
 
     def own(self, job_uid: str) -> dict[int, Manifest]:
         """The committed checkpoints `job_uid` wrote."""
@@ -223,7 +242,7 @@ class Catalog:
     ) -> tuple[Manifest | None, dict[int, str], set[int]]:
         """The first intact checkpoint in resume order (None: none), the damaged ones
         before it with their problems, and those deleted while checked."""
-        order = resume_order(scan.committed, scan.latest, which)
+        order = resume_order(scan.committed, scan.latest, which, scan.parents)
         for step, reason in sorted(scan.unreadable.items(), reverse=True):
             log.warning(
                 "checkpoint %s/%s is damaged and skipped: %s",
@@ -286,13 +305,31 @@ class Catalog:
         self.storage.put_bytes(f"{manifest.folder}/{MANIFEST}", manifest.to_json().encode())
         self.storage.put_bytes(LATEST, f"{manifest.folder}\n".encode())
 
+    def read_extra(self, step: int) -> dict:
+        """The `extra.json` of a committed checkpoint (the run state it holds), without
+        loading its tensors. StorageError, or ValueError when it is not a JSON object."""
+        extra = json.loads(self.storage.get_bytes(f"{step_dir(step)}/{EXTRA}"))
+        if not isinstance(extra, dict):
+            raise ValueError(f"{self.storage.uri}/{step_dir(step)}/{EXTRA}: not a JSON object")
+        return extra
+
+    def point_at(self, step: int) -> None:
+        """Move the `latest` pointer to the committed checkpoint of `step` (a rollback
+        to it: a restart must not resume the timeline it escaped)."""
+        self.storage.put_bytes(LATEST, f"{step_dir(step)}\n".encode())
+
     def prune(self, keep_last: int) -> set[int]:
         """Apply retention after a commit; returns the steps deleted. Failures are logged,
         not raised: a missed deletion is retried after the next commit."""
         try:
             scan = self.scan()
             leftovers = scan.uncommitted | (set(scan.unreadable) - scan.newer)
-            doomed = retention_plan(scan.committed, leftovers, scan.latest, keep_last)
+            # Steps off the timeline go only where the job that wrote `latest` wrote them
+            # too: another job's at a shared location are not its to delete.
+            head = scan.manifests.get(scan.latest) if scan.latest is not None else None
+            uid = head.job_uid if head is not None else None
+            parents = {s: m.parent for s, m in scan.manifests.items() if m.job_uid == uid}
+            doomed = retention_plan(scan.committed, leftovers, scan.latest, keep_last, parents)
             for step in sorted(doomed):
                 # The manifest goes first, so a half-deleted folder is never "committed".
                 if step in scan.manifests:

@@ -71,6 +71,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not (scan.manifests or scan.uncommitted or scan.unreadable):
         print(f"{args.uri}: no checkpoints")
         return ExitCode.OK
+    abandoned = scan.abandoned
     print(f"{'step':>8}  {'healthy':7}  {'ranks':>5}  {'MB':>9}  {'created':20}  note")
     for step in sorted(set(scan.manifests) | scan.uncommitted | set(scan.unreadable)):
         manifest = scan.manifests.get(step)
@@ -86,7 +87,11 @@ def cmd_list(args: argparse.Namespace) -> int:
             continue
         notes = [
             n
-            for n, on in (("latest", step == scan.latest), ("emergency", manifest.emergency))
+            for n, on in (
+                ("latest", step == scan.latest),
+                ("emergency", manifest.emergency),
+                ("abandoned", step in abandoned),
+            )
             if on
         ]
         print(

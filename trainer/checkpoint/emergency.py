@@ -70,13 +70,16 @@ class GracefulStop:
             RESERVE_MAX_SECONDS, RESERVE_FRACTION * (self.grace_seconds - self.margin_seconds)
         )
 
+    @property
+    def budget_seconds(self) -> float:
+        """Seconds from a signal to finish the emergency checkpoint in."""
+        return self.grace_seconds - self.margin_seconds - self.reserve_seconds
+
     def remaining(self) -> float:
         """Seconds left to finish the emergency checkpoint (inf before a signal)."""
         if self.received_at is None:
             return float("inf")
-        spent = time.monotonic() - self.received_at
-        budget = self.grace_seconds - self.margin_seconds - self.reserve_seconds
-        return max(0.0, budget - spent)
+        return max(0.0, self.budget_seconds - (time.monotonic() - self.received_at))
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:

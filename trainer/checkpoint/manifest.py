@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -33,6 +34,9 @@ EXTRA = "extra.json"
 HF_DIR = "hf"
 OUTPUTS = "outputs"
 """Beside the step folders: a finished run's final model, metrics.jsonl and summary.json."""
+FRESH_START = -1
+"""The parent of a run's first checkpoint when it started from none: nothing older at
+its location is its past (`--overwrite`, a paused run with no healthy checkpoint)."""
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -90,6 +94,12 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     block_bytes: int = 0
     """Length of the pieces `FileEntry.blocks` hash (0: files are checked whole)."""
+    parent: int | None = None
+    """The committed checkpoint this one's weights descend from: the run's previous
+    commit, or the step it resumed from or rolled back to (`FRESH_START` when the run
+    started from none; None: written by an rlft that did not record it). Following
+    parents from `latest` gives the timeline; the steps between them are another's
+    (`off_timeline`)."""
 
     @property
     def folder(self) -> str:
@@ -112,6 +122,7 @@ class Manifest:
             **({"jobUid": self.job_uid} if self.job_uid else {}),
             "createdAt": self.created_at,
             **({"blockBytes": self.block_bytes} if self.block_bytes else {}),
+            **({"parent": self.parent} if self.parent is not None else {}),
             "files": [_entry_json(entry) for entry in self.files],
         }
         return json.dumps(document, indent=1) + "\n"
@@ -148,6 +159,7 @@ class Manifest:
                 job_uid=str(doc["jobUid"]) if doc.get("jobUid") else None,
                 format_version=int(version),
                 block_bytes=int(doc.get("blockBytes", 0)),
+                parent=None if doc.get("parent") is None else int(doc["parent"]),
             )
             for f in files:
                 if f.blocks and len(f.blocks) != block_count(f.size, manifest.block_bytes):
@@ -221,23 +233,59 @@ def parse_which(text: str | int) -> Which:
     raise ValueError(f"--resume must be auto, latest-healthy or a step number, not {text!r}")
 
 
-def resume_order(committed: dict[int, bool], latest: int | None, which: Which) -> list[int]:
+def off_timeline(parents: dict[int, int | None], ceiling: int | None) -> set[int]:
+    """Committed steps below `ceiling` that are not its past: those between the links of
+    its chain of parents (a `--resume 50` that committed 60 leaves the old timeline's 55;
+    a rollback to 50 that committed 51 leaves the 55 and 60 it escaped). `parents` maps
+    each committed step to its manifest's parent.
+
+    Below where the chain ends, the lineage is unknown and every step is taken as the
+    timeline's: a parent deleted by retention or unreadable (its own parent is not
+    known), or a manifest with no parent (an older rlft's). Below `FRESH_START` there is
+    nothing, so every step not in the chain is another timeline's.
+    """
+    if ceiling is None or ceiling not in parents:
+        return set()
+    chain = {ceiling}
+    step = ceiling
+    while (parent := parents.get(step)) is not None and parent < step and parent in parents:
+        chain.add(parent)
+        step = parent
+    parent = parents[step]
+    floor = parent if parent is not None and parent < step else step
+    return {s for s in parents if floor < s < ceiling and s not in chain}
+
+
+def timeline_head(committed: Iterable[int], latest: int | None) -> int | None:
+    """The newest commit of the timeline the pointer names: `latest` itself, or with no
+    pointer (a crash between the first manifest and the pointer) or a dangling one, the
+    newest committed step not above it."""
+    steps = set(committed)
+    if latest is not None and latest in steps:
+        return latest
+    return max((s for s in steps if latest is None or s <= latest), default=None)
+
+
+def resume_order(
+    committed: dict[int, bool],
+    latest: int | None,
+    which: Which,
+    parents: dict[int, int | None] | None = None,
+) -> list[int]:
     """Checkpoints to try for a resume, best first (later ones are the fallbacks when an
     earlier one turns out damaged).
 
     `committed` maps step → healthy; `latest` is the step the pointer names. The pointer
     defines the current timeline: after a rollback to step 100, a later commit at 110
-    moves it there, and folders above it (the abandoned 120) are never resumed.
+    moves it there, and folders above it (the abandoned 120) are never resumed; nor,
+    given `parents` (step → its manifest's parent), those below it that are not its
+    past (`off_timeline`).
     """
-    if latest is None or latest not in committed:
-        # No pointer (crash between the first manifest and the pointer) or a dangling one:
-        # the newest manifest not above the pointer is the newest commit on the timeline.
-        ceiling = max((s for s in committed if latest is None or s <= latest), default=None)
-    else:
-        ceiling = latest
+    ceiling = timeline_head(committed, latest)
     if ceiling is None:
         return []
-    steps = sorted((s for s in committed if s <= ceiling), reverse=True)
+    abandoned = off_timeline(parents or {}, ceiling)
+    steps = sorted((s for s in committed if s <= ceiling and s not in abandoned), reverse=True)
     if which == "auto":
         return steps
     if which == "latest-healthy":
@@ -254,7 +302,11 @@ def resume_order(committed: dict[int, bool], latest: int | None, which: Which) -
 
 
 def retention_plan(
-    committed: dict[int, bool], uncommitted: set[int], latest: int | None, keep_last: int
+    committed: dict[int, bool],
+    uncommitted: set[int],
+    latest: int | None,
+    keep_last: int,
+    parents: dict[int, int | None] | None = None,
 ) -> set[int]:
     """Steps whose folders retention deletes, right after `latest` was committed.
 
@@ -263,14 +315,15 @@ def retention_plan(
     collapse rollback restore, with as many fallbacks), and always `latest` itself: at
     most 2·keep_last + 1. Every healthy one was kept before, and a long healthy run's
     storage grew without bound. Deleted: older committed ones beyond those, committed
-    ones above `latest` (an abandoned timeline after a rollback), and uncommitted
-    leftovers (interrupted saves) below `latest`.
+    ones off the timeline (above `latest`, or given `parents` between the links of its
+    chain: `off_timeline`), and uncommitted leftovers (interrupted saves) below `latest`.
     """
     if keep_last < 1:
         raise ValueError("keep_last must be ≥ 1")
     if latest is None:
         return set()
-    timeline = sorted((s for s in committed if s <= latest), reverse=True)
+    abandoned = off_timeline(parents or {}, latest)
+    timeline = sorted((s for s in committed if s <= latest and s not in abandoned), reverse=True)
     healthy = [s for s in timeline if committed[s]]
     keep = set(timeline[:keep_last]) | set(healthy[:keep_last]) | {latest}
     doomed = {s for s in committed if s not in keep}

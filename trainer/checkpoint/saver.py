@@ -111,6 +111,8 @@ class _Job:
     before the commit: what the checkpoint refers to but does not own."""
     started: float = field(default_factory=time.monotonic)
     retry_s: float = 900.0
+    parent: int | None = None
+    """The committed step it descends from (`Manifest.parent`)."""
     deadline: float = field(init=False)
     """When its retries stop (monotonic): `retry_s` after it started, or sooner once a
     stop signal bounded it (`bound`)."""
@@ -174,6 +176,9 @@ class Checkpointer:
         self._job: _Job | None = None
         """The checkpoint in flight (or the last one)."""
         self._last_error: str | None = None
+        self.parent: int | None = None
+        """The committed step the next save descends from: the previous commit, or what
+        `descend_from` named (None: a fresh start)."""
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -206,6 +211,11 @@ class Checkpointer:
     def busy(self) -> bool:
         """A checkpoint of this rank is still in flight."""
         return self._thread is not None and self._thread.is_alive()
+
+    def descend_from(self, step: int) -> None:
+        """The run's weights are now those of committed checkpoint `step` (a resume, a
+        rollback): the next save's parent."""
+        self.parent = step
 
     def save_soon(self) -> None:
         """Make a save due at the next `poll`, whatever the schedule says (call on every
@@ -296,6 +306,7 @@ class Checkpointer:
             shared_files=dict(shared_files or {}) if self.rank == 0 else {},
             started=started,
             retry_s=self.retry_seconds if retry_seconds is None else retry_seconds,
+            parent=self.parent,
         )
         self.policy.saved()
         self.stats.started += 1
@@ -458,6 +469,7 @@ class Checkpointer:
             committed = bool(verdict[0])
         shutil.rmtree(job.stage, ignore_errors=True)
         if committed:
+            self.parent = job.step
             self.stats.committed += 1
             self.stats.last_step = job.step
             self.stats.last_time = time.time()
@@ -488,13 +500,17 @@ class Checkpointer:
             emergency=job.emergency,
             job_uid=self.job_uid,
             block_bytes=self.block_bytes,
+            parent=job.parent,
         )
         try:
             self._retried(f"committing {folder}", lambda: self.catalog.commit(manifest), job)
         except (StorageError, CheckpointError) as failure:
             log.error("checkpoint %s uploaded but not committed: %s", folder, failure)
             self._emit("failed", step=job.step, uri=folder, error=str(failure))
-            self._remove_uncommitted(job)
+            if self._remove_uncommitted(job):
+                # Its manifest made it (the pointer did not): retention would delete it as
+                # another timeline's were the next save's parent still the one before.
+                self.parent = job.step
             return False
         retries = self.stats.upload_retries
         log.info(
@@ -513,20 +529,23 @@ class Checkpointer:
                 self._emit("pruned", step=job.step, steps=sorted(deleted))
         return True
 
-    def _remove_uncommitted(self, job: _Job) -> None:
+    def _remove_uncommitted(self, job: _Job) -> bool:
         """What a failed save uploaded (every rank's uploads have ended by now), unless
-        its manifest made it (the pointer failed after: then it is committed). Retention
-        removes leftovers only below `latest`, so the last failed save of a run stayed.
-        Not past the save's deadline, nor for an emergency save: a store that refused
-        the uploads refuses the deletes too, slowly, and the grace period is short."""
+        its manifest made it (the pointer failed after: then it is committed, and this
+        returns True). Retention removes leftovers only below `latest`, so the last
+        failed save of a run stayed. Not past the save's deadline, nor for an emergency
+        save: a store that refused the uploads refuses the deletes too, slowly, and the
+        grace period is short."""
         if job.emergency or time.monotonic() >= job.deadline:
-            return
+            return False
         folder = step_dir(job.step)
         try:
-            if not self.storage.exists(f"{folder}/{MANIFEST}"):
-                self.storage.delete_prefix(f"{folder}/")
+            if self.storage.exists(f"{folder}/{MANIFEST}"):
+                return True
+            self.storage.delete_prefix(f"{folder}/")
         except StorageError as error:
             log.warning("the uploads of failed checkpoint %s stay (%s)", folder, error)
+        return False
 
 
 def _json_or_error(value: dict[str, Any], name: str) -> str:

@@ -25,9 +25,10 @@ from rlft.trainer.checkpoint import (
     checkpointer_from_spec,
 )
 from rlft.trainer.checkpoint import load as load_checkpoint
-from rlft.trainer.checkpoint.errors import LocationTakenError
+from rlft.trainer.checkpoint.errors import LocationTakenError, StorageError
 from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.checkpoint.history import MetricsHistory
+from rlft.trainer.checkpoint.manifest import FRESH_START, resume_order
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.peer_stop import PeerStop
@@ -80,6 +81,8 @@ class Checkpointing:
         restore: folders above it that this run did not commit since are an abandoned
         timeline (a `--resume N` below `latest`, an earlier rollback), still present
         until a commit moves `latest` and retention deletes them."""
+        self.fresh_because: str | None = None
+        """Why `resume` found a checkpoint and still starts afresh (a pause's only)."""
         self.own_commits: set[int] = set()
         """Steps this run committed since `timeline_base` (rank 0's saver reports them)."""
         self.stop = GracefulStop(spec.grace_period_seconds, rank=dist.rank).install()
@@ -107,6 +110,7 @@ class Checkpointing:
             job_uid=job_uid,
         )
         self.history = MetricsHistory(self.checkpointer.storage, self.metrics, self.retry_s)
+        self.checkpointer.descend_from(FRESH_START)  # until a resume says otherwise
 
     def _refuse_others_checkpoints(self) -> None:
         """A local run told `never` at a location that holds committed checkpoints: its
@@ -218,6 +222,21 @@ class Checkpointing:
             # still recover from an intact one.
             warn = self.supervisor.log
             self.supervisor.event("resume", "no intact healthy checkpoint", "warning")
+            paused = self._newest_paused()
+            if paused is not None:
+                # Resumed, it would pause again after its first step, on every try; the
+                # newest healthy state is the beginning.
+                warn(
+                    "rlft: warning: no intact healthy checkpoint, and the newest one, step "
+                    f"{paused}, is the one the collapse guard's pause wrote: starting from "
+                    f"the beginning (until this run's first checkpoint, --resume {paused} "
+                    "resumes the paused state itself)"
+                )
+                self.fresh_because = (
+                    f"the only checkpoint to go on from is step {paused}'s, which the "
+                    f"collapse guard's pause wrote (--resume {paused} resumes it)"
+                )
+                return None
             warn("rlft: warning: no intact healthy checkpoint; resuming from the newest one")
             try:
                 resumed = self._load("auto", learner, restore_rng=True)
@@ -235,6 +254,22 @@ class Checkpointing:
         if self.dist.is_main:
             self.history.restore(resumed.extra, cursor.step, self.supervisor.log)
         return cursor
+
+    def _newest_paused(self) -> int | None:
+        """The step of the checkpoint `auto` takes when the guard's pause wrote it (rank 0
+        reads its extra.json, no tensors; every rank gets the answer)."""
+        found = None
+        if self.dist.is_main:
+            scan = self._scan()
+            if self.own_only is not None:
+                scan = scan.without_other_jobs(self.own_only)
+            order = resume_order(scan.committed, scan.latest, "auto", scan.parents)
+            try:
+                if order and self.checkpointer.catalog.read_extra(order[0]).get(PAUSED):
+                    found = order[0]
+            except (StorageError, ValueError):
+                pass  # not known to be paused: the load names what is wrong with it
+        return self.dist.broadcast(found)
 
     def _load(self, which, learner, restore_rng: bool):
         resumed = load_checkpoint(
@@ -256,16 +291,19 @@ class Checkpointing:
         window), or with `replay_data` from where the checkpoint had them (the window is
         trained on again). Returns the restored step; RunEnded-worthy NoCheckpointError
         if none."""
-        self.checkpointer.wait()
+        self._wait_for_save()
         candidates: list[int] = []
         if self.dist.is_main:
             scan = self._scan()
             if self.own_only is not None:
                 scan = scan.without_other_jobs(self.own_only)
+            # Off the pointer's timeline too: a commit whose retention failed leaves the
+            # steps it abandoned, and a restart resumed past them.
+            abandoned = scan.abandoned
             healthy = [
                 step
                 for step, ok in scan.committed.items()
-                if ok and step < before_step and self._on_timeline(step)
+                if ok and step < before_step and self._on_timeline(step) and step not in abandoned
             ]
             candidates = sorted(healthy, reverse=True)
         candidates = self.dist.broadcast(candidates)
@@ -286,6 +324,8 @@ class Checkpointing:
                 f"({'; '.join(damaged)})"
             )
         self._descend_from(target)
+        if self.dist.is_main:
+            self._point_at(target)
         # The restored weights are a new version, not the checkpoint's again: versions
         # only grow, so rollout servers, the weight store and the staleness gate never
         # see a number reused for other weights.
@@ -299,9 +339,39 @@ class Checkpointing:
         self.checkpointer.save_soon()
         return target
 
+    def _wait_for_save(self) -> None:
+        """Wait for the save in flight. A SIGTERM meanwhile bounds its retries (a store
+        outage: uploadRetryMinutes) by the grace period left, as a stop between steps
+        does: otherwise the grace watchdog ended the run first, without a verdict."""
+        while not self.checkpointer.wait(timeout=1.0):
+            if self.stopping():
+                self.checkpointer.hurry(self._grace_left())
+
+    def _grace_left(self) -> float:
+        """Seconds a stopping rank's saves may still retry: its own signal's grace left,
+        and at most a whole grace period from now (a rank stopping because another was
+        signalled, whose own `remaining` is unbounded)."""
+        return min(self.stop.remaining(), self.stop.budget_seconds)
+
+    def _point_at(self, step: int) -> None:
+        """Rank 0, after a rollback: `latest` names the restored checkpoint at once, so a
+        crash before the next commit resumes it, not the collapse rollback escaped."""
+        catalog = self.checkpointer.catalog
+        try:
+            # Not past the grace period a SIGTERM started: the emergency save is due.
+            deadline = min(60.0, self.retry_s, self.stop.remaining())
+            with_retries(lambda: catalog.point_at(step), deadline_s=deadline)
+        except StorageError as error:
+            # The save due at the end of this step moves it too.
+            self.supervisor.log(
+                f"rlft: warning: could not point {catalog.storage.uri}/latest at the "
+                f"restored step {step} ({error}); the next commit moves it"
+            )
+
     def _descend_from(self, step: int) -> None:
         self.timeline_base = step
         self.own_commits.clear()
+        self.checkpointer.descend_from(step)
 
     def _on_timeline(self, step: int) -> bool:
         """Whether the checkpoint of `step` holds this run's past: at or below the step
@@ -333,7 +403,7 @@ class Checkpointing:
         it again would withdraw its manifest while the files are replaced), and raise
         StopRequested. Every rank calls this (the loop broadcast the stop)."""
         # A save in flight retries within the grace left, not its own whole deadline.
-        self.checkpointer.hurry(self.stop.remaining())
+        self.checkpointer.hurry(self._grace_left())
         self.checkpointer.wait()
         if cursor.step not in (self.last_step, 0):
             self._save(cursor, learner, wait=True, emergency=True)
@@ -346,7 +416,7 @@ class Checkpointing:
         when it is the one this run resumed from (a run killed after its last
         checkpoint): saving it again would withdraw the manifest `latest` names while
         its files are replaced."""
-        self.checkpointer.wait()
+        self._wait_for_save()
         if cursor.step != self.last_step and not self._save(
             cursor, learner, wait=True, paused=paused
         ):
@@ -386,7 +456,7 @@ class Checkpointing:
             modules=_modules(learner),
             wait=wait,
             emergency=emergency,
-            retry_seconds=self.stop.remaining() if self.stop.requested else None,
+            retry_seconds=self._grace_left() if self.stop.requested or emergency else None,
         )
 
     def close(self) -> None:

@@ -84,13 +84,15 @@ def _holds_something(path: Path) -> bool:
     return path.is_dir() or (path.is_file() and path.stat().st_size > 0)
 
 
-def prepare_output(out: Path, overwrite: bool, never: bool = False) -> None:
+def prepare_output(
+    out: Path, overwrite: bool, never: bool = False, why: str = "no checkpoint to resume"
+) -> None:
     """Refuse to clobber a run (unless `overwrite`, which removes it, local checkpoints
     included); create the folder. `never`: the run was told not to resume (it may have
-    checkpoints to resume from: the error says how)."""
+    checkpoints to resume from: the error says how); else `why` it starts afresh."""
     existing = existing_run_files(out)
     if existing and not overwrite:
-        why = "this run does not resume (resume: never)" if never else "no checkpoint to resume"
+        why = "this run does not resume (resume: never)" if never else why
         raise OutputExistsError(
             f"{out} already holds a run ({', '.join(existing)}) and {why}; choose another "
             f"--out or pass --overwrite to replace it{' (or resume it)' if never else ''}"
@@ -180,7 +182,8 @@ def _run_job(
                 operator = run.checkpoints.operator_run and resume == "latest-healthy"
                 again = dist.broadcast(restarted or operator)
                 if not again:
-                    prepare_output(out, overwrite=False, never=resume == "never")  # raises
+                    why = run.checkpoints.fresh_because or "no checkpoint to resume"
+                    prepare_output(out, False, never=resume == "never", why=why)  # raises
                 elif dist.is_main:
                     prepare_output(out, overwrite=True)
             _announce(run, parts, resumed=False)
