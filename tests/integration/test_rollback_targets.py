@@ -175,6 +175,8 @@ def test_a_resume_names_its_checkpoint_and_counters_in_status(saved_run) -> None
     assert status["lastCheckpoint"]["step"] == 30
     assert status["lastCheckpoint"]["uri"].endswith("/ckpts/step-000030")
     assert status["lastHealthyCheckpoint"]["step"] == 30
+    metrics = checkpoints.supervisor.telemetry.exporter.exposition().decode()
+    assert "\nrlft_checkpoint_last_step 30.0\n" in metrics  # it said 0
     assert (status["rollbacks"], status["skippedUpdates"]) == (1, 2)
 
 

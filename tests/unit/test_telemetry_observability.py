@@ -75,6 +75,19 @@ def test_dashboard_draws_every_metric():
     assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "job", "instance"}
 
 
+def test_unix_times_are_drawn_as_ages_not_values():
+    """A start or last-success time as a value in seconds reads as about 55 years."""
+    board = json.loads((REPO / DASHBOARD).read_text())
+    by_title = {p["title"]: p for p in board["panels"] if p.get("targets")}
+    panel = by_title["checkpoint last success timestamp seconds (age)"]
+    assert panel["fieldConfig"]["defaults"]["unit"] == "s"
+    assert panel["targets"][0]["expr"].startswith(
+        "time() - (rlft_checkpoint_last_success_timestamp_seconds{"
+    )
+    assert panel["targets"][0]["expr"].endswith("} > 0)")  # 0: none yet, no age
+    assert "trainer start time seconds (age)" in by_title
+
+
 def test_promtool_check_rules():
     result = subprocess.run(
         [promtool(), "check", "rules", str(REPO / RULES)], capture_output=True, text=True

@@ -98,11 +98,11 @@ class Supervisor:
             self.telemetry.checkpoint(step, uri, healthy)
 
     def resumed_from(self, step: int, uri: str, healthy: bool, created_at: str) -> None:
-        """The checkpoint a resume restored: /status names it as the last one (it named
-        none until this process's first commit)."""
+        """The checkpoint a resume restored: /status and the step gauge name it as the
+        last one (they named none until this process's first commit)."""
         if self.telemetry is not None:
             when = datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp()
-            self.telemetry.board.checkpoint(step, uri, when, healthy)
+            self.telemetry.restored(step, uri, healthy, when)
 
     def checkpoint_failed(self, step: int, uri: str, error: str) -> None:
         if self.telemetry is not None:

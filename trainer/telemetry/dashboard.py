@@ -28,6 +28,12 @@ _UNITS = {
 }
 
 
+def _is_time(metric: M.Metric) -> bool:
+    """A Unix time (a start, a last success): drawn as an age, a duration Grafana can show
+    (as a value it read as about 55 years)."""
+    return metric.name.endswith(("_timestamp_seconds", "_start_time_seconds"))
+
+
 def _targets(metric: M.Metric) -> list[dict[str, Any]]:
     legend = "{{instance}}" + "".join(f" {label}={{{{{label}}}}}" for label in metric.labels)
     if metric.kind == "counter":
@@ -43,6 +49,9 @@ def _targets(metric: M.Metric) -> list[dict[str, Any]]:
             }
             for ref, q in (("A", 0.5), ("B", 0.95))
         ]
+    if _is_time(metric):  # 0 is "not yet": no age
+        expr = f"time() - ({metric.name}{{{_SELECTOR}}} > 0)"
+        return [{"refId": "A", "expr": expr, "legendFormat": legend}]
     return [{"refId": "A", "expr": f"{metric.name}{{{_SELECTOR}}}", "legendFormat": legend}]
 
 
@@ -50,6 +59,8 @@ def _panel(metric: M.Metric, panel_id: int, x: int, y: int) -> dict[str, Any]:
     title = metric.name.removeprefix("rlft_").replace("_", " ")
     if metric.kind == "counter":
         title += " (per second)"
+    elif _is_time(metric):
+        title += " (age)"
     return {
         "id": panel_id,
         "type": "timeseries",

@@ -160,6 +160,13 @@ class MetricsExporter:
                 self._gauge(M.CHECKPOINT_TIME).set(when if when is not None else time.time())
                 self._gauge(M.CHECKPOINT_STEP).set(step)
 
+    def restored(self, step: int) -> None:
+        """The checkpoint a resume restored is the last one's step (it said 0 until this
+        process's first commit). Not its time: the work a crash would lose counts from
+        this process's start (RLFTCheckpointTooOld), not from the restored save."""
+        with self._lock:
+            self._gauge(M.CHECKPOINT_STEP).set(step)
+
     def checkpoint_retry(self, count: int = 1) -> None:
         """Retried storage operations of a checkpoint upload (any rank's)."""
         with self._lock:

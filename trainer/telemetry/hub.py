@@ -104,6 +104,12 @@ class Telemetry:
         message = f"checkpoint at step {step} committed to {uri}"
         self.event("checkpoint", message + ("" if healthy else " (not healthy)"), step=step)
 
+    def restored(self, step: int, uri: str, healthy: bool, when: float) -> None:
+        """The checkpoint a resume restored: the last one in /status and in the step
+        gauge (they named none until this process's first commit)."""
+        self.exporter.restored(step)
+        self.board.checkpoint(step, uri, when, healthy)
+
     def checkpoint_failed(self, step: int, uri: str, error: str) -> None:
         """A checkpoint given up (its retries ran out): RLFTCheckpointFailing's gauge."""
         self.exporter.checkpoint(step, False)
