@@ -253,7 +253,7 @@ async def _finalize(body: Any, namespace: str, name: str, spec: Any, **kwargs: A
     too, but not before the CR is gone), keep its checkpoints, say so in an Event."""
     _forget((namespace, name))
     kube = _kube()
-    selector = f"{N.LABEL_JOB}={name}"
+    selector = N.children_selector(name)
     removed = 0
     for kind in ("Pod", "Service", "ConfigMap"):
         for child in await kube.list_names(kind, namespace, selector):
@@ -355,7 +355,7 @@ async def observe_children(
     caches but keeps what was deleted meanwhile, and a pod that stayed there filled its
     slot for good (never made again; a ghost Running trainer counted towards the gang)."""
     kube = _kube()
-    selector = f"{N.LABEL_JOB}={job},{N.LABEL_MANAGED_BY}={N.MANAGED_BY}"
+    selector = N.children_selector(job)
     pods, services, config_maps = await asyncio.gather(
         *(kube.list_objects(kind, namespace, selector) for kind in ("Pod", "Service", "ConfigMap"))
     )

@@ -87,6 +87,12 @@ def ray_worker_pod(job: str, instance: int, node: int) -> str:
     return child_name(job, f"rollout-{instance}-worker-{node}", limit=253)
 
 
+def children_selector(job: str) -> str:
+    """The label selector of a job's children: its name and the operator's mark, so a
+    user's object that only carries `rlft.dev/job` is never taken (nor deleted) for one."""
+    return f"{LABEL_JOB}={job},{LABEL_MANAGED_BY}={MANAGED_BY}"
+
+
 def labels(job: str, role: str | None = None, index: int | None = None) -> dict[str, str]:
     """Labels of a child: selectable by job, and by role and slot for pods."""
     out = {

@@ -354,6 +354,11 @@ def test_suspend_and_resume(api, operator):
 def test_delete_runs_the_finalizer(api, operator):
     ns = _namespace(api, "delete")
     api.apply(job_doc(name="gone", namespace=ns, checkpoint={"uri": "s3://ckpt/gone"}))
+    # A user's own object that carries the job's label, not the operator's mark: the
+    # finalizer deleted it too (it selected by the job label alone).
+    notes = {"apiVersion": "v1", "kind": "ConfigMap", "data": {"a": "b"}}
+    notes["metadata"] = {"name": "gone-notes", "namespace": ns, "labels": {"rlft.dev/job": "gone"}}
+    api.apply(notes)
     _started(api, ns, "gone", 2)
     job = wait_for(
         lambda: (j := _job(api, ns, "gone")) and j["metadata"].get("finalizers") and j,
@@ -365,6 +370,7 @@ def test_delete_runs_the_finalizer(api, operator):
     assert _pods(api, ns, "gone") == {}
     assert api.get("services", "-n", ns, "-l", "rlft.dev/job=gone")["items"] == []
     assert api.get("configmap", "gone-config", "-n", ns) is None
+    assert api.get("configmap", "gone-notes", "-n", ns)["data"] == {"a": "b"}
     messages = [m for r, m in _events(api, ns) if r == "Deleted"]
     assert messages and "checkpoints kept at s3://ckpt/gone" in messages[0]
 
