@@ -94,6 +94,7 @@ class Runtime:
         self.jobs: dict[Key, _JobState] = {}
         self.metrics = OperatorMetrics()
         self.namespaces: list[str] = []
+        self.heartbeat: asyncio.Task | None = None
 
 
 RUNTIME = Runtime()
@@ -123,7 +124,9 @@ async def _startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_:
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     port = RUNTIME.metrics.serve(options.metrics_host, options.metrics_port)
-    logger.info(f"metrics on {http_url(options.metrics_host, port, '/metrics')}")
+    if RUNTIME.heartbeat is None or RUNTIME.heartbeat.done():  # once, kopf retrying or not
+        RUNTIME.heartbeat = asyncio.get_running_loop().create_task(RUNTIME.metrics.heartbeat())
+    logger.info(f"metrics on {http_url(options.metrics_host, port, '/metrics')} (and /livez)")
     _login(settings=settings, logger=logger)
     if not settings.peering.standalone and RUNTIME.kube is not None:
         await _ensure_peering(settings, logger)

@@ -130,8 +130,14 @@ def test_operator_arguments_are_the_operators_own_options(chart):
         assert args.peering == "rlft" and not args.standalone  # leader election on
         port = int(args.metrics_bind.rpartition(":")[2])
         assert container["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
-        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert container[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        # paths the operator serves (tests/operator/test_operator_in_process.py): /livez
+        # from its event loop's heartbeat, not /metrics, which a thread of its own answers
+        for probe, path in (
+            ("startupProbe", "/metrics"),
+            ("livenessProbe", "/livez"),
+            ("readinessProbe", "/metrics"),
+        ):
+            assert container[probe]["httpGet"] == {"path": path, "port": "metrics"}
     assert args.poll_seconds == 5 and args.verbose
     assert {e["name"] for e in container["env"]} >= {"POD_NAME", "POD_NAMESPACE"}
 

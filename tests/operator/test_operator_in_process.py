@@ -208,3 +208,44 @@ def test_the_timer_leaves_alone_a_job_reconciled_within_poll_seconds(monkeypatch
 
     assert not fire(15.0)
     assert fire(61.0)
+
+
+def _get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_livez_fails_while_the_event_loop_is_blocked_and_metrics_does_not(tmp_path, monkeypatch):
+    """The liveness probe was on /metrics, which a thread of its own serves: an operator
+    whose event loop a handler blocked (or a deadlock stopped) stopped reconciling and
+    still looked alive. /livez answers from the loop's heartbeat."""
+    import threading
+
+    async def scenario() -> None:
+        async with _operator(tmp_path):
+            metrics = await _until(lambda: handlers.RUNTIME.metrics.server, "metrics served", 20)
+            handlers.RUNTIME.metrics.stall_seconds = 1.0
+            base = f"http://127.0.0.1:{metrics.server_address[1]}"
+            await _until(lambda: _get(f"{base}/livez") == (200, "ok\n"), "/livez ok", 10)
+            livez: list[tuple[int, str]] = []
+            other: list[tuple[int, str]] = []
+            probes = [
+                threading.Timer(2.5, lambda: livez.append(_get(f"{base}/livez"))),
+                threading.Timer(2.5, lambda: other.append(_get(f"{base}/metrics"))),
+            ]
+            for probe in probes:
+                probe.start()
+            time.sleep(4.0)  # a handler that blocks the event loop
+            for probe in probes:
+                probe.join()
+            assert livez[0][0] == 503 and "event loop has not run for" in livez[0][1], livez
+            assert other[0][0] == 200 and "rlft_operator_reconciles_total" in other[0][1]
+            await _until(lambda: _get(f"{base}/livez")[0] == 200, "/livez ok again", 5)
+
+    _run(tmp_path, monkeypatch, scenario)
