@@ -119,6 +119,13 @@ def test_a_rollback_with_every_healthy_one_damaged_names_them(saved_run) -> None
     assert all(torch.equal(v, weights[30][k]) for k, v in _state(learner).items())
 
 
+def _train(learner: Learner, by: float) -> None:
+    """Weights of the run's own, after its resume or rollback."""
+    with torch.no_grad():
+        for parameter in learner.models.policy.parameters():
+            parameter.add_(by)
+
+
 def _holds(learner: Learner, weights: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(v, weights[k]) for k, v in _state(learner).items())
 
@@ -141,9 +148,7 @@ def test_a_second_rollback_does_not_restore_what_the_first_abandoned(saved_run) 
     assert checkpoints.rollback(25, cursor, learner, replay_data=False) == 10
     # The run goes on from 10; a collapse at 35, before its next checkpoint: step 30
     # descends from the weights the first rollback escaped.
-    with torch.no_grad():
-        for parameter in learner.models.policy.parameters():
-            parameter.add_(1.0)
+    _train(learner, 1.0)
     cursor.step = 35
     assert checkpoints.rollback(35, cursor, learner, replay_data=False) == 10
     assert _holds(learner, weights[10])
@@ -153,9 +158,7 @@ def test_a_rollback_takes_what_the_run_committed_after_its_resume(saved_run) -> 
     _, learner, _, _, next_run = saved_run
     checkpoints = next_run()
     cursor = checkpoints.resume(10, learner)
-    with torch.no_grad():
-        for parameter in learner.models.policy.parameters():
-            parameter.add_(0.5)
+    _train(learner, 0.5)
     later = {k: v.detach().clone() for k, v in _state(learner).items()}
     cursor.step = cursor.policy_version = 20
     checkpoints.end_of_step(cursor, learner)  # this run's own step 20, healthy
@@ -187,9 +190,7 @@ def test_a_restart_never_falls_back_to_the_timeline_a_resume_n_left(saved_run) -
     _, learner, _, weights, next_run = saved_run
     checkpoints = next_run()
     cursor = checkpoints.resume(10, learner)
-    with torch.no_grad():
-        for parameter in learner.models.policy.parameters():
-            parameter.add_(0.5)
+    _train(learner, 0.5)
     cursor.step = cursor.policy_version = 40
     checkpoints.end_of_step(cursor, learner)
     checkpoints.checkpointer.wait()
@@ -208,9 +209,7 @@ def test_a_restart_after_a_rollback_resumes_the_restored_checkpoint(saved_run) -
     checkpoints, learner, cursor, weights, next_run = saved_run
     cursor.step = 35
     assert checkpoints.rollback(25, cursor, learner, replay_data=False) == 10
-    with torch.no_grad():
-        for parameter in learner.models.policy.parameters():
-            parameter.add_(1.0)
+    _train(learner, 1.0)
     restarted = next_run()  # no commit since the rollback
     cursor = restarted.resume("latest-healthy", learner)
     assert cursor is not None and cursor.step == 10  # before: 30
