@@ -210,6 +210,9 @@ def test_mismatched_lengths_raise() -> None:
         ("return '1.0'", "'1.0'"),
         ("return None", "None"),
         ("return [1.0]", "[1.0]"),
+        # too large for a float: an OverflowError's traceback and exit 1 (retried)
+        ("return 10 ** 400", "1" + "0" * 79 + "…"),
+        ("return __import__('fractions').Fraction(10 ** 400, 3)", "Fraction(1" + "0" * 70),
     ],
 )
 def test_unusable_user_values_raise(user_module, body: str, shown: str) -> None:
@@ -267,6 +270,30 @@ def test_numpy_numbers_are_rewards(user_module) -> None:
     )
     model = RewardModel(spec((f"{name}:f32", 1.0), (f"{name}:i64", 1.0)))
     assert model.score(["x"], ["y"]).total == [2.5]
+
+
+def test_a_reward_whose_own_file_is_missing_is_not_retryable(user_module) -> None:
+    """A missing or unreadable file of the reward's own fails again on every restart:
+    retried, the operator spent the job's restarts on it."""
+    name = user_module(
+        "def table(completion, answer):\n    open('/nonexistent/rlft/answers.csv')\n"
+    )
+    with pytest.raises(RewardError) as caught:
+        RewardModel(spec((f"{name}:table", 1.0))).score(["1"], ["1"])
+    assert not caught.value.retryable and "FileNotFoundError" in str(caught.value)
+
+
+def test_a_reward_that_exits_is_an_error_not_a_finished_run(user_module) -> None:
+    """sys.exit(0) in a reward, or at its module's import (a script's argparse), ended
+    the run with exit 0, no model and no message."""
+    name = user_module("import sys\ndef bye(completion, answer):\n    sys.exit(0)\n")
+    with pytest.raises(RewardError) as caught:
+        RewardModel(spec((f"{name}:bye", 1.0))).score(["1"], ["1"])
+    assert f"reward '{name}:bye' raised SystemExit" in str(caught.value)
+    script = user_module("import sys\nsys.exit(0)\ndef f(completion, answer):\n    return 1.0\n")
+    with pytest.raises(RewardError) as caught:
+        load_reward(f"{script}:f")
+    assert f"importing module {script!r}" in str(caught.value) and "SystemExit" in str(caught.value)
 
 
 def test_a_module_that_fails_to_import_is_named(user_module) -> None:

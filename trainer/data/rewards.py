@@ -6,6 +6,7 @@ job's reward is the weighted sum of its terms.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import numbers
@@ -64,7 +65,8 @@ def load_reward(name: str) -> RewardFn:
             f"spec.reward.functions: cannot import module {module_name!r} for reward {name!r} "
             f"({error}); is it installed or on PYTHONPATH?"
         ) from None
-    except Exception as error:  # the module's own code failed: a SyntaxError, a NameError…
+    except (Exception, SystemExit) as error:  # its own code failed (a SyntaxError, a
+        # NameError…) or exited (a script's top-level argparse): no run "succeeds" on it
         raise RewardError(
             f"spec.reward.functions: importing module {module_name!r} for reward {name!r} "
             f"failed: {type(error).__name__}: {error}"
@@ -75,6 +77,30 @@ def load_reward(name: str) -> RewardFn:
             f"spec.reward.functions: module {module_name!r} has no function {function_name!r}"
         )
     return function
+
+
+def _retryable(error: BaseException) -> bool:
+    """A reward's error that may pass (a service it calls out of reach), not one of its
+    own files missing or refused: those fail again on every restart."""
+    permanent = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+    return isinstance(error, OSError) and not isinstance(error, permanent)
+
+
+def _finite(name: str, value: object, completion: str) -> float:
+    """A reward's value as a float, or RewardError (numbers.Real: numpy's scalars too, as
+    np.float32 is no float; an int or Fraction too large for a float is no reward)."""
+    number = None
+    if isinstance(value, numbers.Real):
+        with contextlib.suppress(OverflowError, ValueError):
+            number = float(value)
+    if number is None or not math.isfinite(number):
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:80] + "…"
+        raise RewardError(
+            f"reward {name!r} returned {shown} for completion {completion[:200]!r}; "
+            "a reward must be a finite number"
+        )
+    return number
 
 
 @dataclass
@@ -99,22 +125,18 @@ class RewardModel:
             for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
                 try:
                     value = function(completion, answer)
-                except Exception as error:
+                except (Exception, SystemExit) as error:
                     # Named: a bare traceback (or, generating on a thread, "rollout
-                    # generation failed") did not say which of the job's terms failed.
+                    # generation failed") did not say which of the job's terms failed. A
+                    # sys.exit(0) in it ended the run with exit 0 and no model.
                     raise RewardError(
                         f"reward {name!r} raised {type(error).__name__}: {error} for "
                         f"completion {completion[:200]!r}",
-                        retryable=isinstance(error, OSError),
+                        retryable=_retryable(error),
                     ) from error
-                # numbers.Real: numpy's scalars too (np.float32 is no float)
-                if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                    raise RewardError(
-                        f"reward {name!r} returned {value!r} for completion {completion!r}; "
-                        "a reward must be a finite number"
-                    )
-                values.append(float(value))
-                total[i] += weight * float(value)
+                value = _finite(name, value, completion)
+                values.append(value)
+                total[i] += weight * value
                 if not math.isfinite(total[i]):
                     # Each term finite, their weighted sum overflowed: every step's update
                     # was then skipped as non-finite, and the run "finished" untrained.
