@@ -421,6 +421,25 @@ def test_micro_batch_size_zero_exact_line() -> None:
             "model's 512 (model.init.maxPositionEmbeddings",
             id="completions-fill-the-default-context",
         ),
+        # Each found only once the trainer ran (on Kubernetes: pods made, then exit 2),
+        # or, for the penalty, never: every completion was penalised by its length.
+        pytest.param(
+            manifest(algorithm={"overlong": {"softPenaltyTokens": 16}}),
+            "spec: algorithm.overlong.softPenaltyTokens 16 must be below "
+            "rollout.sampling.maxNewTokens 16",
+            id="soft-penalty-past-the-completion",
+        ),
+        pytest.param(
+            manifest(data={"arithmetic": {"digits": 1, "evalSize": 60}}),
+            "spec.data.arithmetic: evalSize: 60 held-out problems leave too few for training "
+            "among 100 possible",
+            id="eval-size-past-the-problems",
+        ),
+        pytest.param(
+            manifest(data={"jsonl": {"train": ""}}),
+            "spec.data.jsonl.train: string should have at least 1 character",
+            id="empty-train-path",
+        ),
     ],
 )
 def test_bad_field_is_named(document: dict[str, Any], expected: str) -> None:

@@ -23,17 +23,35 @@ class ArithmeticTask(Section):
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
     """Operators to draw from."""
     eval_size: int = Field(500, ge=1, le=1_000_000)
-    """Held-out problems for evaluation (never seen in training)."""
+    """Held-out problems for evaluation (never seen in training): at most half of the
+    distinct problems `digits`, `exactDigits` and `operations` allow."""
+
+    def problem_space(self) -> int:
+        """How many distinct problems the settings allow."""
+        low = 10 ** (self.digits - 1) if self.exact_digits and self.digits > 1 else 0
+        return (10**self.digits - low) ** 2 * len(self.operations)
+
+    @model_validator(mode="after")
+    def _room_to_train(self) -> ArithmeticTask:
+        # Checked when the task was built, in the trainer: on Kubernetes after the pods
+        # were made, where `rlft validate` and the operator had let the job through.
+        space = self.problem_space()
+        if self.eval_size > space // 2:
+            raise ValueError(
+                f"evalSize: {self.eval_size} held-out problems leave too few for training "
+                f"among {space} possible; lower evalSize or raise digits"
+            )
+        return self
 
 
 class JsonlTask(Section):
     """Prompts with reference answers from JSON Lines files."""
 
-    train: str
+    train: str = Field(min_length=1)
     """Path of the training file: one JSON object per line. Every problem (and every
     held-out one) must fit the model's context, the prompt with maxNewTokens or, for sft
     and dpo, with its answers: checked once when the job starts, naming the line."""
-    eval: str | None = None
+    eval: str | None = Field(None, min_length=1)
     """Path of the held-out file (optional; without it no accuracy is reported)."""
     prompt_field: str = "prompt"
     """Key of the prompt text in each object."""

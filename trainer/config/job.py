@@ -105,6 +105,15 @@ class RLFineTuneSpec(Section):
                 "(model.init.maxPositionEmbeddings, prompt and completion together): lower "
                 "maxNewTokens or raise maxPositionEmbeddings"
             )
+        buffer = self.algorithm.overlong.soft_penalty_tokens
+        if buffer >= longest:
+            # The penalty then started at length 0 or below: every completion lost reward
+            # in proportion to its length, not only those near the limit.
+            raise ValueError(
+                f"algorithm.overlong.softPenaltyTokens {buffer} must be below "
+                f"rollout.sampling.maxNewTokens {longest}: completions longer than "
+                "maxNewTokens - softPenaltyTokens are penalised (0 turns it off)"
+            )
         return self
 
 
