@@ -13,6 +13,11 @@ minutes. GracefulStop takes SIGTERM over for good (`hand_over`): once training i
 a SIGTERM is its to handle, and after it a signal's default action again, never this
 module's "nothing had run".
 
+After the run, GracefulStop puts back the handler from before this module's: with
+`on_late_sigterm`, not the default action, which killed a rank that was writing its
+verdict (torchrun stopping the survivors of a rank that died) before it wrote it. A late
+SIGTERM leaves the rank `LATE_GRACE_SECONDS` to end on its own, then calls it.
+
 No torch here: it is installed before torch is imported.
 """
 
@@ -25,14 +30,22 @@ from collections.abc import Callable
 from types import FrameType
 
 _current: StopWhileStarting | None = None
+LATE_GRACE_SECONDS = 10.0
+"""How long a rank that got SIGTERM after its run may still take to end on its own."""
 
 
 class StopWhileStarting:
     """Until `hand_over`, a SIGTERM calls `on_sigterm` on a thread of its own (it is to
     end the process: the main thread may be anywhere, blocked in a C call included)."""
 
-    def __init__(self, on_sigterm: Callable[[], None]) -> None:
+    def __init__(
+        self, on_sigterm: Callable[[], None], on_late_sigterm: Callable[[], None] | None = None
+    ) -> None:
         self.on_sigterm = on_sigterm
+        self.on_late_sigterm = on_late_sigterm
+        """Called (on a timer's thread) when a SIGTERM after the run did not see the rank
+        end within LATE_GRACE_SECONDS (None: the default action, as before this)."""
+        self._late: threading.Timer | None = None
         self.received = False
         """A SIGTERM arrived (the main thread's handler ran)."""
         self.acted = False
@@ -87,6 +100,16 @@ class StopWhileStarting:
         it (`hand_over`) rather than lost."""
         self.received = True
 
+    def _after_the_run(self) -> signal.Handlers | Callable[[int, FrameType | None], object]:
+        """SIGTERM's handler once GracefulStop is done with it."""
+        return self._previous_handler if self.on_late_sigterm is None else self._late_sigterm
+
+    def _late_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._late is None and self.on_late_sigterm is not None:
+            self._late = threading.Timer(LATE_GRACE_SECONDS, self.on_late_sigterm)
+            self._late.daemon = True
+            self._late.start()
+
     def _watch(self, reader: socket.socket) -> None:
         # Read until `uninstall` closes the writer: a reader gone before it would turn the
         # wakeup writes of later signals into errors printed by the interpreter.
@@ -114,7 +137,7 @@ def hand_over(previous: dict[int, object]) -> None:
     if starting is None:
         return
     if previous.get(signal.SIGTERM) == starting._noted:
-        previous[signal.SIGTERM] = starting._previous_handler
+        previous[signal.SIGTERM] = starting._after_the_run()
     starting.uninstall()
     if starting.received and not starting.acted:
         # Arrived while the thread waited for the GIL, and the new handler is installed

@@ -69,16 +69,28 @@ GENERATION_GAP_S = 5.0
 """A line whose writer started this much before this process is another generation's."""
 
 
+_written = False
+
+
 def write(verdict: Verdict, environ: dict[str, str] | None = None) -> None:
     """Record `verdict` as this rank's line, replacing an earlier one of the same rank
     (an in-pod restart); other ranks' lines are kept. Best effort: never raises."""
+    global _written
     line = {**_parse_lines(encode(verdict))[0], "started": round(STARTED, 3)}
     _edit(lambda lines: [v for v in lines if v.get("rank") != verdict.rank] + [line], environ)
+    _written = True
 
 
 def clear(rank: int, environ: dict[str, str] | None = None) -> None:
     """Remove this rank's line (a stall it recovered from); best effort, never raises."""
+    global _written
     _edit(lambda lines: [v for v in lines if v.get("rank") != rank], environ)
+    _written = False
+
+
+def written() -> bool:
+    """Whether this process wrote its rank's verdict (and did not clear it since)."""
+    return _written
 
 
 def forget_earlier_generations(environ: dict[str, str] | None = None) -> None:

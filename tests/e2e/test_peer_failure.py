@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import pytest
+import yaml
 from processes import kill_tree
 from test_resume import start, write_job
 
@@ -41,3 +42,36 @@ def test_a_step_failing_on_one_rank_ends_the_run_at_once_with_its_verdict(tmp_pa
     verdict = termination.read((tmp_path / "out.termination").read_text())
     assert verdict is not None and verdict.exit_code == 1, verdict
     assert f"rank {rank} fails at step 2" in verdict.message, verdict
+
+
+def test_the_survivor_of_a_rank_killed_outright_writes_its_verdict(tmp_path):
+    """Rank 1 SIGKILLed mid-run: rank 0's collective breaks, and torchrun SIGTERMs it
+    within a tenth of a second, as it ends. Its run's signal handler was gone by then, and
+    SIGTERM's default action killed it before it wrote its verdict (exit -15, no line:
+    the operator had exit 1 and a log tail). It now writes it, then ends."""
+    import os
+    import signal
+
+    from processes import descendants, read_proc
+    from test_resume import wait_for_step
+
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = 400
+    job.write_text(yaml.safe_dump(spec))
+    process = start(tmp_path, "out", "--nproc", "2")
+    try:
+        wait_for_step(tmp_path / "out", 2, process)
+        (rank_1,) = [
+            pid for pid in descendants(process.pid) if b"RANK=1\0" in read_proc(pid, "environ")
+        ]
+        os.kill(rank_1, signal.SIGKILL)
+        output = process.communicate(timeout=ENDS_WITHIN_S)[0]
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    assert process.returncode == 1, output
+    text = (tmp_path / "out.termination").read_text()
+    ranks = [json.loads(line) for line in text.splitlines() if termination.MARK in line]
+    assert [line["rank"] for line in ranks] == [0], text  # rank 1 had no time for one
+    assert ranks[0]["exit_code"] == 1 and ranks[0]["message"], ranks

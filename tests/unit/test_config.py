@@ -705,6 +705,36 @@ def test_cli_train_bad_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("refused", ["job", "max-steps", "resume-with-overwrite"])
+def test_a_rank_torchrun_started_leaves_a_refused_jobs_verdict(
+    tmp_path: Path, monkeypatch, capsys: pytest.CaptureFixture[str], refused: str
+) -> None:
+    """torchrun exits 1 whatever its worker returned: a job a rank refused before it ran
+    (exit 2) left no verdict, and the operator restarted the gang until its budget ran
+    out, with no message in the job's status."""
+    from rlft.trainer import termination
+
+    log = tmp_path / "termination"
+    for name, value in {
+        "TORCHELASTIC_RUN_ID": "r",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        termination.ENV: str(log),
+    }.items():
+        monkeypatch.setenv(name, value)
+    good = write_yaml(tmp_path, manifest())
+    argv = {
+        "job": [str(write_yaml(tmp_path, manifest(trainer={"steps": 0}), "bad.yaml"))],
+        "max-steps": [str(good), "--max-steps", "0"],
+        "resume-with-overwrite": [str(good), "--overwrite", "--resume", "auto"],
+    }[refused]
+    assert cli.main(["train", *argv, "--out", str(tmp_path / "out")]) == 2
+    said = capsys.readouterr().err.strip()
+    verdict = termination.read(log.read_text())
+    assert verdict is not None and (verdict.exit_code, verdict.rank) == (2, 1)
+    assert verdict.message == said.replace("\n", "; ") and said, verdict
+
+
 # ------------------------------------------------------------------- import hygiene
 
 

@@ -84,3 +84,21 @@ def test_a_sigterm_the_thread_has_not_reached_goes_to_graceful_stop(sigterm_rest
         stop.uninstall()
     time.sleep(0.2)  # the thread, had it been left the signal, would have acted by now
     assert called == []
+
+
+def test_a_sigterm_after_the_run_leaves_the_rank_time_to_write_its_verdict(
+    sigterm_restored, monkeypatch
+):
+    """After the run GracefulStop put SIGTERM's default action back: torchrun stopping
+    the survivors of a rank that died killed them as they wrote their verdicts (exit -15,
+    none written). A late SIGTERM now leaves the rank LATE_GRACE_SECONDS to end, then
+    calls `on_late_sigterm` (the rank's: a verdict unless it wrote one, and exit 1)."""
+    monkeypatch.setattr(stop_while_starting, "LATE_GRACE_SECONDS", 0.5)
+    late = threading.Event()
+    StopWhileStarting(lambda: None, on_late_sigterm=late.set).install()
+    stop = GracefulStop(30.0).install()
+    stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # before: SIG_DFL
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert not late.is_set()  # the rank goes on writing its verdict
+    assert late.wait(10)

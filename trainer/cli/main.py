@@ -203,9 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
-        print("rlft: --max-steps must be ≥ 1", file=sys.stderr)
-        return ExitCode.INVALID_CONFIG
     return int(args.handler(args))
 
 

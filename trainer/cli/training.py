@@ -29,9 +29,26 @@ WORKER = "rlft.trainer.cli.main"
 
 
 def _job(path: str) -> RLFineTune | None:
-    from rlft.trainer.cli.main import _load_or_report
+    from rlft.trainer.config import JobFileError, load_job
 
-    return _load_or_report(path)
+    try:
+        return load_job(path)
+    except JobFileError as error:
+        _refused(*(f"{error.source}: {problem}" for problem in error.problems))
+        return None
+
+
+def _refused(*lines: str) -> int:
+    """A job or command line `rlft train` refuses (exit 2), said on stderr and, in a rank
+    torchrun started, in its verdict: torchrun exits 1 whatever its worker returned, and
+    without one the operator retried a job no restart can run (a trainer image older
+    than the operator that validated the spec, say)."""
+    for line in lines:
+        print(line, file=sys.stderr)
+    if launched_by_torchrun():
+        rank = int(os.environ["RANK"])
+        liveness.report(termination.Verdict(ExitCode.INVALID_CONFIG, "; ".join(lines), rank))
+    return ExitCode.INVALID_CONFIG
 
 
 def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
@@ -174,16 +191,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rlft.trainer.allocator import fix_mmap_threshold
 
     fix_mmap_threshold()  # before the run allocates: see allocator.py
+    if args.max_steps is not None and args.max_steps < 1:
+        return _refused("rlft: --max-steps must be ≥ 1")
     job = _job(args.job)
     if job is None:
         return ExitCode.INVALID_CONFIG
     if args.nproc < 1:
-        print("rlft: --nproc must be ≥ 1", file=sys.stderr)
-        return ExitCode.INVALID_CONFIG
+        return _refused("rlft: --nproc must be ≥ 1")
     if args.overwrite and args.resume not in (None, "never"):
         # --overwrite deletes the run's checkpoints: there would be nothing to resume.
-        print(f"rlft: --resume {args.resume} with --overwrite: give one of them", file=sys.stderr)
-        return ExitCode.INVALID_CONFIG
+        return _refused(f"rlft: --resume {args.resume} with --overwrite: give one of them")
     if launched_by_torchrun():
         # A rank of a job whose ranks torchrun started (on Kubernetes: every worker of
         # every trainer pod): join the group it described, whatever --nproc says.
@@ -256,7 +273,9 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     termination.forget_earlier_generations()  # a worker restarted in place starts clean
     # Until the training loop's own handler (GracefulStop) takes SIGTERM over: importing
     # torch, joining the group, building the model. Nothing to checkpoint there.
-    stop_while_starting.StopWhileStarting(lambda: _stopped_while_starting(rank)).install()
+    stop_while_starting.StopWhileStarting(
+        lambda: _stopped_while_starting(rank), lambda: _stopped_while_ending(rank)
+    ).install()
     # First, before torch is even imported: the pod's probes ask from the moment its
     # worker runs, and a worker restarted in place must answer again within seconds.
     try:
@@ -319,6 +338,16 @@ def _stopped_while_starting(rank: int) -> NoReturn:
     liveness.report(termination.Verdict(ExitCode.FAILURE, STOPPED_WHILE_STARTING, rank))
     sys.stdout.flush()
     # Not exit_worker: its module imports torch, which the main thread may be importing.
+    os._exit(ExitCode.FAILURE)
+
+
+def _stopped_while_ending(rank: int) -> NoReturn:
+    """A SIGTERM after the run, and the rank had not ended on its own since (on a timer's
+    thread): a retryable failure, unless the rank had written its verdict already."""
+    if not termination.written():
+        message = "stopped (SIGTERM) while ending, before it had written its verdict"
+        liveness.report(termination.Verdict(ExitCode.FAILURE, message, rank))
+    sys.stdout.flush()
     os._exit(ExitCode.FAILURE)
 
 
