@@ -105,3 +105,24 @@ def test_a_rope_scaled_models_context_is_its_scaled_one():
     assert context_positions(Qwen3Config(max_position_embeddings=64, rope_scaling=scaling)) == 256
     assert context_positions(Qwen3Config(max_position_embeddings=64)) == 64
     assert context_positions(None) is None
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "sft"])
+def test_the_arithmetic_tasks_longest_problem_is_checked_with_its_answer(algorithm):
+    """12-digit products need 51 positions (a 26-token prompt, 24 digits and the end of
+    text): with 34 the warm start (or sft) trained past the context, unchecked; the same
+    problems as a JSON Lines file were refused."""
+    model = copy.deepcopy(TINY_MODEL)
+    model["init"]["maxPositionEmbeddings"] = 34
+    spec = {
+        "model": model,
+        "data": {"arithmetic": {"digits": 12, "operations": ["*"], "evalSize": 20}},
+        "algorithm": {"name": algorithm, "sft": {"steps": 3}},
+        "rollout": {"sampling": {"maxNewTokens": 4}},
+        "telemetry": {"enabled": False},
+    }
+    with pytest.raises(DataFileError) as refused:
+        build_parts(parse_job(manifest(spec, name="context")))
+    message = str(refused.value)
+    assert message.startswith("spec.data.arithmetic: 999999999999*999999999999=: the prompt's")
+    assert "its longest answer's 25 tokens exceed the model's 34 positions: lower " in message

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 
 from rlft.trainer.config import ArithmeticTask
 from rlft.trainer.data.task import Problem
@@ -55,6 +56,18 @@ class ArithmeticProblems:
 
     def eval_problems(self) -> list[Problem]:
         return list(self._held_out.values())
+
+    def longest(self) -> list[Problem]:
+        """The problems with the longest prompt and answer of each operation (the widest
+        operands; for `-` a negative result too): what a context check of the training
+        problems, never all listed, must take."""
+        found = []
+        for op in self.spec.operations:
+            keys = [(self.high, op, self.high)] + ([(self.low, op, self.high)] if op == "-" else [])
+            for key in keys:
+                problem = render(*key)
+                found.append(replace(problem, origin=f"spec.data.arithmetic: {problem.prompt}"))
+        return found
 
     def corpus(self) -> Iterator[str]:
         rng = random.Random(0)

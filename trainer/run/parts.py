@@ -12,6 +12,7 @@ import torch
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.config.algorithm import SOURCES
 from rlft.trainer.data import Task, build_task
+from rlft.trainer.data.arithmetic import ArithmeticProblems
 from rlft.trainer.data.jsonl import DataFileError, JsonlProblems
 from rlft.trainer.data.rewards import RewardModel
 from rlft.trainer.model.build import build_policy
@@ -67,12 +68,18 @@ def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int)
     A generated completion may take `rollout.sampling.maxNewTokens` after its prompt (the
     held-out problems evaluated are generated for every algorithm); a supervised example
     or a preference pair (sft, dpo, a rollout job's warm start) takes its answers' own
-    tokens. The built-in arithmetic task draws its training problems as its held-out ones
-    are made, so those stand for it."""
+    tokens. The built-in arithmetic task's training problems are checked by its longest
+    ones (they were not at all: a warm start trained past the context)."""
     spec = job.spec
     new_tokens = spec.rollout.sampling.max_new_tokens
     generated = SOURCES[spec.algorithm.name] == "rollouts"
-    training = task.training_problems() if isinstance(task, JsonlProblems) else []
+    training: list = []
+    shorten = "shorten the prompt or its answers, or drop the line"
+    if isinstance(task, JsonlProblems):
+        training = task.training_problems()
+    elif isinstance(task, ArithmeticProblems):
+        training = task.longest()
+        shorten = "lower spec.data.arithmetic.digits, or give the model more positions"
     evaluated = task.eval_problems()[: spec.eval.max_problems]
     checked = [(p, True) for p in evaluated] + [(p, False) for p in training]
     lengths = encoder.prompt_lengths([problem.prompt for problem, _ in checked])
@@ -82,13 +89,13 @@ def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int)
         need = 0
         if held_out or generated:
             need, after = prompt + new_tokens, f"rollout.sampling.maxNewTokens {new_tokens}"
-            fix = "shorten the prompt, drop the line, or lower rollout.sampling.maxNewTokens"
+            fix = f"{shorten}, or lower rollout.sampling.maxNewTokens"
         if supervised and not held_out:
             answers = [a for a in (problem.answer, problem.rejected) if a is not None]
             longest = max(len(encoder.answer(a)) for a in answers)
             if prompt + longest > need:
                 need, after = prompt + longest, f"its longest answer's {longest} tokens"
-                fix = "shorten the prompt or its answers, or drop the line"
+                fix = shorten
         if need > positions:
             where = problem.origin or f"held-out problem {problem.prompt!r}"
             raise DataFileError(
