@@ -431,7 +431,7 @@ def test_micro_batch_size_zero_exact_line() -> None:
         ),
         pytest.param(
             manifest(data={"arithmetic": {"digits": 1, "evalSize": 60}}),
-            "spec.data.arithmetic: evalSize: 60 held-out problems leave too few for training "
+            "spec.data: arithmetic.evalSize: 60 held-out problems leave too few for training "
             "among 100 possible",
             id="eval-size-past-the-problems",
         ),
@@ -446,6 +446,20 @@ def test_bad_field_is_named(document: dict[str, Any], expected: str) -> None:
     lines = problems(document)
     assert len(lines) == 1, lines
     assert lines[0].startswith(expected), lines
+
+
+def test_settings_of_a_source_the_job_does_not_use_are_not_judged() -> None:
+    """A jsonl job with an arithmetic section left over (say, from a template), and an
+    empty held-out path, which means none: both ran, and validation must not refuse
+    them now."""
+    document = manifest(
+        data={
+            "source": "jsonl",
+            "jsonl": {"train": "/data/train.jsonl", "eval": ""},
+            "arithmetic": {"digits": 1},
+        }
+    )
+    assert parse_job(document).spec.data.arithmetic.eval_size == 500
 
 
 def test_completions_that_leave_a_prompt_room_are_accepted() -> None:

@@ -126,3 +126,21 @@ def test_the_arithmetic_tasks_longest_problem_is_checked_with_its_answer(algorit
     message = str(refused.value)
     assert message.startswith("spec.data.arithmetic: 999999999999*999999999999=: the prompt's")
     assert "its longest answer's 25 tokens exceed the model's 34 positions: lower " in message
+
+
+def test_the_widest_negative_difference_is_checked_with_exact_digits_off():
+    """With operands from 0, `-`'s longest problem is not `0-999999=`: `100000-999999=`
+    has the widest prompt and a negative answer (22 positions with its end of text)."""
+    model = copy.deepcopy(TINY_MODEL)
+    spec = {
+        "model": model,
+        "data": {"arithmetic": {"digits": 6, "exactDigits": False, "operations": ["-"]}},
+        "algorithm": {"name": "sft"},
+        "rollout": {"sampling": {"maxNewTokens": 4}},
+        "telemetry": {"enabled": False},
+    }
+    model["init"]["maxPositionEmbeddings"] = 21
+    with pytest.raises(DataFileError, match=r"^spec.data.arithmetic: 100000-999999=: "):
+        build_parts(parse_job(manifest(spec, name="context")))
+    model["init"]["maxPositionEmbeddings"] = 22
+    assert build_parts(parse_job(manifest(spec, name="context")))

@@ -26,22 +26,17 @@ class ArithmeticTask(Section):
     """Held-out problems for evaluation (never seen in training): at most half of the
     distinct problems `digits`, `exactDigits` and `operations` allow."""
 
-    def problem_space(self) -> int:
-        """How many distinct problems the settings allow."""
+    def room_problem(self) -> str | None:
+        """What is wrong with `evalSize` against the distinct problems the settings allow
+        (None: it leaves enough to train on)."""
         low = 10 ** (self.digits - 1) if self.exact_digits and self.digits > 1 else 0
-        return (10**self.digits - low) ** 2 * len(self.operations)
-
-    @model_validator(mode="after")
-    def _room_to_train(self) -> ArithmeticTask:
-        # Checked when the task was built, in the trainer: on Kubernetes after the pods
-        # were made, where `rlft validate` and the operator had let the job through.
-        space = self.problem_space()
+        space = (10**self.digits - low) ** 2 * len(self.operations)
         if self.eval_size > space // 2:
-            raise ValueError(
-                f"evalSize: {self.eval_size} held-out problems leave too few for training "
-                f"among {space} possible; lower evalSize or raise digits"
+            return (
+                f"arithmetic.evalSize: {self.eval_size} held-out problems leave too few for "
+                f"training among {space} possible; lower evalSize or raise digits"
             )
-        return self
+        return None
 
 
 class JsonlTask(Section):
@@ -51,8 +46,9 @@ class JsonlTask(Section):
     """Path of the training file: one JSON object per line. Every problem (and every
     held-out one) must fit the model's context, the prompt with maxNewTokens or, for sft
     and dpo, with its answers: checked once when the job starts, naming the line."""
-    eval: str | None = Field(None, min_length=1)
-    """Path of the held-out file (optional; without it no accuracy is reported)."""
+    eval: str | None = None
+    """Path of the held-out file (optional; without it, or empty, no accuracy is
+    reported)."""
     prompt_field: str = "prompt"
     """Key of the prompt text in each object."""
     answer_field: str = "answer"
@@ -76,6 +72,11 @@ class DataSpec(Section):
 
     @model_validator(mode="after")
     def _jsonl_needs_files(self) -> DataSpec:
+        # Checked here too, not only when the task is built: on Kubernetes that is in the
+        # trainer, after the pods were made. Not for a job that does not use the task.
+        problem = self.arithmetic.room_problem() if self.source == "arithmetic" else None
+        if problem:
+            raise ValueError(problem)
         if self.source == "jsonl" and self.jsonl is None:
             raise ValueError("source `jsonl` needs the `jsonl` section with a `train` file")
         if self.source != "jsonl" and self.jsonl is not None:

@@ -37,6 +37,8 @@ class ArithmeticProblems:
         self.spec = spec
         self.high = 10**spec.digits - 1
         self.low = 10 ** (spec.digits - 1) if spec.exact_digits and spec.digits > 1 else 0
+        if problem := spec.room_problem():
+            raise ValueError(f"spec.data.{problem}")
         rng = random.Random(seed + _EVAL_SEED_OFFSET)
         held_out: dict[tuple[int, str, int], Problem] = {}
         while len(held_out) < spec.eval_size:
@@ -59,11 +61,12 @@ class ArithmeticProblems:
 
     def longest(self) -> list[Problem]:
         """The problems with the longest prompt and answer of each operation (the widest
-        operands; for `-` a negative result too): what a context check of the training
-        problems, never all listed, must take."""
+        operands; for `-` the widest negative result too, whatever exactDigits says): what a
+        context check of the training problems, never all listed, must take."""
+        widest = 10 ** (self.spec.digits - 1) if self.spec.digits > 1 else 0
         found = []
         for op in self.spec.operations:
-            keys = [(self.high, op, self.high)] + ([(self.low, op, self.high)] if op == "-" else [])
+            keys = [(self.high, op, self.high)] + ([(widest, op, self.high)] if op == "-" else [])
             for key in keys:
                 problem = render(*key)
                 found.append(replace(problem, origin=f"spec.data.arithmetic: {problem.prompt}"))
