@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -70,6 +71,7 @@ GENERATION_GAP_S = 5.0
 
 
 _written = False
+_writing = threading.RLock()
 
 
 def write(verdict: Verdict, environ: dict[str, str] | None = None) -> None:
@@ -77,20 +79,25 @@ def write(verdict: Verdict, environ: dict[str, str] | None = None) -> None:
     (an in-pod restart); other ranks' lines are kept. Best effort: never raises."""
     global _written
     line = {**_parse_lines(encode(verdict))[0], "started": round(STARTED, 3)}
-    _edit(lambda lines: [v for v in lines if v.get("rank") != verdict.rank] + [line], environ)
-    _written = True
+    with _writing:
+        _edit(lambda lines: [v for v in lines if v.get("rank") != verdict.rank] + [line], environ)
+        _written = True
+
+
+def write_unless_written(verdict: Verdict, environ: dict[str, str] | None = None) -> None:
+    """`write`, unless this process wrote its rank's verdict already (one from a thread
+    that ends the process never replaces the main thread's own)."""
+    with _writing:
+        if not _written:
+            write(verdict, environ)
 
 
 def clear(rank: int, environ: dict[str, str] | None = None) -> None:
     """Remove this rank's line (a stall it recovered from); best effort, never raises."""
     global _written
-    _edit(lambda lines: [v for v in lines if v.get("rank") != rank], environ)
-    _written = False
-
-
-def written() -> bool:
-    """Whether this process wrote its rank's verdict (and did not clear it since)."""
-    return _written
+    with _writing:
+        _edit(lambda lines: [v for v in lines if v.get("rank") != rank], environ)
+        _written = False
 
 
 def forget_earlier_generations(environ: dict[str, str] | None = None) -> None:

@@ -30,6 +30,20 @@ def test_each_rank_keeps_one_line_and_the_most_telling_verdict_wins(tmp_path):
     assert termination.read(text) == Verdict(0, completed=True, step=7, last_checkpoint=6)
 
 
+def test_a_late_verdict_never_replaces_the_processs_own(tmp_path, monkeypatch):
+    """The verdict a timer writes for a rank SIGTERMed as it ended (`stopped while
+    ending`) is written only when the rank wrote none: not over its own error."""
+    monkeypatch.setattr(termination, "_written", False)
+    env = {termination.ENV: str(tmp_path / "termination-log")}
+    late = Verdict(ExitCode.FAILURE, "stopped while ending", rank=0)
+    termination.write(Verdict(ExitCode.FAILURE, "DistBackendError: peer gone", rank=0), env)
+    termination.write_unless_written(late, env)
+    assert "peer gone" in termination.read((tmp_path / "termination-log").read_text()).message
+    termination.clear(0, env)  # a stall's line, recovered from: none of its own any more
+    termination.write_unless_written(late, env)
+    assert termination.read((tmp_path / "termination-log").read_text()) == late
+
+
 def test_among_equally_severe_lines_the_stalled_ranks_is_read(tmp_path):
     """Its peers' errors (a collective broken when it was killed) follow from it, and
     they may have written first."""

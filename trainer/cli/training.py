@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -305,9 +306,11 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         traceback.print_exc()
         message = f"{type(error).__name__}: {error}"
         liveness.report(termination.Verdict(ExitCode.FAILURE, message, dist.rank))
+        _verdict_written()
         exit_worker(ExitCode.FAILURE)
     # The verdict is written: a peer gone from the goodbye barrier changes nothing of it
     # (its error escaped here, and the agent stopped rank 0 mid-publication).
+    _verdict_written()
     with contextlib.suppress(Exception):
         shutdown()
     exit_worker(code)
@@ -341,12 +344,18 @@ def _stopped_while_starting(rank: int) -> NoReturn:
     os._exit(ExitCode.FAILURE)
 
 
+def _verdict_written() -> None:
+    """A SIGTERM from now on ends the rank at once (the default action): its verdict is
+    written, and where it waits in a C call (the goodbye barrier, NCCL's teardown) the
+    late handler, a Python one, would not even run until torchrun's SIGKILL."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _stopped_while_ending(rank: int) -> NoReturn:
     """A SIGTERM after the run, and the rank had not ended on its own since (on a timer's
     thread): a retryable failure, unless the rank had written its verdict already."""
-    if not termination.written():
-        message = "stopped (SIGTERM) while ending, before it had written its verdict"
-        liveness.report(termination.Verdict(ExitCode.FAILURE, message, rank))
+    message = "stopped (SIGTERM) while ending, before it had written its verdict"
+    liveness.report_unless_written(termination.Verdict(ExitCode.FAILURE, message, rank))
     sys.stdout.flush()
     os._exit(ExitCode.FAILURE)
 

@@ -209,6 +209,11 @@ def report(verdict: termination.Verdict) -> None:
     termination.write(current().marked(verdict))
 
 
+def report_unless_written(verdict: termination.Verdict) -> None:
+    """`report`, unless this process wrote its verdict already (from a thread ending it)."""
+    termination.write_unless_written(current().marked(verdict))
+
+
 def beat(what: str) -> None:
     """Progress of the main thread, for the process's liveness."""
     _current.beat(what)
