@@ -65,6 +65,10 @@ def test_every_panel_of_an_exported_series_draws_it(tmp_path):
     server = None
     try:
         telemetry.set_phase("training")
+        # A run past its warm start and first checkpoint: the Unix-time gauges are drawn
+        # as ages, and a 0 ("not yet") as none.
+        telemetry.exporter.main_phase_began()
+        telemetry.checkpoint(1, "file:///ckpt/step-000001", True)
         telemetry.record({"step": 1, "policy_version": 1, "loss": 0.1, "grad_norm": 1.0})
         rollout.metrics.request("ok")
         operator_port = operator.serve("127.0.0.1", 0)
