@@ -4,14 +4,13 @@ line's view of a checkpoint location. Prints plain lines; returns exit codes."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import BadUriError, CheckpointError, StorageError
 from rlft.trainer.checkpoint.history import segment_problems
-from rlft.trainer.checkpoint.manifest import EXTRA, split_location, step_dir
+from rlft.trainer.checkpoint.manifest import split_location, step_dir
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.storage.backends import FileStorage, S3Options, open_storage
 
@@ -133,7 +132,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 continue
             problems = catalog.verify(scan.manifests[step])
             if not problems:
-                problems = segment_problems(storage, _extra(storage, step))
+                problems = segment_problems(storage, catalog.read_extra(step))
             if problems and catalog.gone(scan.manifests[step]):
                 # A run writing here committed a newer one, and its retention deleted this.
                 print(f"{step_dir(step)}: deleted meanwhile (retention), not checked")
@@ -155,11 +154,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
             return ExitCode.FAILURE
     return ExitCode.FAILURE if damaged else ExitCode.OK
-
-
-def _extra(storage, step: int) -> dict:
-    """A committed checkpoint's extra.json (intact: its manifest's checksum was checked)."""
-    return json.loads(storage.get_bytes(f"{step_dir(step)}/{EXTRA}"))
 
 
 def cmd_export(args: argparse.Namespace) -> int:

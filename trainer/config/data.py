@@ -26,11 +26,16 @@ class ArithmeticTask(Section):
     """Held-out problems for evaluation (never seen in training): at most half of the
     distinct problems `digits`, `exactDigits` and `operations` allow."""
 
+    def operand_range(self) -> tuple[int, int]:
+        """The smallest and the largest operand."""
+        low = 10 ** (self.digits - 1) if self.exact_digits and self.digits > 1 else 0
+        return low, 10**self.digits - 1
+
     def room_problem(self) -> str | None:
         """What is wrong with `evalSize` against the distinct problems the settings allow
         (None: it leaves enough to train on)."""
-        low = 10 ** (self.digits - 1) if self.exact_digits and self.digits > 1 else 0
-        space = (10**self.digits - low) ** 2 * len(self.operations)
+        low, high = self.operand_range()
+        space = (high - low + 1) ** 2 * len(self.operations)
         if self.eval_size > space // 2:
             return (
                 f"arithmetic.evalSize: {self.eval_size} held-out problems leave too few for "

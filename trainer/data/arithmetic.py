@@ -35,8 +35,7 @@ class ArithmeticProblems:
 
     def __init__(self, spec: ArithmeticTask, seed: int):
         self.spec = spec
-        self.high = 10**spec.digits - 1
-        self.low = 10 ** (spec.digits - 1) if spec.exact_digits and spec.digits > 1 else 0
+        self.low, self.high = spec.operand_range()
         if problem := spec.room_problem():
             raise ValueError(f"spec.data.{problem}")
         rng = random.Random(seed + _EVAL_SEED_OFFSET)
