@@ -178,7 +178,8 @@ class Checkpointer:
         self._last_error: str | None = None
         self.parent: int | None = None
         """The committed step the next save descends from: the previous commit, or what
-        `descend_from` named (None: a fresh start)."""
+        `descend_from` named (`FRESH_START` for a run that started from none; None: not
+        told, and its manifests record no parent)."""
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
