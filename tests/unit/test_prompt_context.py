@@ -144,3 +144,20 @@ def test_the_widest_negative_difference_is_checked_with_exact_digits_off():
         build_parts(parse_job(manifest(spec, name="context")))
     model["init"]["maxPositionEmbeddings"] = 22
     assert build_parts(parse_job(manifest(spec, name="context")))
+
+
+def test_a_made_up_rejected_answer_is_checked_at_its_longest(tmp_path):
+    """DPO without a rejected answer pairs the answer with a nearby wrong one that may be a
+    character longer ("5" against "-5" or "15"): a context that fits "5" exactly is refused."""
+    prompt = "1+1+1+1+1+1+1+1+1+1="  # long enough for the least context a model may have
+    job = _job(tmp_path, "dpo", [{"prompt": prompt, "answer": "5"}], new_tokens=4)
+    document = job.model_dump(by_alias=True, exclude_none=True)
+    del document["spec"]["data"]["jsonl"]["rejectedField"]
+    encoder = build_parts(parse_job(document)).encoder
+    fits_answer = len(encoder.prompt(prompt)) + len(encoder.answer("5"))
+    assert len(encoder.answer("-5")) > len(encoder.answer("5"))
+    document["spec"]["model"]["init"]["maxPositionEmbeddings"] = fits_answer
+    with pytest.raises(DataFileError, match=r"train.jsonl:1: .* its longest answer's"):
+        build_parts(parse_job(document))
+    document["spec"]["model"]["init"]["maxPositionEmbeddings"] = fits_answer + 1
+    assert build_parts(parse_job(document))

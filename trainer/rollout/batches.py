@@ -139,15 +139,21 @@ def concat(parts: list[Rollouts], limit: int, group_size: int) -> Rollouts:
     return out
 
 
-def wrong_answer(answer: str, rng: random.Random) -> str:
-    """A plausible wrong answer for a preference pair: a nearby integer, or a mangled
-    string for non-numeric answers."""
+def wrong_answers(answer: str) -> list[str]:
+    """Every answer `wrong_answer` may pick for `answer`: the integers within 10 of it, or
+    its mangled string. A context check takes the longest of them."""
     try:
         value = int(answer)
     except ValueError:
-        return answer[::-1] if answer[::-1] != answer else answer + "?"
-    delta = rng.choice([d for d in range(-10, 11) if d])
-    return str(value + delta)
+        return [answer[::-1] if answer[::-1] != answer else answer + "?"]
+    return [str(value + delta) for delta in range(-10, 11) if delta]
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer for a preference pair: a nearby integer, or a mangled
+    string for non-numeric answers."""
+    candidates = wrong_answers(answer)
+    return candidates[0] if len(candidates) == 1 else rng.choice(candidates)
 
 
 def preference_batch(

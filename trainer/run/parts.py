@@ -18,6 +18,7 @@ from rlft.trainer.data.rewards import RewardModel
 from rlft.trainer.model.build import build_policy
 from rlft.trainer.model.encoding import Encoder
 from rlft.trainer.model.tokenizer import stop_token_ids
+from rlft.trainer.rollout.batches import wrong_answers
 
 
 @dataclass
@@ -73,6 +74,9 @@ def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int)
     spec = job.spec
     new_tokens = spec.rollout.sampling.max_new_tokens
     generated = SOURCES[spec.algorithm.name] == "rollouts"
+    # A pair without its own rejected answer gets one made up, possibly a character longer
+    # (99 → 109, 5 → -5): the check takes the longest it may be.
+    preferences = SOURCES[spec.algorithm.name] == "pairs"
     training: list = []
     shorten = "shorten the prompt or its answers, or drop the line"
     if isinstance(task, JsonlProblems):
@@ -91,7 +95,9 @@ def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int)
             need, after = prompt + new_tokens, f"rollout.sampling.maxNewTokens {new_tokens}"
             fix = f"{shorten}, or lower rollout.sampling.maxNewTokens"
         if supervised and not held_out:
-            answers = [a for a in (problem.answer, problem.rejected) if a is not None]
+            answers = [problem.answer]
+            if preferences:
+                answers += [problem.rejected] if problem.rejected else wrong_answers(problem.answer)
             longest = max(len(encoder.answer(a)) for a in answers)
             if prompt + longest > need:
                 need, after = prompt + longest, f"its longest answer's {longest} tokens"
