@@ -84,6 +84,23 @@ def test_a_record_becomes_samples():
     assert got[key] == 0
 
 
+def test_a_gauge_is_exported_once_it_has_a_value():
+    """Unset gauges are absent, not 0: a dashboard showed 0% held-out accuracy before the
+    first evaluation, and 0 KL for a job with no reference. The step count is there from
+    the start (a run stuck before its first step is told by it)."""
+    exporter = MetricsExporter()
+    names = {name for name, _ in samples(exporter)}
+    assert "rlft_train_step" in names and "rlft_trainer_start_time_seconds" in names
+    assert not names & {"rlft_eval_accuracy_ratio", "rlft_kl_nats", "rlft_train_loss"}
+    exporter.record({"step": 1, "loss": 0.0, "eval_accuracy": 0.0})
+    after = samples(exporter)
+    assert after[("rlft_train_loss", ())] == 0.0
+    assert after[("rlft_eval_accuracy_ratio", ())] == 0.0
+    assert ("rlft_kl_nats", ()) not in after
+    exporter.checkpoint(step=1, ok=True, when=5.0)
+    assert samples(exporter)[("rlft_checkpoint_last_success_timestamp_seconds", ())] == 5.0
+
+
 def test_nan_is_exported_as_nan_and_counters_ignore_it():
     exporter = MetricsExporter()
     exporter.record({"loss": math.nan, "tokens": math.nan, "grad_norm": math.inf})

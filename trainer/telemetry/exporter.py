@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
 from prometheus_client.exposition import generate_latest
 
 from rlft.trainer.telemetry import metrics as M
@@ -50,6 +50,21 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+class _SetGauges:
+    """The registry's metrics less the unlabelled gauges never set: prometheus_client
+    exports those as 0 from the start, so a job that had not evaluated yet (or has no
+    reference, critic or experts) showed 0% held-out accuracy, 0 KL, 0 dead experts."""
+
+    def __init__(self, registry: CollectorRegistry, unset: set[str]):
+        self._registry = registry
+        self.unset = unset
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if family.name not in self.unset:
+                yield family
+
+
 class MetricsExporter:
     """The trainer's metrics: a registry plus the record → metric mapping."""
 
@@ -57,7 +72,14 @@ class MetricsExporter:
         self.registry = CollectorRegistry()
         self.collectors = build_collectors(self.registry, source)
         self._lock = threading.Lock()
+        unset = {m.name for m in M.METRICS if m.source == source and m.kind == "gauge"}
+        self._exposed = CollectorRegistry(auto_describe=False)
+        self._set_gauges = _SetGauges(self.registry, unset)
+        self._exposed.register(self._set_gauges)
         if source == "trainer":
+            # Before the first step the run has done 0 steps: RLFTNoProgress needs the
+            # series to tell a run stuck before it.
+            self._gauge(M.TRAIN_STEP).set(0)
             self._gauge(M.START_TIME).set(start_time if start_time is not None else time.time())
             self._gauge(M.MAIN_PHASE_START).set(0)
             self._gauge(M.HEALTH).set(0)
@@ -71,6 +93,8 @@ class MetricsExporter:
                 self._counter(M.CHECKPOINTS).labels(result=result)
 
     def _gauge(self, metric: M.Metric) -> Gauge:
+        """The gauge, to be set: exported from now on."""
+        self._set_gauges.unset.discard(metric.name)
         return self.collectors[metric.name]  # type: ignore[return-value]
 
     def _counter(self, metric: M.Metric) -> Counter:
@@ -84,6 +108,7 @@ class MetricsExporter:
             if value > 0 and math.isfinite(value):
                 child.inc(value)
         else:
+            self._set_gauges.unset.discard(binding.metric.name)
             child.set(value)
 
     def record(self, record: Mapping[str, Any]) -> None:
@@ -174,4 +199,4 @@ class MetricsExporter:
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)
