@@ -26,6 +26,23 @@ HERE = Path(__file__).resolve()
 VOCAB = 300
 
 
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's -o size=) at `mount`: writes beyond it fail with
+    ENOSPC, as on a full volume. Needs root (CI and the dev machines run as root)."""
+    import subprocess
+
+    mount.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+    )
+    assert done.returncode == 0, f"mounting a {size} tmpfs: {done.stderr.decode().strip()}"
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 def tiny_config():
     from transformers import Qwen3Config
 

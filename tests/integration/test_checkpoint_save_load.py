@@ -16,6 +16,7 @@ from checkpoint_fixtures import (
     params_of,
     s3_options,
     tiny_model,
+    tmpfs,
     train_step,
 )
 
@@ -28,6 +29,7 @@ from rlft.trainer.checkpoint.errors import (
     NewerFormatError,
     NoCheckpointError,
     StorageError,
+    StorageFullError,
 )
 from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.checkpoint.saver import Checkpointer
@@ -172,6 +174,19 @@ def test_a_truncated_or_emptied_shard_is_damage_and_the_older_checkpoint_is_used
     out = tmp_path / "hf"
     assert rlft(["export", "--latest-checkpoint", uri, str(out), *flags]) == 0
     assert "exported step-000001" in capsys.readouterr().out
+
+
+def test_a_full_local_disk_fails_the_resume_naming_it(s3_env, bucket, tmp_path) -> None:
+    """The copy a resume downloads from S3 (file:// is read in place) fills the local
+    disk: the load failed with DCP's raw exception; now it names the disk and TMPDIR,
+    and the checkpoints stay as they were."""
+    location = (f"s3://{bucket}/run", s3_options(s3_env))
+    storage, ckpt, *_ = _steps_two_and_four(location, keep_last=5)
+    ckpt.close()
+    full = r"no space left .* the copy for the resume goes"
+    with tmpfs(tmp_path / "small", "256k") as small, pytest.raises(StorageFullError, match=full):
+        load(storage, "auto", *_fresh(seed=3), cache_dir=small, retry_s=5)
+    assert load(storage, "auto", *_fresh(seed=3), retry_s=5).step == 4
 
 
 def test_only_damaged_checkpoints_are_an_error_not_a_fresh_start(location) -> None:

@@ -4,11 +4,10 @@ local folder; the errors a user meets (missing bucket, wrong credentials, full d
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from checkpoint_fixtures import s3_options
+from checkpoint_fixtures import s3_options, tmpfs
 from seaweedfs import SECRET_KEY
 
 from rlft.trainer.checkpoint.errors import (
@@ -157,6 +156,36 @@ def test_wrong_credentials_are_reported_without_the_secret(s3_env, bucket, monke
     assert error.value.__cause__ is None and error.value.transient is False
 
 
+def test_refused_credentials_are_named_whatever_the_bucket_is_called(s3_env, tmp_path) -> None:
+    """An upload's error text names the bucket and key: one called "interconnect-…" was
+    read as an unreachable endpoint, retried for uploadRetryMinutes, and the user told
+    the endpoint was down when the credentials had been refused."""
+    source = tmp_path / "shard"
+    source.write_bytes(b"x" * 1024)
+    os.environ["AWS_SECRET_ACCESS_KEY"], saved = "wrong-secret", os.environ["AWS_SECRET_ACCESS_KEY"]
+    try:
+        store = open_storage("s3://interconnect-ckpt/connector", s3_options(s3_env, max_attempts=1))
+        with pytest.raises(CredentialsError, match="rejected the credentials") as refused:
+            store.put_file("step-000001/__0_0.distcp", source)
+    finally:
+        os.environ["AWS_SECRET_ACCESS_KEY"] = saved
+    assert not refused.value.transient
+
+
+def test_a_client_error_no_retry_mends_is_permanent_and_named(monkeypatch) -> None:
+    """botocore's own refusals carry no S3 code: they were retried to the deadline as
+    transient and reported as "unknown error"."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    from rlft.trainer.storage.backends import S3Options
+
+    endpoint = "http://minio.local:9000/?region=x"  # the job's validation refuses it now
+    options = S3Options(endpoint_url=endpoint, max_attempts=1, addressing_style="path")
+    with pytest.raises(StorageError, match=r"failed \(EndpointResolutionError\): ") as error:
+        open_storage("s3://bucket/x", options).list()
+    assert not error.value.transient
+
+
 def test_credentials_from_a_mounted_secret_folder(s3_env, bucket, monkeypatch, tmp_path) -> None:
     secret = tmp_path / "secret"
     secret.mkdir()
@@ -236,19 +265,8 @@ def test_a_download_whose_stream_keeps_breaking_is_transient(monkeypatch, tmp_pa
 @pytest.fixture
 def tiny_disk(tmp_path: Path):
     """A 2 MiB tmpfs: writes beyond it fail with ENOSPC, as on a full volume."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True
-    )
-    assert done.returncode == 0, (
-        "the full-disk test mounts a 2 MiB tmpfs and needs root (CI and the dev machines "
-        f"run as root): {done.stderr.decode().strip()}"
-    )
-    try:
+    with tmpfs(tmp_path / "tiny", "2m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_full_disk_is_a_clear_error_and_leaves_nothing_behind(tiny_disk, tmp_path) -> None:
@@ -262,3 +280,15 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing_behind(tiny_disk, tmp_p
     leftovers = [p for p in tiny_disk.rglob("*") if p.is_file()]
     assert leftovers == []
     store.put_bytes("step-000001/small", b"fits")  # the space came back
+
+
+def test_a_download_to_a_full_disk_is_a_clear_error(store, tiny_disk, tmp_path) -> None:
+    """s3transfer raised the local disk's OSError as it was (no StorageError, no advice)."""
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"\0" * (3 << 20))
+    store.put_file("step-000001/__0_0.distcp", big)
+    target = tiny_disk / "copy" / "__0_0.distcp"
+    with pytest.raises(StorageFullError, match=r"no space left .* downloading|writing") as full:
+        store.get_file("step-000001/__0_0.distcp", target)
+    assert "spec.checkpoint.uri" not in str(full.value)  # the job's location is not full
+    assert [p for p in tiny_disk.rglob("*") if p.is_file()] == []

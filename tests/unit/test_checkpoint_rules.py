@@ -4,6 +4,7 @@ URI parsing, redaction; and the file:// backend's atomic writes."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 from pathlib import Path
@@ -524,6 +525,32 @@ def test_file_writes_leave_no_temp_file_when_they_fail(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="no space left"):
         store._write_atomically("step-000001/x", failing)
     assert list((tmp_path / "step-000001").iterdir()) == []
+
+
+def test_a_folder_that_cannot_be_read_fails_the_listing(tmp_path: Path, monkeypatch) -> None:
+    """os.walk skipped an unreadable folder: a passing NFS fault on a step folder made a
+    resume go back to an older step, on the root a fresh start (whose retention then
+    deleted every checkpoint). The fault (EIO reading step 20's folder) is injected where
+    the kernel reports it, and the listing fails, retryably, naming the folder."""
+    store = FileStorage(tmp_path)
+    store.put_bytes("step-000010/manifest.json", b"{}")
+    store.put_bytes("step-000020/manifest.json", b"{}")
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if str(path).endswith("step-000020"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(StorageError, match=r"listing .*step-000020 .* failed") as failed:
+        store.list()
+    assert failed.value.transient
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    assert [info.key for info in store.list()] == [
+        "step-000010/manifest.json",
+        "step-000020/manifest.json",
+    ]
 
 
 @pytest.mark.parametrize(

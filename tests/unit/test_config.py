@@ -548,6 +548,15 @@ def test_a_location_holding_credentials_is_refused_without_repeating_them(field,
     assert not any("wJalrEXAMPLESECRET" in line or "AKIAEXAMPLEKEY" in line for line in lines)
 
 
+@pytest.mark.parametrize("endpoint", ["http://minio.local:9000/?region=x", "https://s3.x#frag"])
+def test_an_endpoint_with_a_query_or_fragment_is_refused(endpoint) -> None:
+    """botocore refused it only at the first request, after a warm start."""
+    assert problems(manifest(checkpoint={"uri": "s3://bucket/x", "endpointUrl": endpoint})) == [
+        "spec.checkpoint.endpointUrl: must have no query or fragment (?… or #…): "
+        "http://host:port or https://host"
+    ]
+
+
 def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path: Path) -> None:
     """PyYAML keeps the last of two equal keys: the job below ran GRPO with groupSize 8."""
     path = tmp_path / "job.yaml"

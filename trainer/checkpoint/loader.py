@@ -31,6 +31,7 @@ from rlft.trainer.checkpoint.errors import (
     CredentialsError,
     ForeignCheckpointError,
     StorageError,
+    StorageFullError,
 )
 from rlft.trainer.checkpoint.manifest import EXTRA, Manifest, parse_which, problems_with
 from rlft.trainer.checkpoint.ranged import (
@@ -40,6 +41,7 @@ from rlft.trainer.checkpoint.ranged import (
     damage_in,
     foreign_in,
     missing_module,
+    resume_copy_failure,
     storage_failure,
 )
 from rlft.trainer.checkpoint.saver import RANKS
@@ -132,6 +134,8 @@ class LocalCopy:
                 )
             except (BucketMissingError, CredentialsError):
                 raise  # the location's trouble, not this checkpoint's: every one would fail
+            except StorageFullError as error:  # this disk's trouble, not the checkpoint's
+                raise resume_copy_failure(error, self.cache) from None
             except StorageError as error:
                 if error.transient:
                     raise

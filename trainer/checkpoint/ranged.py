@@ -22,8 +22,8 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from rlft.trainer.checkpoint.manifest import FileEntry, Manifest
-from rlft.trainer.storage.backends import Storage
-from rlft.trainer.storage.errors import ObjectMissingError, StorageError
+from rlft.trainer.storage.backends import Storage, os_error
+from rlft.trainer.storage.errors import ObjectMissingError, StorageError, StorageFullError
 from rlft.trainer.storage.retry import with_retries
 from rlft.trainer.telemetry import liveness
 
@@ -88,12 +88,31 @@ class Blocks:
             raise BlockDamaged(f"{entry.path}: truncated ({len(data)} of {span} stored)")
         if hashlib.sha256(data).hexdigest() != entry.blocks[index]:
             raise BlockDamaged(f"{entry.path}: checksum mismatch (corrupted) in {span}")
-        fd = os.open(self.folder / entry.path, os.O_WRONLY)
         try:
-            os.pwrite(fd, data, start)
-        finally:
-            os.close(fd)
+            fd = os.open(self.folder / entry.path, os.O_WRONLY)
+            try:
+                # A write short of space returns what fit; the next one raises ENOSPC
+                # (ignored, the hole read as zeros and DCP saw a corrupted file).
+                written, view = 0, memoryview(data)
+                while written < length:
+                    written += os.pwrite(fd, view[written:], start + written)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            failure = os_error(error, f"writing {span} of {key}", str(self.folder), room=None)
+            raise resume_copy_failure(failure, self.folder) from None
         self.fetched.add((entry.path, index))
+
+
+def resume_copy_failure(error: StorageError, folder: Path) -> StorageError:
+    """A full local disk under the resume's copy says where the copy goes (each older
+    checkpoint, taken for damaged in turn, would fail the same)."""
+    if not isinstance(error, StorageFullError):
+        return error
+    return StorageFullError(
+        f"{error}; the copy for the resume goes to {folder} (set TMPDIR to a folder on a "
+        "larger volume)"
+    )
 
 
 class BlockReader(FileSystemReader):

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from rlft.trainer.config.base import Section, checked
-from rlft.trainer.config.locations import endpoint_problem, location_problem
+from rlft.trainer.config.locations import ENDPOINT, endpoint_problem, location_problem
 from rlft.trainer.config.pods import DnsSubdomain
 
 
@@ -34,7 +34,7 @@ class CheckpointSpec(Section):
     Rollout pods read published weights from the store with it too: on Kubernetes mount
     it in `spec.rollout.pod` as in `spec.trainer.pod`. Unset: the standard AWS environment
     variables and config files."""
-    endpoint_url: str | None = Field(None, pattern=r"^https?://[^\s/@]+(/\S*)?$", max_length=2048)
+    endpoint_url: str | None = Field(None, pattern=ENDPOINT, max_length=2048)
     """Endpoint of an S3-compatible store (SeaweedFS, MinIO, Ceph…), e.g.
     `http://seaweedfs.storage:8333`. Unset: AWS S3 (or AWS_ENDPOINT_URL)."""
     region: str | None = Field(None, min_length=1, max_length=64)

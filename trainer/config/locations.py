@@ -11,6 +11,9 @@ from urllib.parse import urlparse
 BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9]$")
 """An S3 bucket name (underscores: older buckets and some S3-compatible stores)."""
 
+ENDPOINT = r"^https?://[^\s/@?#]+(/[^\s?#]*)?$"
+"""An S3 endpoint: http(s), a host, a path; no credentials, query or fragment."""
+
 NO_CREDENTIALS = (
     "must not hold credentials (user:secret@): give them by spec.checkpoint."
     "credentialsSecret, credentialsDir or the AWS environment"
@@ -60,6 +63,8 @@ def endpoint_problem(url: str) -> str | None:
     """Why `url` is not an http(s) endpoint without credentials, or None."""
     if holds_credentials(url):
         return NO_CREDENTIALS
-    if not re.match(r"^https?://[^\s/@]+(/\S*)?$", url):
+    if re.search(r"[?#]", url):  # botocore refused it at the first request, not before
+        return "must have no query or fragment (?… or #…): http://host:port or https://host"
+    if not re.match(ENDPOINT, url):
         return "must look like http://host:port or https://host"
     return None

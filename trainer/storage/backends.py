@@ -132,18 +132,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _os_error(error: OSError, what: str, location: str) -> StorageError:
-    if error.errno == errno.ENOSPC:
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def os_error(
+    error: OSError, what: str, location: str, room: str | None = "spec.checkpoint.uri"
+) -> StorageError:
+    """The StorageError of a file system's error; a full disk says to point `room` (what
+    chose the folder, if the user did) at a larger volume."""
+    if error.errno in _FULL:
+        larger = f" or point {room} at a larger volume" if room else ""
         return StorageFullError(
-            f"no space left on the device {what} under {location}: free space or point "
-            "spec.checkpoint.uri at a larger volume (the partial file was removed)"
+            f"no space left on the device {what} under {location}: free space{larger} "
+            "(the partial file was removed)"
         )
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return StorageError(
             f"permission denied {what} under {location}: make the folder writable by the "
             "trainer or choose another spec.checkpoint.uri"
         )
-    return StorageError(f"{what} under {location} failed: {error.strerror}")
+    # A network file system's passing faults (a server restarting, a stale handle).
+    transient = error.errno in (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN)
+    return StorageError(f"{what} under {location} failed: {error.strerror}", transient=transient)
 
 
 def _may_hold(folder: str, prefix: str) -> bool:
@@ -154,9 +164,12 @@ def _may_hold(folder: str, prefix: str) -> bool:
 class FileStorage:
     """A folder on a local or mounted file system."""
 
-    def __init__(self, root: Path, uri: str | None = None):
+    def __init__(
+        self, root: Path, uri: str | None = None, room: str | None = "spec.checkpoint.uri"
+    ):
         self.root = root
         self.uri = uri or root.as_uri()
+        self.room = room  # what chose the folder, for a full disk's advice
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -174,7 +187,7 @@ class FileStorage:
             _fsync_dir(target.parent)
         except OSError as error:
             temp.unlink(missing_ok=True)
-            raise _os_error(error, f"writing {key}", self.uri) from None
+            raise os_error(error, f"writing {key}", self.uri, self.room) from None
 
     def put_file(self, key: str, path: Path, *, move: bool = False) -> None:
         if move and self._moved(key, path):
@@ -202,7 +215,7 @@ class FileStorage:
         except OSError as error:
             if error.errno == errno.EXDEV:
                 return False
-            raise _os_error(error, f"writing {key}", self.uri) from None
+            raise os_error(error, f"writing {key}", self.uri, self.room) from None
         return True
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -214,7 +227,7 @@ class FileStorage:
         except FileNotFoundError:
             raise ObjectMissingError(f"{self.uri}/{key} does not exist") from None
         except OSError as error:
-            raise _os_error(error, f"reading {key}", self.uri) from None
+            raise os_error(error, f"reading {key}", self.uri) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         try:
@@ -224,13 +237,13 @@ class FileStorage:
         except FileNotFoundError:
             raise ObjectMissingError(f"{self.uri}/{key} does not exist") from None
         except OSError as error:
-            raise _os_error(error, f"reading {key}", self.uri) from None
+            raise os_error(error, f"reading {key}", self.uri) from None
 
     def get_file(self, key: str, path: Path) -> None:
         source = self._path(key)
         if not source.is_file():
             raise ObjectMissingError(f"{self.uri}/{key} does not exist")
-        FileStorage(path.parent).put_file(path.name, source)
+        FileStorage(path.parent, room=None).put_file(path.name, source)
 
     @contextmanager
     def open_read(self, key: str) -> Iterator[BinaryIO]:
@@ -244,7 +257,15 @@ class FileStorage:
         found: list[ObjectInfo] = []
         if not self.root.is_dir():
             return found
-        for folder, subfolders, names in os.walk(self.root):
+
+        def unreadable(error: OSError) -> None:
+            # os.walk skips a folder it cannot read unless told: a passing NFS fault on a
+            # step folder made a resume go back to an older step, on the root a fresh
+            # start whose retention deleted every checkpoint.
+            if not isinstance(error, FileNotFoundError):  # deleted while listing
+                raise os_error(error, f"listing {error.filename}", self.uri) from None
+
+        for folder, subfolders, names in os.walk(self.root, onerror=unreadable):
             # Folders whose keys cannot start with `prefix` are not walked: a checkpoint
             # catalog lists its step folders beside thousands of history segments.
             above = Path(folder).relative_to(self.root).as_posix()

@@ -27,7 +27,7 @@ from botocore.config import Config
 from botocore.loaders import create_loader
 
 from rlft.trainer.config.locations import BUCKET, NO_CREDENTIALS, holds_credentials, shown
-from rlft.trainer.storage.backends import ObjectInfo, S3Options, check_key
+from rlft.trainer.storage.backends import ObjectInfo, S3Options, check_key, os_error
 from rlft.trainer.storage.errors import (
     BadUriError,
     BucketMissingError,
@@ -77,6 +77,15 @@ _CONNECTION_ERRORS = (
     bex.ReadTimeoutError,
     bex.ConnectionClosedError,
     bex.HTTPClientError,
+)
+# A response cut short or garbled on its way: the next try reads it whole. Other client
+# errors with no S3 code (an endpoint botocore cannot resolve, a bad parameter) are
+# mistakes no retry mends.
+_STREAM_ERRORS = (
+    bex.IncompleteReadError,
+    bex.ResponseStreamingError,
+    bex.ChecksumError,
+    bex.FlexibleChecksumError,
 )
 
 
@@ -223,9 +232,10 @@ class S3Storage:
                 f"no S3 credentials for {where}: set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, or mount them with spec.checkpoint.credentialsSecret"
             )
-        if isinstance(inner, _CONNECTION_ERRORS) or (
-            isinstance(error, S3UploadFailedError) and "connect" in str(error).lower()
-        ):
+        # Only the inner error is classified: an upload's own message names the bucket
+        # and key, and "interconnect-ckpt" read as an unreachable endpoint, retried for
+        # uploadRetryMinutes where the credentials had been refused.
+        if isinstance(inner, _CONNECTION_ERRORS):
             endpoint = self.options.endpoint_url or "the S3 endpoint"
             return StorageError(f"cannot reach {endpoint} for {where}", transient=True)
         code, message = _error_code(inner)
@@ -241,12 +251,14 @@ class S3Storage:
                 f"the object store rejected the credentials ({code}) for {where}: check the "
                 "access key and secret (spec.checkpoint.credentialsSecret or AWS_* variables)"
             )
+        if code is None:
+            transient = isinstance(inner, _STREAM_ERRORS)
+            code, message = type(inner).__name__, str(inner)
+        else:
+            transient = code in _TRANSIENT_CODES
         detail = redact(message, self._secrets)
-        transient = code in _TRANSIENT_CODES or code is None
         suffix = f": {detail}" if detail else ""
-        return StorageError(
-            f"{where} failed ({code or 'unknown error'}){suffix}", transient=transient
-        )
+        return StorageError(f"{where} failed ({code}){suffix}", transient=transient)
 
     def _call(self, what: str, fn, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -292,15 +304,19 @@ class S3Storage:
             return stream.read()
 
     def get_file(self, key: str, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._call(
-            f"downloading {key}",
-            self._client.download_file,
-            self.bucket,
-            self._key(key),
-            str(path),
-            Config=self._transfer,
-        )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._call(
+                f"downloading {key}",
+                self._client.download_file,
+                self.bucket,
+                self._key(key),
+                str(path),
+                Config=self._transfer,
+            )
+        except OSError as error:  # the local side: s3transfer raises it as it is
+            what = f"downloading {key} from {self.uri}"
+            raise os_error(error, what, str(path.parent), room=None) from None
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         what = f"reading bytes {start}-{start + length - 1} of {key}"
