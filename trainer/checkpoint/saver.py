@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from rlft.trainer.checkpoint import rng
 from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import CheckpointError, StorageError
+from rlft.trainer.checkpoint.fence import Fence, SupersededError
 from rlft.trainer.checkpoint.manifest import (
     EXTRA,
     HF_DIR,
@@ -95,6 +96,9 @@ class SaveDecision:
 
     save: bool
     stop: bool
+    superseded: str | None = None
+    """Why a newer gang of the job replaced this one (rank 0's fence said so): stop
+    without saving."""
 
 
 @dataclass
@@ -159,8 +163,13 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
         job_uid: str | None = None,
         block_bytes: int = BLOCK_BYTES,
+        fence: Fence | None = None,
     ):
         self.storage = storage
+        self.fence = fence
+        """This gang's fence (rank 0 reads it), None outside the operator."""
+        self.superseded: str | None = None
+        """Rank 0's fence found a newer gang (its message)."""
         self.job_uid = job_uid
         self.block_bytes = block_bytes
         self.catalog = Catalog(storage)
@@ -226,14 +235,22 @@ class Checkpointer:
     def poll(self, step: int, stop_requested: bool = False) -> SaveDecision:
         """Call after every optimizer step, on every rank: whether to save now, and
         whether to stop. One tiny all-reduce, so every rank decides the same."""
-        flags = torch.tensor([self.policy.due(step), self.busy, stop_requested], dtype=torch.int32)
+        due = self.policy.due(step)
+        # The store down: a save checks again (retried) before it writes.
+        with contextlib.suppress(StorageError):
+            self._check_fence(force=due)
+        flags = torch.tensor(
+            [due, self.busy, stop_requested, self.superseded is not None], dtype=torch.int32
+        )
         if self.distributed:
             # Ranks ≥ 1 wait here while rank 0 ends its step (evaluation, publication):
             # rank 0's work, which its own liveness judges.
             waiting = liveness.waiting("waiting for rank 0 to end its step")
             with waiting if self.rank else contextlib.nullcontext():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control)
-        due, busy, stop = (bool(x) for x in flags.tolist())
+        due, busy, stop, superseded = (bool(x) for x in flags.tolist())
+        if superseded:
+            return SaveDecision(save=False, stop=True, superseded=self.superseded or "")
         if stop:
             return SaveDecision(save=True, stop=True)
         if due and busy:
@@ -444,6 +461,10 @@ class Checkpointer:
         retries_before = self.stats.upload_retries
         try:
             job.future.result()
+            if self.rank == 0:
+                self._retried("checking the fence", lambda: self._check_fence(True), job)
+            if self.superseded:  # before a file of a folder the newer gang may use
+                raise SupersededError(self.superseded)
             entries = self._upload(job)
         except (StorageError, CheckpointError) as failure:
             error = str(failure)
@@ -480,9 +501,22 @@ class Checkpointer:
             self.stats.failed += 1
         return committed
 
+    def _check_fence(self, force: bool = False) -> None:
+        """Rank 0: note a newer gang's claim (`superseded`); storage errors are raised."""
+        if self.fence is None or self.rank != 0 or self.superseded:
+            return
+        try:
+            self.fence.check(force)
+        except SupersededError as error:
+            self.superseded = str(error)
+
     def _commit(self, job: _Job, results: list) -> bool:
         folder = f"{self.storage.uri}/{step_dir(job.step)}"
         errors = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(results) if e]
+        if errors and self.superseded:  # nothing of the newer gang's is removed
+            log.error("checkpoint %s was not committed: %s", folder, self.superseded)
+            self._emit("failed", step=job.step, uri=folder, error=self.superseded)
+            return False
         if errors:
             log.error("checkpoint %s failed and was not committed: %s", folder, "; ".join(errors))
             self._emit("failed", step=job.step, uri=folder, error="; ".join(errors))
@@ -504,7 +538,15 @@ class Checkpointer:
             parent=job.parent,
         )
         try:
+            self._retried(f"checking {folder}'s fence", lambda: self._check_fence(True), job)
+            if self.superseded:
+                raise SupersededError(self.superseded)
             self._retried(f"committing {folder}", lambda: self.catalog.commit(manifest), job)
+        except SupersededError as failure:
+            # Its files stay: the folder may be the newer gang's step too.
+            log.error("checkpoint %s uploaded but not committed: %s", folder, failure)
+            self._emit("failed", step=job.step, uri=folder, error=str(failure))
+            return False
         except (StorageError, CheckpointError) as failure:
             log.error("checkpoint %s uploaded but not committed: %s", folder, failure)
             self._emit("failed", step=job.step, uri=folder, error=str(failure))

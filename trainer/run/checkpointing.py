@@ -27,6 +27,7 @@ from rlft.trainer.checkpoint import (
 from rlft.trainer.checkpoint import load as load_checkpoint
 from rlft.trainer.checkpoint.errors import LocationTakenError, StorageError
 from rlft.trainer.checkpoint.export import hf_files_of
+from rlft.trainer.checkpoint.fence import JOB_UID_ENV, SupersededError, claim_fence
 from rlft.trainer.checkpoint.history import MetricsHistory
 from rlft.trainer.checkpoint.manifest import FRESH_START, resume_order
 from rlft.trainer.config import RLFineTune, dump_job
@@ -35,8 +36,6 @@ from rlft.trainer.distributed.peer_stop import PeerStop
 from rlft.trainer.run.state import Cursor
 from rlft.trainer.storage.retry import with_retries
 
-JOB_UID_ENV = "RLFT_JOB_UID"
-"""Set by the operator in trainer pods: the RLFineTune's metadata.uid."""
 PAUSED = "paused"
 """In a checkpoint's extra state: written by the collapse guard's pause."""
 
@@ -110,6 +109,9 @@ class Checkpointing:
             job_uid=job_uid,
         )
         self.history = MetricsHistory(self.checkpointer.storage, self.metrics, self.retry_s)
+        self.checkpointer.fence = claim_fence(
+            self.checkpointer.storage, dist.is_main, dist.broadcast, self.retry_s
+        )
         self.checkpointer.descend_from(FRESH_START)  # until a resume says otherwise
 
     def _refuse_others_checkpoints(self) -> None:
@@ -390,6 +392,9 @@ class Checkpointing:
     def end_of_step(self, cursor: Cursor, learner) -> None:
         """Save when due; on SIGTERM save synchronously and raise StopRequested."""
         decision = self.checkpointer.poll(cursor.step, self.stop.requested)
+        if decision.superseded is not None:
+            self.close()
+            raise SupersededError(decision.superseded or "a newer gang replaced this one")
         if not decision.save:
             return
         self._save(cursor, learner, wait=decision.stop, emergency=decision.stop)
@@ -420,6 +425,8 @@ class Checkpointing:
         if cursor.step != self.last_step and not self._save(
             cursor, learner, wait=True, paused=paused
         ):
+            if self.checkpointer.superseded:  # its model is not the job's output either
+                raise SupersededError(self.checkpointer.superseded)
             # The run's model is still written (and published) as its output; what is
             # lost is the optimizer state to train on from this step.
             self.supervisor.log(
