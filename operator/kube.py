@@ -175,9 +175,9 @@ class Kube:
 
     async def create(self, manifest: dict[str, Any]) -> bool:
         """Create a namespaced object (core, or a gang's PodGroup); False if it already
-        exists. An existing PodGroup gets the manifest's spec: the operator sends it before
-        each round of pod creations, and its minimum follows spec.trainer.replicas and the
-        rollout instances, which may have changed since the last gang."""
+        exists. An existing PodGroup gets the manifest's spec and owner: the operator sends
+        it before each round of pod creations, and its minimum follows spec.trainer.replicas
+        and the rollout instances, which may have changed since the last gang."""
         path = _collection_path(manifest)
         try:
             await self._request("POST", path, manifest)
@@ -185,9 +185,16 @@ class Kube:
             if error.status != 409:
                 raise
             if manifest["kind"] == "PodGroup":
-                spec = [{"op": "add", "path": "/spec", "value": manifest["spec"]}]
+                patch = [{"op": "add", "path": "/spec", "value": manifest["spec"]}]
+                if owners := manifest["metadata"].get("ownerReferences"):
+                    # A job deleted and applied again under its name finds its former
+                    # self's PodGroup, which the garbage collector (asynchronous on a
+                    # real cluster) is about to delete as that job's: made this job's.
+                    patch.append(
+                        {"op": "add", "path": "/metadata/ownerReferences", "value": owners}
+                    )
                 name = f"{path}/{manifest['metadata']['name']}"
-                await self._request("PATCH", name, spec, "application/json-patch+json")
+                await self._request("PATCH", name, patch, "application/json-patch+json")
             return False
         return True
 

@@ -464,7 +464,15 @@ def test_a_pod_group_is_created_or_brought_to_the_current_gang(kind):
     assert fresh.calls == [("POST", collection, group, "application/json")]
     existing = _Recording(exists=True)
     assert asyncio.run(existing.create(group)) is False
-    patch = [{"op": "add", "path": "/spec", "value": group["spec"]}]
+    # Its owner too: a job deleted and applied again under its name finds its former
+    # self's PodGroup, which the garbage collector (asynchronous on a real cluster) would
+    # delete as that job's, leaving the new pods waiting for a group that is gone.
+    owners = group["metadata"]["ownerReferences"]
+    assert owners[0]["uid"] == "0f0e-uid"
+    patch = [
+        {"op": "add", "path": "/spec", "value": group["spec"]},
+        {"op": "add", "path": "/metadata/ownerReferences", "value": owners},
+    ]
     assert existing.calls[1] == (
         "PATCH",
         f"{collection}/tiny-grpo-gang",
