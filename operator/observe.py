@@ -61,6 +61,9 @@ class PodView:
     `TerminationTarget/<reason>` for Kueue's TerminationTarget=True."""
     unschedulable: str = ""
     """Message of PodScheduled=False (why the scheduler cannot place it)."""
+    gated: bool = False
+    """Held by scheduling gates (Kueue's admission): queued, not unschedulable. The API
+    server sets PodScheduled=False, reason SchedulingGated, on such a pod's creation."""
     ready: bool | None = None
     """The Ready condition (None before the pod has one)."""
     rollout_token: bool = True
@@ -132,8 +135,12 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
     if scheduled_cond is not None and scheduled_cond.get("status") == "True":
         scheduled_at = scheduled_cond.get("lastTransitionTime")
     unschedulable = ""
+    gated = bool(pod.get("spec", {}).get("schedulingGates"))
     if scheduled_cond is not None and scheduled_cond.get("status") == "False":
-        unschedulable = scheduled_cond.get("message") or scheduled_cond.get("reason") or ""
+        if scheduled_cond.get("reason") == "SchedulingGated":
+            gated = True
+        else:
+            unschedulable = scheduled_cond.get("message") or scheduled_cond.get("reason") or ""
     disruption = _disruption(pod)
     ready_cond = _condition(pod, "Ready")
     ready = None if ready_cond is None else ready_cond.get("status") == "True"
@@ -176,6 +183,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
         waiting_message=waiting_message[-500:],
         disruption=disruption,
         unschedulable=unschedulable[-500:],
+        gated=gated and not scheduled,
         ready=ready,
     )
 

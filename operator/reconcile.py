@@ -483,7 +483,17 @@ class _Run(FailureResponses):
         since = parse_time(st.waiting_since) or now
         waited = (now - since).total_seconds()
         timeout = self.spec.scheduling.scheduling_timeout_seconds
-        if waited >= timeout:
+        gated = [p for p in self.pods.values() if p.role == N.ROLE_TRAINER and p.gated]
+        if waited >= timeout and gated:
+            # Kueue holds the pods until it admits the gang: a queue, not a failure to place.
+            message = (
+                f"{len(gated)} trainer pods waiting {waited:.0f} s for admission (scheduling "
+                "gates: the gang's queue has not admitted them); "
+                f"{scheduled} of replicas.min={need} scheduled"
+            )
+            if set_condition(st, "Scheduled", "False", "Queued", message, now):
+                self.event("Normal", "Queued", message)
+        elif waited >= timeout:
             why = next(
                 (
                     p.unschedulable

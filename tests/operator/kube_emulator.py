@@ -835,6 +835,17 @@ class Emulator(kmock.KubernetesEmulator):
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         if rt.kind == "Pod":
             obj.setdefault("status", {"phase": "Pending"})
+            if obj.get("spec", {}).get("schedulingGates"):
+                # kube-apiserver's PrepareForCreate (applySchedulingGatedCondition).
+                obj["status"]["conditions"] = [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "SchedulingGated",
+                        "message": "Scheduling is blocked due to non-empty scheduling gates",
+                        "lastTransitionTime": _now(),
+                    }
+                ]
         if rt.kind == "Namespace":
             obj["status"] = {"phase": "Active"}
         if rt.kind == "CustomResourceDefinition":

@@ -255,3 +255,23 @@ def test_a_pod_naming_a_service_account_that_does_not_exist_is_refused():
     account = {"metadata": {"name": "rlft-s3", "namespace": "ml"}}
     emulator._write_create(emulator.types[("", "serviceaccounts")], "ml", account)
     assert emulator._write_create(emulator.types[("", "pods")], "ml", named)[0]["metadata"]["uid"]
+
+
+def test_a_pod_created_with_scheduling_gates_is_marked_gated_as_the_api_server_does():
+    """kube-apiserver's PrepareForCreate gives a gated pod PodScheduled=False, reason
+    SchedulingGated (what the operator tells from Unschedulable: a queued gang)."""
+    emulator = Emulator()
+    gated = _pod()
+    gated["spec"]["schedulingGates"] = [{"name": "kueue.x-k8s.io/admission"}]
+    (condition,) = _create(emulator, "pods", gated)["status"]["conditions"]
+    assert (condition["type"], condition["status"], condition["reason"]) == (
+        "PodScheduled",
+        "False",
+        "SchedulingGated",
+    )
+    assert (
+        "conditions"
+        not in _create(
+            emulator, "pods", {**_pod(), "metadata": {"name": "q", "namespace": "default"}}
+        )["status"]
+    )

@@ -13,11 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jobs import job_doc, parsed
-from pods import view
+from pods import raw_pod, view
 
 from rlft.operator import failures as P
+from rlft.operator import names as N
 from rlft.operator.decision import Decision, Observed
-from rlft.operator.observe import PodView, TrainerReport
+from rlft.operator.observe import PodView, TrainerReport, pod_view
 from rlft.operator.reconcile import reconcile
 from rlft.operator.responses import STUCK_TERMINATING_SECONDS
 from rlft.operator.status import RLFineTuneStatus, parse_time
@@ -1527,3 +1528,29 @@ def test_a_restart_backoff_longer_than_the_scheduling_timeout_is_not_unschedulab
     w.tick(250)  # 350 s since the pod was made: now it is unschedulable
     w.step()
     assert "Unschedulable" in w.events
+
+
+def test_a_gang_kueue_has_not_admitted_is_queued_not_unschedulable() -> None:
+    """Kueue gates the pods until it admits the gang, and the API server marks each
+    gated pod PodScheduled=False, reason SchedulingGated: past schedulingTimeoutSeconds
+    that is a queue (Scheduled False, reason Queued, a Normal Event), not a Warning that
+    the pods cannot be placed."""
+    w = _world(scheduling={"schedulingTimeoutSeconds": 60})
+    w.step()
+    gated = copy.deepcopy(raw_pod("tiny-grpo-trainer-0"))
+    gated["spec"] = {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}
+    gated["status"]["conditions"] = [
+        {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
+         "message": "Scheduling is blocked due to non-empty scheduling gates"},
+    ]  # fmt: skip
+    held = pod_view(gated)
+    assert held.gated and not held.unschedulable
+    w.pods = {
+        name: replace(pod, unschedulable="", gated=pod.role == N.ROLE_TRAINER)
+        for name, pod in w.pods.items()
+    }
+    w.tick(61)
+    w.step()
+    w.step()
+    assert _condition(w, "Scheduled") == ("False", "Queued")
+    assert w.events.count("Queued") == 1 and "Unschedulable" not in w.events
