@@ -382,6 +382,26 @@ def test_micro_batch_size_zero_exact_line() -> None:
             id="dynamic-sampling-group-of-one",
         ),
         pytest.param(
+            manifest(algorithm={"name": "sft", "kl": {"coef": 0.1}}),
+            "spec.algorithm: kl.coef is for the RL algorithms (it has no reference)",
+            id="sft-kl",
+        ),
+        pytest.param(
+            manifest(algorithm={"name": "dpo", "kl": {"coef": 0.1}}),
+            "spec.algorithm: kl.coef is for the RL algorithms (dpo.beta is its KL weight)",
+            id="dpo-kl",
+        ),
+        pytest.param(
+            manifest(algorithm={"name": "dpo", "mismatch": {"mode": "mask"}}),
+            "spec.algorithm: mismatch corrects sampled rollouts, which `dpo` does not",
+            id="dpo-mismatch",
+        ),
+        pytest.param(
+            manifest(algorithm={"name": "dpo", "dpo": {"loss": "ipo", "labelSmoothing": 0.1}}),
+            "spec.algorithm: dpo.labelSmoothing applies to the sigmoid loss, not ipo",
+            id="ipo-label-smoothing",
+        ),
+        pytest.param(
             manifest(stability={"detector": {"entropy": {"window": 10}}}),
             "spec.stability.detector.entropy: minHistory 20 > window 10",
             id="trend-history-beyond-window",

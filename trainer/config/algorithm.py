@@ -59,7 +59,8 @@ class KLParams(Section):
     """Regularisation towards a frozen copy of the starting policy."""
 
     coef: float = Field(0.0, ge=0, le=100)
-    """Weight of the KL term (0 disables it and the reference model)."""
+    """Weight of the KL term (0 disables it and the reference model). RL algorithms only:
+    dpo's KL weight is `dpo.beta`, sft has none."""
     estimator: Literal["k1", "k2", "k3", "k3-ratio"] = "k3"
     """Schulman's estimators of KL(policy ‖ reference) per token: `k1` log-ratio,
     `k2` half squared log-ratio, `k3` exp(-x) + x - 1 (unbiased, non-negative; what TRL's
@@ -216,5 +217,20 @@ class AlgorithmSpec(Section):
             raise ValueError(
                 "dynamicSampling keeps groups whose rewards differ, and a group of one "
                 "never does (every step would be skipped): groupSize ≥ 2, or disable it"
+            )
+        # Accepted and ignored, each read as a regulariser that was not there (sft built
+        # a whole frozen reference for its kl.coef and never used it).
+        if self.name in ("sft", "dpo") and self.kl.coef > 0:
+            weight = "dpo.beta is its KL weight" if self.name == "dpo" else "it has no reference"
+            raise ValueError(f"kl.coef is for the RL algorithms ({weight}): set it to 0")
+        if self.name in ("sft", "dpo") and self.mismatch.mode != "none":
+            raise ValueError(
+                f"mismatch corrects sampled rollouts, which `{self.name}` does not train on: "
+                "set mismatch.mode to none"
+            )
+        if self.dpo.loss == "ipo" and self.dpo.label_smoothing > 0:
+            raise ValueError(
+                "dpo.labelSmoothing applies to the sigmoid loss, not ipo: set it to 0 or "
+                "use dpo.loss: sigmoid"
             )
         return self
