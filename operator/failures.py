@@ -8,6 +8,10 @@ Kinds (seen as → response):
   TerminationTarget (its workload stopped) → recreate, backoff.
 - NodeLost: phase Unknown, reason NodeLost/NodeShutdown, taint-manager deletion →
   recreate, with backoff.
+- Rejected: the kubelet refused the pod before any container ran (phase Failed with a
+  pod-level reason and no container exit: UnexpectedAdmissionError after a device
+  plugin restart, OutOfnvidia.com/gpu, a node affinity no longer met) → recreate, with
+  backoff; a disruption (the node's doing, not the job's), its message kept.
 - RendezvousTimeout: a rendezvous / NCCL / gloo timeout in the termination message →
   restart the whole trainer gang from the latest healthy checkpoint, with backoff; while
   another trainer of the gang still runs, first wait briefly for its verdict, which may
@@ -60,6 +64,7 @@ INVALID_CONFIG = "InvalidConfig"
 COLLAPSED = "Collapsed"
 IMAGE_PULL = "ImagePull"
 CONFIG_ERROR = "ConfigError"
+REJECTED = "Rejected"
 KINDS = (
     OOM,
     EVICTED,
@@ -72,6 +77,7 @@ KINDS = (
     COLLAPSED,
     IMAGE_PULL,
     CONFIG_ERROR,
+    REJECTED,
 )
 
 # What a wedged collective or a failed rendezvous prints (torch elastic, c10d, NCCL, gloo).
@@ -149,6 +155,16 @@ def classify(pod: PodView) -> Failure | None:
         return failure(NODE_LOST, disruption=True)
     if pod.terminated_reason == "OOMKilled":
         return failure(OOM)
+    if pod.phase == "Failed" and pod.reason and pod.exit_code is None and verdict is None:
+        # The kubelet's admission refused it: it never ran. Its message is the only word.
+        return Failure(
+            kind=REJECTED,
+            pod=pod.name,
+            uid=pod.uid,
+            role=pod.role,
+            message=f"{pod.reason}: {pod.status_message}".rstrip(": "),
+            disruption=True,
+        )
     if verdict is not None and verdict.stalled and pod.role == "trainer":
         # Its own words, written before its liveness probe failed: the kubelet's kill
         # (exit 137 or 143, reason Error) says nothing of why.

@@ -33,7 +33,9 @@ class PodView:
     phase: str = "Pending"
     """Pending, Running, Succeeded, Failed or Unknown."""
     reason: str = ""
-    """The pod-level reason (Evicted, NodeLost, Preempting, …)."""
+    """The pod-level reason (Evicted, NodeLost, Preempting, UnexpectedAdmissionError, …)."""
+    status_message: str = ""
+    """The pod-level message (why it was evicted or refused)."""
     scheduled: bool = False
     scheduled_at: str | None = None
     """When the pod got its node (PodScheduled's lastTransitionTime)."""
@@ -168,6 +170,7 @@ def pod_view(pod: dict[str, Any]) -> PodView | None:
         index=index,
         phase=status.get("phase") or "Pending",
         reason=status.get("reason") or "",
+        status_message=(status.get("message") or "")[-500:],
         scheduled=scheduled,
         scheduled_at=scheduled_at,
         deleting=bool(meta.get("deletionTimestamp")),

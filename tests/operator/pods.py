@@ -25,6 +25,7 @@ def raw_pod(
     terminated_reason: str = "",
     message: str = "",
     pod_reason: str = "",
+    pod_message: str = "",
     waiting: str = "",
     disruption: str = "",
     uid: str | None = None,
@@ -62,6 +63,8 @@ def raw_pod(
         status["conditions"].append({"type": "Ready", "status": "True" if ready else "False"})
     if pod_reason:
         status["reason"] = pod_reason
+    if pod_message:
+        status["message"] = pod_message
     if disruption:
         # Kueue marks the pods of a workload it stops with a condition of its own.
         kind, _, reason = disruption.rpartition("/")

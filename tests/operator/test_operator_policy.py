@@ -71,6 +71,17 @@ CASES = [
         False,
     ),
     (dict(phase="Failed", exit_code=3), P.COLLAPSED, False, False),
+    # The kubelet's admission refused the pod (a device plugin restarted): it never ran.
+    (
+        dict(
+            phase="Failed",
+            pod_reason="UnexpectedAdmissionError",
+            pod_message="Allocate failed due to no healthy devices present",
+        ),
+        P.REJECTED,
+        False,
+        False,
+    ),
     # A liveness kill: the kubelet reports only exit code 137 (or 143) and reason Error;
     # the rank's own verdict, written as it stopped answering 200, says it stalled.
     (
@@ -100,7 +111,21 @@ def test_only_the_clusters_disruptions_are_flagged(kwargs, kind):
     of the pod's own are not."""
     failure = P.classify(view("tiny-grpo-trainer-0", **kwargs))
     assert failure is not None
-    assert failure.disruption == (kind in (P.PREEMPTED, P.NODE_LOST))
+    assert failure.disruption == (kind in (P.PREEMPTED, P.NODE_LOST, P.REJECTED))
+
+
+def test_a_pod_the_kubelet_refused_says_why():
+    """It was counted as the job's own Error, with no message: the kubelet's is kept."""
+    refused = view(
+        "tiny-grpo-trainer-0",
+        phase="Failed",
+        pod_reason="OutOfnvidia.com/gpu",
+        pod_message="Node didn't have enough resource: nvidia.com/gpu",
+    )
+    failure = P.classify(refused)
+    assert failure is not None and failure.kind == P.REJECTED and failure.disruption
+    said = "OutOfnvidia.com/gpu: Node didn't have enough resource: nvidia.com/gpu"
+    assert failure.message == said
 
 
 def test_a_pod_on_a_lost_node_is_a_disruption_though_its_status_says_running():
