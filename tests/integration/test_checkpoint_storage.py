@@ -292,3 +292,54 @@ def test_a_download_to_a_full_disk_is_a_clear_error(store, tiny_disk, tmp_path) 
         store.get_file("step-000001/__0_0.distcp", target)
     assert "spec.checkpoint.uri" not in str(full.value)  # the job's location is not full
     assert [p for p in tiny_disk.rglob("*") if p.is_file()] == []
+
+
+def test_the_parts_of_an_upload_killed_midway_are_removed_with_its_folder(
+    s3_env, bucket, tmp_path
+) -> None:
+    """A process SIGKILLed while its multipart upload is under way (preempted, OOM, the
+    grace watchdog) leaves parts stored and billed that no listing shows; deleting the
+    step folder (retention, a failed save's cleanup) aborts them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(40 << 20))  # eight 5 MiB parts, one at a time
+    child = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from rlft.trainer.storage.backends import S3Options, open_storage\n"
+        f"options = S3Options(endpoint_url={s3_env.endpoint!r}, addressing_style='path',\n"
+        "                     part_size_mb=5, upload_concurrency=1)\n"
+        f"open_storage('s3://{bucket}/run', options).put_file('step-000007/__0_0.distcp',\n"
+        f"                                                   Path({str(big)!r}))\n"
+    )
+    uploader = subprocess.Popen([sys.executable, "-c", child], env=dict(os.environ))
+    client = boto3.client("s3", endpoint_url=s3_env.endpoint)
+
+    def parts() -> int:
+        uploads = client.list_multipart_uploads(Bucket=bucket, Prefix="run/").get("Uploads", [])
+        return sum(
+            len(client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get(
+                "Parts", []))
+            for u in uploads
+        )  # fmt: skip
+
+    try:
+        deadline = time.monotonic() + 60
+        while parts() == 0:
+            assert uploader.poll() is None, "the upload ended before it could be killed"
+            assert time.monotonic() < deadline, "no part was ever stored"
+            time.sleep(0.05)
+    finally:
+        uploader.send_signal(signal.SIGKILL)
+        uploader.wait()
+    assert parts() > 0
+    store = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
+    assert store.list("step-000007/") == []  # invisible, yet stored
+    store.delete_prefix("step-000007/")
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix="run/").get("Uploads", []) == []

@@ -390,4 +390,29 @@ class S3Storage:
                     f"objects ({first.get('Code')})",
                     transient=True,
                 )
+        self._abort_uploads(prefix)
         return len(doomed)
+
+    def _abort_uploads(self, prefix: str) -> None:
+        """Abort the multipart uploads left under `prefix`: a process killed mid-upload
+        (preempted, OOM, the grace watchdog's exit) leaves its parts stored and billed,
+        invisible to listings; only an abort removes them."""
+        full = (f"{self.prefix}/" if self.prefix else "") + prefix
+        pages = self._client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=full
+        )
+        what = f"aborting the uploads under {prefix}"
+        try:
+            uploads = [u for page in pages for u in page.get("Uploads", [])]
+        except (bex.BotoCoreError, bex.ClientError) as error:
+            if _error_code(error)[0] in ("NotImplemented", "501"):
+                return  # a store without multipart listings
+            raise self._translate(error, what) from None
+        for upload in uploads:
+            try:
+                self._client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                )
+            except (bex.BotoCoreError, bex.ClientError) as error:
+                if _error_code(error)[0] != "NoSuchUpload":  # not finished meanwhile
+                    raise self._translate(error, what) from None
