@@ -480,6 +480,18 @@ class _Run(FailureResponses):
             )
             st.waiting_since = None if st.phase == "Running" else st.waiting_since
             return
+        leaving = sum(p.role == N.ROLE_TRAINER and p.deleting for p in self.pods.values())
+        if leaving:
+            # The previous gang still stops (its grace: an emergency checkpoint), and the
+            # new pods take its pods' names: their placement has not begun. Counted, a
+            # grace longer than schedulingTimeoutSeconds read as an unschedulable gang.
+            st.waiting_since = rfc3339(now)
+            message = (
+                f"{scheduled} of {need} trainer pods scheduled; waiting for {leaving} of "
+                "the previous gang to stop"
+            )
+            set_condition(st, "Scheduled", "Unknown", "Waiting", message, now)
+            return
         since = parse_time(st.waiting_since) or now
         waited = (now - since).total_seconds()
         timeout = self.spec.scheduling.scheduling_timeout_seconds

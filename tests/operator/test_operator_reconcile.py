@@ -1554,3 +1554,38 @@ def test_a_gang_kueue_has_not_admitted_is_queued_not_unschedulable() -> None:
     w.step()
     assert _condition(w, "Scheduled") == ("False", "Queued")
     assert w.events.count("Queued") == 1 and "Unschedulable" not in w.events
+
+
+def test_a_gang_waiting_for_its_predecessor_to_stop_is_not_unschedulable() -> None:
+    """trainer-1 fails and the gang restarts; trainer-0 takes its grace period to stop
+    (an emergency checkpoint), longer than schedulingTimeoutSeconds. The new trainer-0
+    cannot be made before the old one is gone (its name): no Unschedulable meanwhile,
+    and the timeout counts from when the old pod left."""
+    w = _world(
+        trainer={"replicas": {"min": 2, "max": 2}}, scheduling={"schedulingTimeoutSeconds": 60}
+    )
+    w.step()
+    w.run_all()
+    w.step()
+    old = w.pods["tiny-grpo-trainer-0"]
+    w.set("tiny-grpo-trainer-1", phase="Failed", exit_code=1)
+    d = w.step()
+    assert "tiny-grpo-trainer-0" in d.delete_pods
+    grace_ends = (w.now + timedelta(seconds=300)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    w.pods["tiny-grpo-trainer-0"] = view(
+        old.name, old.role, old.index, uid=old.uid, created=old.created,
+        phase="Running", deleting=True, grace_ends=grace_ends,
+    )  # fmt: skip
+    for _ in range(20):  # 200 s of its grace
+        w.tick(10)
+        w.step()
+        assert _condition(w, "Scheduled") == ("Unknown", "Waiting")
+    assert "Unschedulable" not in w.events
+    del w.pods["tiny-grpo-trainer-0"]  # stopped: the new gang is made and waits
+    w.step()
+    w.tick(30)
+    w.step()
+    assert _condition(w, "Scheduled") == ("Unknown", "Waiting")
+    w.tick(31)
+    w.step()
+    assert _condition(w, "Scheduled") == ("False", "Unschedulable")
