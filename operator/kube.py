@@ -139,7 +139,9 @@ class Kube:
         except (aiohttp.ClientError, TimeoutError) as error:
             # The API server out of reach is its trouble, not a bug of ours: retried as
             # its 5xx are (a traceback every poll, counted as an error, before).
-            raise ApiError(503, f"no answer from the API server: {error!r}"[:500]) from None
+            # Its str, not its repr: that holds the request's headers, bearer token and all.
+            why = f"{type(error).__name__}: {error}"
+            raise ApiError(503, f"no answer from the API server: {why}"[:500]) from None
 
     async def close(self) -> None:
         if self._session is not None:

@@ -17,6 +17,7 @@ from rlft.trainer.api_token import TOKEN_ENV as ROLLOUT_TOKEN_ENV
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.config.algorithm import SOURCES
 from rlft.trainer.config.model import vllm_cpu_head_problem
+from rlft.trainer.redaction import SECRET_NAMES_ENV
 
 CONFIG_DIR = "/etc/rlft"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
@@ -211,7 +212,10 @@ def job_env(job: RLFineTune, role: str) -> list[dict[str, Any]]:
     """The job's own variables for the role (spec.trainer.env or spec.rollout.env, the
     latter for Ray head and worker pods too), after the operator's."""
     env = job.spec.trainer.env if role == N.ROLE_TRAINER else job.spec.rollout.env
-    return [e.model_dump(by_alias=True, exclude_none=True) for e in env]
+    own = [e.model_dump(by_alias=True, exclude_none=True) for e in env]
+    # Their values from Secrets are kept out of the pod's error texts (redaction.py).
+    hidden = [e["name"] for e in own if "secretKeyRef" in (e.get("valueFrom") or {})]
+    return own + ([{"name": SECRET_NAMES_ENV, "value": ",".join(hidden)}] if hidden else [])
 
 
 def thread_env(

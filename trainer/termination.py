@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.redaction import scrubbed
 
 ENV = "RLFT_TERMINATION_LOG"
 MARK = "rlftVerdict"
@@ -165,7 +166,8 @@ def _telling(fields: dict) -> tuple:
 
 def encode(verdict: Verdict) -> str:
     """One line of a termination message."""
-    fields = {MARK: 1, **asdict(verdict), "message": verdict.message[:MAX_MESSAGE]}
+    message = scrubbed(verdict.message)[:MAX_MESSAGE]  # the job's status shows it
+    fields = {MARK: 1, **asdict(verdict), "message": message}
     return json.dumps(fields, sort_keys=True) + "\n"
 
 

@@ -91,6 +91,26 @@ def test_the_client_with_the_token_loads_and_generates(guarded, tmp_path: Path) 
     assert 'rlft_rollout_requests_total{status="ok"} 1.0' in metrics
 
 
+def test_a_token_read_with_its_newline_works_and_a_bad_one_is_never_quoted(
+    guarded, tmp_path: Path, monkeypatch
+) -> None:
+    """A token Secret made with `kubectl create secret --from-file` ends in a newline:
+    http.client refused the header and its error, quoting `Bearer <token>`, reached the
+    trainer's log, its verdict and the job's status. The newline is dropped; a token that
+    cannot be a header is refused naming the variable, not its value."""
+    uri = publish(store_at(tmp_path), tiny_model()[0], 5)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN + "\n")
+    client = RolloutClient([guarded.url], timeout_s=60)
+    try:
+        assert client.load_weights(client.instances[0], WeightsRequest(version=5, uri=uri), 60)
+    finally:
+        client.close()
+    monkeypatch.setenv(TOKEN_ENV, "s3cr3t token\nwith-breaks")
+    with pytest.raises(ValueError, match=f"{TOKEN_ENV} holds characters") as refused:
+        RolloutClient([guarded.url], timeout_s=60)
+    assert "s3cr3t" not in str(refused.value)
+
+
 def test_a_server_given_no_token_takes_a_client_that_sends_one(tmp_path: Path) -> None:
     """An upgrade's mix: trainers a new operator restarted send the job's token to a
     rollout pod made before tokens (or for trainers that had none), which serves them."""

@@ -6,6 +6,7 @@ then on. Against a real HTTP server on loopback that accepts only the current to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -124,3 +125,42 @@ def test_an_api_server_out_of_reach_is_an_api_error_not_a_bug():
     with pytest.raises(ApiError) as refused:
         asyncio.run(call())
     assert refused.value.status == 503 and "no answer from the API server" in str(refused.value)
+
+
+def test_a_garbled_answer_is_reported_without_the_requests_credentials():
+    """A proxy that answers with a malformed response: aiohttp's error carries the
+    request's headers, and its repr, put into the ApiError the operator logs, quoted the
+    service account's bearer token."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def garble() -> None:
+        with contextlib.suppress(OSError):
+            peer, _ = listener.accept()
+            with peer:
+                peer.recv(65536)
+                peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n")
+
+    thread = threading.Thread(target=garble, daemon=True)
+    thread.start()
+    secret = "Bearer SECRET-sa-token-0123"
+
+    async def call() -> None:
+        server = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        kube = Kube(Connection(server=server, headers={"Authorization": secret}), timeout=5)
+        try:
+            await kube.get_job("ml", "job")
+        finally:
+            await kube.close()
+
+    try:
+        with pytest.raises(ApiError) as garbled:
+            asyncio.run(call())
+    finally:
+        listener.close()
+        thread.join(timeout=5)
+    assert garbled.value.status == 503 and "no answer from the API server" in str(garbled.value)
+    assert "SECRET-sa-token" not in str(garbled.value)

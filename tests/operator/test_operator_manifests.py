@@ -195,6 +195,10 @@ def test_a_roles_own_env_follows_the_operators_which_it_cannot_change():
         assert own in env
         operator_names = {e["name"] for e in env} - {own["name"]}
         assert operator_names <= OPERATOR_ENV, operator_names - OPERATOR_ENV
+        # The names of the variables filled from Secrets, whose values the pod's
+        # processes keep out of their error texts (trainer/redaction.py).
+        hidden = [e.get("value") for e in env if e["name"] == "RLFT_SECRET_ENV"]
+        assert hidden == ([] if role == N.ROLE_TRAINER else ["HF_TOKEN"])
 
 
 def _threads(trainer: dict, rollout: dict | None = None) -> dict[str, list[str]]:

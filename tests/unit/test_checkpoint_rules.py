@@ -584,3 +584,12 @@ def test_another_jobs_checkpoints_are_left_out_but_those_of_no_known_job_stay() 
     assert sorted(kept.manifests) == [10, 30]
     assert kept.latest == 30 and sorted(scan.manifests) == [10, 20, 30]  # a new scan
     assert sorted(scan.own("job-a")) == [10]
+
+
+def test_verify_names_a_location_it_refuses_without_its_secret(capsys) -> None:
+    from rlft.trainer.cli.main import main
+
+    uri = "s3://AKIAUSER:SECRETXYZ@bucket/run/step-000100"
+    assert main(["checkpoints", "verify", uri, "--step", "5"]) == 2
+    said = capsys.readouterr().err
+    assert "names step 100, --step 5: give one" in said and "SECRETXYZ" not in said

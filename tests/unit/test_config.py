@@ -577,6 +577,18 @@ def test_an_endpoint_with_a_query_or_fragment_is_refused(endpoint) -> None:
     ]
 
 
+def test_an_otlp_endpoint_with_credentials_is_refused_without_repeating_them() -> None:
+    """It is written as it is into the job's ConfigMap and `rlft plan`'s output."""
+    lines = problems(manifest(telemetry={"otlpEndpoint": "https://t:SECRETXYZ@otel.example"}))
+    assert lines == [
+        "spec.telemetry.otlpEndpoint: must hold no credentials, query or fragment (the job "
+        "file is a ConfigMap): give the collector's auth header by OTEL_EXPORTER_OTLP_HEADERS "
+        "from a Secret"
+    ]
+    job = parse_job(manifest(telemetry={"otlpEndpoint": "http://otel-collector:4318"}))
+    assert job.spec.telemetry.otlp_endpoint == "http://otel-collector:4318"
+
+
 def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path: Path) -> None:
     """PyYAML keeps the last of two equal keys: the job below ran GRPO with groupSize 8."""
     path = tmp_path / "job.yaml"

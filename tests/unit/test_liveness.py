@@ -340,6 +340,8 @@ def test_the_end_of_step_vote_waits_for_rank_0_unjudged_on_other_ranks(
         distributed=True,
         rank=rank,
         _control=None,
+        fence=None,
+        superseded=None,
     )
     assert not checkpointer.poll(7).save
     assert seen[0].alive is not judged

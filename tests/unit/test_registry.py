@@ -37,8 +37,12 @@ def test_entries(name, source, critic, reference_without_kl):
     spec = AlgorithmSpec(name=name, group_size=4)
     assert (entry.source, entry.critic) == (source, critic)
     assert entry.needs_reference(spec) is reference_without_kl
-    with_kl = AlgorithmSpec.model_validate({"name": name, "groupSize": 4, "kl": {"coef": 0.1}})
-    assert entry.needs_reference(with_kl)
+    kl = {"name": name, "groupSize": 4, "kl": {"coef": 0.1}}
+    if source == "rollouts":
+        assert entry.needs_reference(AlgorithmSpec.model_validate(kl))
+    else:  # dpo's KL weight is its beta; sft has none: refused, not ignored
+        with pytest.raises(ValueError, match="kl.coef is for the RL algorithms"):
+            AlgorithmSpec.model_validate(kl)
     assert (entry.shape is not None) == (source == "rollouts")
     assert registry.build_objective(spec, 1.0, 8).unit == (2 if name == "dpo" else 1)
 

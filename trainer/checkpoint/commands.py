@@ -11,6 +11,7 @@ from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.errors import BadUriError, CheckpointError, StorageError
 from rlft.trainer.checkpoint.history import segment_problems
 from rlft.trainer.checkpoint.manifest import split_location, step_dir
+from rlft.trainer.config.locations import shown
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.storage.backends import FileStorage, S3Options, open_storage
 
@@ -106,7 +107,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     any checked is damaged or missing."""
     base, named = split_location(args.uri)  # `…/step-000120` is that step, as for export
     if isinstance(named, int) and args.step not in (None, named):
-        print(f"rlft: {args.uri} names step {named}, --step {args.step}: give one", file=sys.stderr)
+        said = f"rlft: {shown(args.uri)} names step {named}, --step {args.step}: give one"
+        print(said, file=sys.stderr)
         return ExitCode.INVALID_CONFIG
     step = named if isinstance(named, int) else args.step
     try:

@@ -19,6 +19,7 @@ from rlft.trainer.cli import entry
 from rlft.trainer.cli.interrupts import InterruptedWhileStarting, deferred_interrupt
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.redaction import scrubbed
 from rlft.trainer.telemetry import liveness
 
 INTERRUPTED = entry.INTERRUPTED
@@ -105,7 +106,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
     except (CheckpointError, StorageError, TelemetryServeError) as error:  # worth retrying
         return _failed(ExitCode.FAILURE, error, rank)
     except StepFailedError as error:  # worth retrying too; where it came from is kept
-        traceback.print_exception(error)
+        _print_traceback(error)
         return _failed(ExitCode.FAILURE, error, rank)
     code = summary.get("exit_code", ExitCode.OK)
     verdict = _verdict(job, summary, code, rank)
@@ -177,9 +178,14 @@ def _verdict(job: RLFineTune, summary: dict, code: int, rank: int) -> terminatio
     )
 
 
+def _print_traceback(error: BaseException) -> None:
+    """The traceback on stderr, less the secrets it may quote (redaction.py)."""
+    print(scrubbed("".join(traceback.format_exception(error))), end="", file=sys.stderr)
+
+
 def _failed(code: int, error: BaseException, rank: int) -> int:
     """Report an error the trainer understands: on stderr, and as the pod's verdict."""
-    print(f"rlft: {error}", file=sys.stderr)
+    print(f"rlft: {scrubbed(str(error))}", file=sys.stderr)
     liveness.report(termination.Verdict(code, str(error), rank))
     return code
 
@@ -303,7 +309,7 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
         # No goodbye barrier: the other ranks may be waiting in a collective this rank
         # will never join. Ending the process breaks their connections, and torchrun
         # stops the group with the failure.
-        traceback.print_exc()
+        _print_traceback(error)
         message = f"{type(error).__name__}: {error}"
         liveness.report(termination.Verdict(ExitCode.FAILURE, message, dist.rank))
         _verdict_written()

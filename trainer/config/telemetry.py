@@ -5,9 +5,12 @@ No torch import: the operator reads this section to know which port to scrape an
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
 
-from rlft.trainer.config.base import Section
+from pydantic import Field, field_validator
+
+from rlft.trainer.config.base import Section, checked
+from rlft.trainer.config.locations import holds_credentials
 
 
 class TelemetrySpec(Section):
@@ -33,6 +36,22 @@ class TelemetrySpec(Section):
     carry."""
     otlp_endpoint: str | None = Field(None, min_length=1, max_length=2048)
     """OTLP/HTTP collector for step traces, e.g. `http://otel-collector:4318`. Unset: the
-    standard OTEL_EXPORTER_OTLP_ENDPOINT variable is used if set, else no tracing."""
+    standard OTEL_EXPORTER_OTLP_ENDPOINT variable is used if set, else no tracing. No
+    credentials in it (the job file is a ConfigMap): give a collector's auth header by
+    OTEL_EXPORTER_OTLP_HEADERS from a Secret (spec.trainer.env valueFrom)."""
     service_name: str = Field("rlft-trainer", min_length=1, max_length=253)
     """`service.name` of the exported spans."""
+
+    @field_validator("otlp_endpoint", mode="before")
+    @classmethod
+    def _no_credentials(cls, url: Any) -> Any:
+        return checked(url, _otlp_problem) if isinstance(url, str) else url
+
+
+def _otlp_problem(url: str) -> str | None:
+    if holds_credentials(url) or "?" in url or "#" in url:
+        return (
+            "must hold no credentials, query or fragment (the job file is a ConfigMap): "
+            "give the collector's auth header by OTEL_EXPORTER_OTLP_HEADERS from a Secret"
+        )
+    return None

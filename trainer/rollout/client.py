@@ -31,7 +31,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import os
 import threading
 import time
 import urllib.error
@@ -41,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from rlft.trainer.api_token import TOKEN_ENV, auth_header
+from rlft.trainer.api_token import TOKEN_ENV, auth_header, given_token
 from rlft.trainer.rollout.engine import Completion
 from rlft.trainer.rollout.pipeline import StopWaiting, never
 from rlft.trainer.rollout.protocol import (
@@ -175,7 +174,7 @@ class RolloutClient:
         if not urls:
             raise ValueError("a rollout client needs at least one instance URL")
         self.instances = [Instance(u.rstrip("/")) for u in urls]
-        self.token = token or os.environ.get(TOKEN_ENV) or None
+        self.token = given_token(token or None)
         self.timeout_s, self.probe_every_s = timeout_s, probe_every_s
         self.deadline_s = 2 * timeout_s if deadline_s is None else deadline_s
         self._lock = threading.Condition()

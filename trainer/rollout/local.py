@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rlft.trainer.api_token import TOKEN_ENV
+from rlft.trainer.api_token import TOKEN_ENV, given_token
 from rlft.trainer.checkpoint.commands import s3_arguments
 from rlft.trainer.storage.backends import S3Options
 
@@ -91,7 +91,7 @@ class LocalServers:
                 self.python = found
         self.engine, self.count, self.weights_uri = engine, count, weights_uri
         self.cpus, self.extra_env = cpus, extra_env or {}
-        self.token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+        self.token = given_token() or secrets.token_urlsafe(32)
         """The servers' rollout token (drawn per run unless the environment has one):
         another local user cannot push weights into them or spend their capacity."""
         self.startup_timeout_s = startup_timeout_s

@@ -37,9 +37,10 @@ from typing import Any
 
 from rlft.trainer import termination
 from rlft.trainer.addresses import http_url, is_loopback
-from rlft.trainer.api_token import TOKEN_ENV, authorized
+from rlft.trainer.api_token import TOKEN_ENV, authorized, given_token
 from rlft.trainer.checkpoint.commands import storage_options
 from rlft.trainer.checkpoint.factory import s3_options
+from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.http_server import HTTPServer
 from rlft.trainer.rollout.arguments import add_arguments
 from rlft.trainer.rollout.engine import WeightNamesError
@@ -544,7 +545,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"rlft rollout: {error}", file=sys.stderr, flush=True)
             termination.write(termination.Verdict(error.exit_code, str(error)))
             return error.exit_code
-    token = os.environ.get(TOKEN_ENV) or None
+    try:
+        token = given_token()
+    except ValueError as error:
+        print(f"rlft rollout: {error}", file=sys.stderr, flush=True)
+        termination.write(termination.Verdict(ExitCode.INVALID_CONFIG, str(error)))
+        return ExitCode.INVALID_CONFIG
     warning = open_api_warning(args.host, token)
     if warning:
         print(warning, file=sys.stderr, flush=True)

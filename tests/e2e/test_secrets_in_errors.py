@@ -1,0 +1,69 @@
+"""A trainer's error text is scrubbed of the secrets in its environment before it is
+printed and before it becomes the verdict the operator copies into the job's status: a
+reward calling a judge with its key in the URL failed with the library's error, which
+quoted the URL, key and all. Both sides are real: `rlft train` fails, and the
+operator's own reading of the pod's termination message makes the failure it reports."""
+
+from __future__ import annotations
+
+import yaml
+from test_resume import start, write_job
+
+from rlft.operator import failures
+from rlft.operator import names as N
+from rlft.operator.observe import pod_view
+from rlft.trainer.redaction import scrubbed
+
+KEY = "judge-key-0f1e2d3c4b5a"
+SESSION = "aws-session-9a8b7c6d5e"
+
+JUDGE = """
+import os
+
+
+def judge(completion, answer):
+    key = os.environ["JUDGE_API_KEY"]
+    raise ConnectionError(
+        f"Max retries exceeded with url: /v1/judge?api_key={key} "
+        f"(https://user:{key}@judge.example/v1) session {os.environ['AWS_SESSION_TOKEN']}"
+    )
+"""
+
+
+def test_a_rewards_error_reaches_the_log_and_the_jobs_status_without_its_secrets(tmp_path):
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["reward"] = {"functions": [{"name": "judge_reward:judge"}]}
+    spec["spec"]["algorithm"]["sft"] = {"steps": 0}
+    job.write_text(yaml.safe_dump(spec))
+    (tmp_path / "judge_reward.py").write_text(JUDGE)
+    env = {"JUDGE_API_KEY": KEY, "AWS_SESSION_TOKEN": SESSION, "RLFT_SECRET_ENV": "JUDGE_API_KEY"}
+    process = start(tmp_path, "out", env=env)
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode != 0, output
+    assert "judge_reward:judge" in output and "ConnectionError" in output, output
+    assert KEY not in output and SESSION not in output, output
+    message = (tmp_path / "out.termination").read_text()
+    assert "api_key=***" in message and "***@judge.example" in message, message
+    terminated = {"exitCode": 1, "reason": "Error", "message": message}
+    pod = {  # as the kubelet reports the trainer container's end
+        "metadata": {
+            "name": "tiny-grpo-trainer-0",
+            "uid": "u1",
+            "labels": {N.LABEL_ROLE: N.ROLE_TRAINER, N.LABEL_INDEX: "0"},
+        },
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [{"name": "main", "state": {"terminated": terminated}}],
+        },
+    }
+    failure = failures.classify(pod_view(pod))
+    assert failure is not None and "judge_reward:judge" in failure.message
+    assert KEY not in failure.message and SESSION not in failure.message
+
+
+def test_scrubbing_leaves_what_is_not_a_secret():
+    environ = {"HF_TOKEN": "hf_abcdef123456", "RLFT_SECRET_ENV": "A, B", "A": "alpha-secret"}
+    text = "GET https://hub/x?revision=main&token=hf_abcdef123456 alpha-secret s3://b/run"
+    assert scrubbed(text, environ) == "GET https://hub/x?revision=main&token=*** *** s3://b/run"
+    assert scrubbed("short B=ab", {"RLFT_SECRET_ENV": "B", "B": "ab"}) == "short B=ab"

@@ -1,0 +1,48 @@
+"""What a process's own error text loses before it is printed or becomes its verdict (the
+termination message the operator copies into the job's status, conditions and Events):
+the values of the secrets in its environment, and credentials in URLs. A reward that
+calls a judge with its key in the URL, a library error quoting a request: their text
+reached the job's status as it was."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+SECRET_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "RLFT_ROLLOUT_TOKEN",
+    "RAY_AUTH_TOKEN",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+)
+"""Variables that hold secrets wherever they are set."""
+SECRET_NAMES_ENV = "RLFT_SECRET_ENV"
+"""Set by the operator: the names (comma-separated) of the job's own variables it fills
+from Secrets (`valueFrom.secretKeyRef` in spec.trainer.env / spec.rollout.env)."""
+
+_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@:]+:[^/\s@]+@")
+_SECRET_QUERY = re.compile(
+    r"([?&][^=&\s]*(?:key|token|secret|signature|password|passwd|credential|auth|sig)"
+    r"[^=&\s]*=)[^&\s#'\"]+",
+    re.IGNORECASE,
+)
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    environ = os.environ if environ is None else environ
+    names = [*SECRET_ENV, *(environ.get(SECRET_NAMES_ENV) or "").split(",")]
+    values = (environ.get(name.strip(), "").strip() for name in names if name.strip())
+    return sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)
+
+
+def scrubbed(text: str, environ: Mapping[str, str] | None = None) -> str:
+    """`text` without the environment's secret values, URL user:password@ parts and the
+    values of URL query parameters named like a key, token, secret or signature."""
+    for value in secret_values(environ):
+        text = text.replace(value, "***")
+    text = _USERINFO.sub(r"\1***@", text)
+    return _SECRET_QUERY.sub(r"\1***", text)
