@@ -415,11 +415,12 @@ def test_an_error_after_a_trained_step_is_a_failure_to_retry_not_a_bad_job(tmp_p
         assert "Traceback" in output and "step 5 failed: planted fault" in output, output
         verdict = termination.read((tmp_path / "out.termination").read_text())
         assert verdict is not None and verdict.exit_code == 1 and "step 5" in verdict.message
-        assert attempt == 0 or "resum" in output.lower(), output
+        resumed = "rlft: resumed from the checkpoint of step 4"
+        assert attempt == 0 or resumed in output, output
     again = start(tmp_path, "out")
     output = again.communicate(timeout=300)[0]
     assert again.returncode == 0, output
-    assert "resum" in output.lower() and len(records(tmp_path / "out")) == STEPS, output
+    assert resumed in output and len(records(tmp_path / "out")) == STEPS, output
 
 
 def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import typing
@@ -40,7 +41,19 @@ def test_crd_file_is_fresh():
 
 
 def test_rendering_is_deterministic():
-    assert crd.render_crd() == crd.render_crd()
+    """The same CRD from processes whose string hashing differs (set and dict orders
+    that leak into the output would show here)."""
+    import subprocess
+    import sys
+
+    def rendered(seed: str) -> str:
+        code = "from rlft.operator import crd; print(crd.render_crd(), end='')"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert rendered("1") == rendered("2") == crd.render_crd()
 
 
 def test_cli_writes_the_same_file(tmp_path):

@@ -98,8 +98,6 @@ def test_k3_kl_is_added_with_its_coefficient() -> None:
     #   delta  0   → 0
     #   delta +0.3 → e^0.3 - 0.3 - 1  = 0.0498588076
     kl = [math.exp(-0.5) - 0.5, 0.0, math.exp(0.3) - 1.3]
-    assert kl[0] == pytest.approx(0.1065306597)
-    assert kl[2] == pytest.approx(0.0498588076)
     out = grpo_token_losses(logp, behaviour, advantages, 0.2, 0.2, ref_logp=ref, kl_coef=0.1)
     torch.testing.assert_close(out.kl, torch.tensor(kl, dtype=F64), rtol=0, atol=1e-12)
     expected = torch.tensor([-1.0 + 0.1 * kl[0], 1.0, 0.1 * kl[2]], dtype=F64)

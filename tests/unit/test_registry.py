@@ -41,7 +41,7 @@ def test_entries(name, source, critic, reference_without_kl):
     if source == "rollouts":
         assert entry.needs_reference(AlgorithmSpec.model_validate(kl))
     else:  # dpo's KL weight is its beta; sft has none: refused, not ignored
-        with pytest.raises(ValueError, match="kl.coef is for the RL algorithms"):
+        with pytest.raises(ValueError, match=r"kl\.coef is for the RL algorithms"):
             AlgorithmSpec.model_validate(kl)
     assert (entry.shape is not None) == (source == "rollouts")
     assert registry.build_objective(spec, 1.0, 8).unit == (2 if name == "dpo" else 1)
