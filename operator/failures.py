@@ -11,7 +11,8 @@ Kinds (seen as → response):
 - Rejected: the kubelet refused the pod before any container ran (phase Failed with a
   pod-level reason and no container exit: UnexpectedAdmissionError after a device
   plugin restart, OutOfnvidia.com/gpu, a node affinity no longer met) → recreate, with
-  backoff; a disruption (the node's doing, not the job's), its message kept.
+  backoff, its message kept; counted (a node that keeps refusing would otherwise have
+  the pod recreated forever).
 - RendezvousTimeout: a rendezvous / NCCL / gloo timeout in the termination message →
   restart the whole trainer gang from the latest healthy checkpoint, with backoff; while
   another trainer of the gang still runs, first wait briefly for its verdict, which may
@@ -163,7 +164,6 @@ def classify(pod: PodView) -> Failure | None:
             uid=pod.uid,
             role=pod.role,
             message=f"{pod.reason}: {pod.status_message}".rstrip(": "),
-            disruption=True,
         )
     if verdict is not None and verdict.stalled and pod.role == "trainer":
         # Its own words, written before its liveness probe failed: the kubelet's kill

@@ -39,6 +39,7 @@ from rlft.operator.status import (
     MESSAGE_LENGTH,
     TERMINAL_PHASES,
     CheckpointRef,
+    condition,
     parse_time,
     rfc3339,
     set_condition,
@@ -480,32 +481,33 @@ class _Run(FailureResponses):
             )
             st.waiting_since = None if st.phase == "Running" else st.waiting_since
             return
+        # Each message below is the same from one reconcile to the next: a status that
+        # changed every second (the seconds waited) was written every second, and each
+        # write, an event, started the next reconcile.
         leaving = sum(p.role == N.ROLE_TRAINER and p.deleting for p in self.pods.values())
-        if leaving:
+        gated = sum(p.role == N.ROLE_TRAINER and p.gated for p in self.pods.values())
+        if leaving or gated:
             # The previous gang still stops (its grace: an emergency checkpoint), and the
-            # new pods take its pods' names: their placement has not begun. Counted, a
-            # grace longer than schedulingTimeoutSeconds read as an unschedulable gang.
-            st.waiting_since = rfc3339(now)
-            message = (
-                f"{scheduled} of {need} trainer pods scheduled; waiting for {leaving} of "
-                "the previous gang to stop"
+            # new pods take its pods' names; or Kueue holds the pods until it admits the
+            # gang. Placement has not begun: the timeout counts from when it does (a
+            # grace or a queue longer than schedulingTimeoutSeconds read as an
+            # unschedulable gang).
+            st.waiting_since = None
+            if leaving:
+                why = f"waiting for {leaving} trainer pods of the previous gang to stop"
+                set_condition(st, "Scheduled", "Unknown", "Waiting", why, now)
+                return
+            why = (
+                f"{gated} trainer pods wait for admission (scheduling gates: the gang's "
+                "queue has not admitted them)"
             )
-            set_condition(st, "Scheduled", "Unknown", "Waiting", message, now)
+            if set_condition(st, "Scheduled", "False", "Queued", why, now):
+                self.event("Normal", "Queued", why)
             return
         since = parse_time(st.waiting_since) or now
         waited = (now - since).total_seconds()
         timeout = self.spec.scheduling.scheduling_timeout_seconds
-        gated = [p for p in self.pods.values() if p.role == N.ROLE_TRAINER and p.gated]
-        if waited >= timeout and gated:
-            # Kueue holds the pods until it admits the gang: a queue, not a failure to place.
-            message = (
-                f"{len(gated)} trainer pods waiting {waited:.0f} s for admission (scheduling "
-                "gates: the gang's queue has not admitted them); "
-                f"{scheduled} of replicas.min={need} scheduled"
-            )
-            if set_condition(st, "Scheduled", "False", "Queued", message, now):
-                self.event("Normal", "Queued", message)
-        elif waited >= timeout:
+        if waited >= timeout:
             why = next(
                 (
                     p.unschedulable
@@ -515,10 +517,12 @@ class _Run(FailureResponses):
                 "",
             )
             message = (
-                f"only {scheduled} of replicas.min={need} trainer pods scheduled after "
-                f"{waited:.0f} s (schedulingTimeoutSeconds {timeout})" + (f": {why}" if why else "")
+                f"only {scheduled} of replicas.min={need} trainer pods scheduled within "
+                f"schedulingTimeoutSeconds ({timeout})" + (f": {why}" if why else "")
             )
-            if set_condition(st, "Scheduled", "False", "Unschedulable", message, now):
+            before = condition(st, "Scheduled")
+            changed = set_condition(st, "Scheduled", "False", "Unschedulable", message, now)
+            if changed or (before is not None and before.reason != "Unschedulable"):
                 self.event("Warning", "Unschedulable", message)
             if not why and waited < timeout + SCHEDULER_REASON_WAIT_SECONDS:
                 # The scheduler has not said why yet (it may not have tried the pod since

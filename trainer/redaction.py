@@ -24,10 +24,16 @@ SECRET_NAMES_ENV = "RLFT_SECRET_ENV"
 """Set by the operator: the names (comma-separated) of the job's own variables it fills
 from Secrets (`valueFrom.secretKeyRef` in spec.trainer.env / spec.rollout.env)."""
 
-_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@:]+:[^/\s@]+@")
+SHORTEST = 8
+"""Values shorter than this are not hidden: a variable set to `main` or `true` would
+blank that word out of every message."""
+
+_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+# A query parameter whose name is, or ends in, one of these words (`api_key`,
+# `X-Amz-Signature`), not one that merely contains it (`author`, `design`).
 _SECRET_QUERY = re.compile(
-    r"([?&][^=&\s]*(?:key|token|secret|signature|password|passwd|credential|auth|sig)"
-    r"[^=&\s]*=)[^&\s#'\"]+",
+    r"([?&](?:[^=&\s]*[_.-])?(?:api[_-]?key|key|token|secret|signature|sig|password|passwd|"
+    r"credentials?|auth)=)[^&\s#'\"]+",
     re.IGNORECASE,
 )
 
@@ -36,12 +42,13 @@ def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
     names = [*SECRET_ENV, *(environ.get(SECRET_NAMES_ENV) or "").split(",")]
     values = (environ.get(name.strip(), "").strip() for name in names if name.strip())
-    return sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)
+    return sorted({v for v in values if len(v) >= SHORTEST}, key=len, reverse=True)
 
 
 def scrubbed(text: str, environ: Mapping[str, str] | None = None) -> str:
-    """`text` without the environment's secret values, URL user:password@ parts and the
-    values of URL query parameters named like a key, token, secret or signature."""
+    """`text` without the environment's secret values, URL user-info parts (`user:pw@`,
+    `token@`) and the values of URL query parameters named as a key, token, secret or
+    signature."""
     for value in secret_values(environ):
         text = text.replace(value, "***")
     text = _USERINFO.sub(r"\1***@", text)

@@ -49,7 +49,8 @@ def test_a_newer_gang_stops_the_older_one_and_keeps_the_location(tmp_path) -> No
     try:
         _wait(lambda: catalog.scan().latest is not None or old.poll() is not None, "a commit")
         assert old.poll() is None, old.communicate()[0]
-        old_hash = catalog.scan().manifests[catalog.scan().latest].config_hash
+        first = catalog.scan()  # one scan: `latest` moves on meanwhile
+        old_hash = first.manifests[first.latest].config_hash
         new = start(tmp_path / "new", "out", env={**uid, "RLFT_GANG_ATTEMPT": "1"})
         output = old.communicate(timeout=240)[0]
         assert old.returncode == 1, output

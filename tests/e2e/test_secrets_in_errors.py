@@ -66,4 +66,9 @@ def test_scrubbing_leaves_what_is_not_a_secret():
     environ = {"HF_TOKEN": "hf_abcdef123456", "RLFT_SECRET_ENV": "A, B", "A": "alpha-secret"}
     text = "GET https://hub/x?revision=main&token=hf_abcdef123456 alpha-secret s3://b/run"
     assert scrubbed(text, environ) == "GET https://hub/x?revision=main&token=*** *** s3://b/run"
-    assert scrubbed("short B=ab", {"RLFT_SECRET_ENV": "B", "B": "ab"}) == "short B=ab"
+    # A short value (a branch, a flag) is not blanked out of every message.
+    assert scrubbed("on main", {"RLFT_SECRET_ENV": "B", "B": "main"}) == "on main"
+    said = "redis://:pw123@h/0 https://tok@h/x?author=me&design=a&X-Amz-Signature=abc&api_key=z"
+    assert scrubbed(said, {}) == (
+        "redis://***@h/0 https://***@h/x?author=me&design=a&X-Amz-Signature=***&api_key=***"
+    )

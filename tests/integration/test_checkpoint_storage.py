@@ -198,6 +198,31 @@ def test_credentials_from_a_mounted_secret_folder(s3_env, bucket, monkeypatch, t
     assert store.get_bytes("a") == b"1"
 
 
+def test_credentials_rotated_in_the_mounted_folder_are_taken_up(
+    s3_env, bucket, monkeypatch, tmp_path
+) -> None:
+    """The kubelet updates a mounted Secret when its keys are rotated; the client kept
+    the keys it started with, and every save of a weeks-long run failed from then on.
+    A refusal re-reads the folder: new keys there make it a transient error, retried
+    with them."""
+    from rlft.trainer.storage.retry import with_retries
+
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "AWS_ACCESS_KEY_ID").write_text(os.environ["AWS_ACCESS_KEY_ID"])
+    (secret / "AWS_SECRET_ACCESS_KEY").write_text("the-key-before-rotation")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    options = s3_options(s3_env, credentials_dir=str(secret), max_attempts=1)
+    store = open_storage(f"s3://{bucket}/x", options)
+    with pytest.raises(CredentialsError) as refused:
+        store.put_bytes("a", b"1")
+    assert not refused.value.transient  # the folder holds what the client has
+    (secret / "AWS_SECRET_ACCESS_KEY").write_text(SECRET_KEY + "\n")  # rotated
+    with_retries(lambda: store.put_bytes("a", b"2"), deadline_s=30)
+    assert store.get_bytes("a") == b"2"
+
+
 def test_an_unreachable_endpoint_is_transient(monkeypatch) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")

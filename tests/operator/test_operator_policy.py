@@ -111,11 +111,12 @@ def test_only_the_clusters_disruptions_are_flagged(kwargs, kind):
     of the pod's own are not."""
     failure = P.classify(view("tiny-grpo-trainer-0", **kwargs))
     assert failure is not None
-    assert failure.disruption == (kind in (P.PREEMPTED, P.NODE_LOST, P.REJECTED))
+    assert failure.disruption == (kind in (P.PREEMPTED, P.NODE_LOST))
 
 
 def test_a_pod_the_kubelet_refused_says_why():
-    """It was counted as the job's own Error, with no message: the kubelet's is kept."""
+    """It read as the job's own Error, with no message: the kubelet's is kept. Counted
+    still: a node that keeps refusing it would have it recreated forever."""
     refused = view(
         "tiny-grpo-trainer-0",
         phase="Failed",
@@ -123,7 +124,7 @@ def test_a_pod_the_kubelet_refused_says_why():
         pod_message="Node didn't have enough resource: nvidia.com/gpu",
     )
     failure = P.classify(refused)
-    assert failure is not None and failure.kind == P.REJECTED and failure.disruption
+    assert failure is not None and failure.kind == P.REJECTED and not failure.disruption
     said = "OutOfnvidia.com/gpu: Node didn't have enough resource: nvidia.com/gpu"
     assert failure.message == said
 

@@ -1549,11 +1549,19 @@ def test_a_gang_kueue_has_not_admitted_is_queued_not_unschedulable() -> None:
         name: replace(pod, unschedulable="", gated=pod.role == N.ROLE_TRAINER)
         for name, pod in w.pods.items()
     }
-    w.tick(61)
-    w.step()
     w.step()
     assert _condition(w, "Scheduled") == ("False", "Queued")
+    queued = w.status.model_dump()
+    w.tick(3600)  # queued for an hour: the same status, no Unschedulable
+    w.step()
+    assert w.status.model_dump() == queued
     assert w.events.count("Queued") == 1 and "Unschedulable" not in w.events
+    # Admitted, the gang gets its whole schedulingTimeoutSeconds to be placed.
+    w.pods = {name: replace(pod, gated=False) for name, pod in w.pods.items()}
+    w.step()
+    w.tick(30)
+    w.step()
+    assert _condition(w, "Scheduled") == ("Unknown", "Waiting")
 
 
 def test_a_gang_waiting_for_its_predecessor_to_stop_is_not_unschedulable() -> None:
@@ -1576,10 +1584,17 @@ def test_a_gang_waiting_for_its_predecessor_to_stop_is_not_unschedulable() -> No
         old.name, old.role, old.index, uid=old.uid, created=old.created,
         phase="Running", deleting=True, grace_ends=grace_ends,
     )  # fmt: skip
+    w.tick(10)
+    w.step()
+    settled = w.status.model_dump()
     for _ in range(20):  # 200 s of its grace
         w.tick(10)
         w.step()
         assert _condition(w, "Scheduled") == ("Unknown", "Waiting")
+        # Nothing in the status moves while it waits: each write is an event that
+        # starts another reconcile (a status that changed each time was rewritten
+        # as fast as the API server answered).
+        assert w.status.model_dump() == settled
     assert "Unschedulable" not in w.events
     del w.pods["tiny-grpo-trainer-0"]  # stopped: the new gang is made and waits
     w.step()

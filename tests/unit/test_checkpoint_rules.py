@@ -599,3 +599,20 @@ def test_verify_names_a_location_it_refuses_without_its_secret(capsys) -> None:
     assert main(["checkpoints", "verify", uri, "--step", "5"]) == 2
     said = capsys.readouterr().err
     assert "names step 100, --step 5: give one" in said and "SECRETXYZ" not in said
+
+
+def test_a_download_whose_socket_kept_timing_out_is_transient(monkeypatch) -> None:
+    """s3transfer retries a download's reads on the socket's own errors and gives up with
+    the last one (RetriesExceededError): a network fault to retry, not a damaged file that
+    a resume skips for an older checkpoint."""
+
+    from boto3.exceptions import RetriesExceededError
+
+    from rlft.trainer.storage.s3 import S3Storage
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    store = S3Storage("s3://bucket/run", S3Options(endpoint_url="http://127.0.0.1:9"))
+    for cause in (TimeoutError("timed out"), ConnectionResetError(104, "reset")):
+        error = store._translate(RetriesExceededError(cause), "downloading step-000001/x")
+        assert error.transient and "cannot reach" in str(error), error

@@ -8,11 +8,12 @@ and its retention deleting the new gang's as another timeline's.
 
 Each operator-started gang has a higher attempt number (the status's gangAttempt, in
 `$RLFT_GANG_ATTEMPT`). A gang's rank 0 writes it to `fences/<job uid>` before resuming;
-a gang that finds a higher number there stops (`SupersededError`): at its start, at a
-save (before it uploads a file and again before it commits) and every
-`CHECK_SECONDS` between saves. A save already uploading when the new gang starts may
-still write files, never a manifest or `latest`. A local `rlft train` has no job uid
-and no fence.
+a gang that finds a higher number there stops (`SupersededError`, on every rank): at
+its start, at a save (before any rank uploads a file, and again before the commit) and
+at the end of the first step `CHECK_SECONDS` after its last read. A save already
+uploading when the new gang starts may still write files, never a manifest or `latest`.
+Until it stops, the older gang may still publish weights (`spec.rollout.weightsUri`):
+the fence guards the checkpoints. A local `rlft train` has no job uid and no fence.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import time
 from collections.abc import Callable
 
-from rlft.trainer.checkpoint.errors import CheckpointError, ObjectMissingError
+from rlft.trainer.checkpoint.errors import CheckpointError, ObjectMissingError, StorageError
 from rlft.trainer.learner.faults import GANG_ENV
 from rlft.trainer.storage.backends import Storage
 
@@ -71,10 +72,9 @@ class Fence:
         return int(text) if text.isdigit() else None
 
     def claim(self) -> None:
-        """Rank 0, before the gang resumes: this attempt is the newest, or
-        SupersededError. Retries are the caller's (StorageError)."""
+        """Rank 0, before the gang resumes: this attempt is the newest (written there),
+        or SupersededError. Retries are the caller's (StorageError)."""
         self.check(force=True)
-        self.storage.put_bytes(self.key, str(self.attempt).encode())
 
     def check(self, force: bool = False) -> None:
         """SupersededError when a newer attempt claimed the location; read at most every
@@ -84,7 +84,12 @@ class Fence:
             return
         self._checked_at = now
         newest = self.newest()
-        if newest is not None and newest > self.attempt:
+        if newest is None or newest < self.attempt:
+            # Two claims read and wrote in turn, the older gang's last: the newer one
+            # writes its own again, so the higher attempt holds within one check.
+            self.storage.put_bytes(self.key, str(self.attempt).encode())
+            return
+        if newest > self.attempt:
             raise SupersededError(
                 f"trainer gang attempt {self.attempt} was replaced by attempt {newest} "
                 f"({self.storage.uri}/{self.key}): the operator started a newer gang (it "
@@ -104,13 +109,14 @@ def claim_fence(
     fence = Fence.from_environment(storage)
     if fence is None:
         return None
-    refused = None
+    refused: tuple[str, str] | None = None
     if is_main:
         try:
             with_retries(fence.claim, deadline_s=retry_s)
-        except SupersededError as error:
-            refused = str(error)
+        except (SupersededError, StorageError) as error:  # on every rank, not rank 0's alone
+            refused = (type(error).__name__, str(error))
     refused = broadcast(refused)
     if refused:
-        raise SupersededError(refused)
+        kind, message = refused
+        raise SupersededError(message) if kind == "SupersededError" else StorageError(message)
     return fence

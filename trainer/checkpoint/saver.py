@@ -459,12 +459,11 @@ class Checkpointer:
         entries: list[FileEntry] = []
         error: str | None = None
         retries_before = self.stats.upload_retries
+        fenced = self._fence_verdict(job)  # every rank's, before any rank writes a file
         try:
             job.future.result()
-            if self.rank == 0:
-                self._retried("checking the fence", lambda: self._check_fence(True), job)
-            if self.superseded:  # before a file of a folder the newer gang may use
-                raise SupersededError(self.superseded)
+            if fenced:
+                raise SupersededError(fenced) if self.superseded else StorageError(fenced)
             entries = self._upload(job)
         except (StorageError, CheckpointError) as failure:
             error = str(failure)
@@ -486,9 +485,11 @@ class Checkpointer:
                 self._emit("peer_retries", step=job.step, count=peers)
             committed = self._commit(job, results)
         if self.distributed:
-            verdict = [committed]
+            # The fence's word too: every rank then stops alike (rank 0 alone raised
+            # after a final save, and the others went on into collectives it never met).
+            verdict = [committed, self.superseded]
             dist.broadcast_object_list(verdict, src=0, group=self._io)
-            committed = bool(verdict[0])
+            committed, self.superseded = bool(verdict[0]), verdict[1]
         shutil.rmtree(job.stage, ignore_errors=True)
         if committed:
             self.parent = job.step
@@ -500,6 +501,24 @@ class Checkpointer:
         else:
             self.stats.failed += 1
         return committed
+
+    def _fence_verdict(self, job: _Job) -> str | None:
+        """Rank 0 reads the fence (retried) and every rank gets its word: why this save
+        must write nothing (a newer gang's claim, which `superseded` then says on every
+        rank, or a fence that could not be read), or None."""
+        if self.fence is None:
+            return None
+        verdict: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                self._retried("checking the fence", lambda: self._check_fence(True), job)
+                verdict = [self.superseded, None]
+            except StorageError as error:
+                verdict = [None, f"the fence could not be read: {error}"]
+        if self.distributed:
+            dist.broadcast_object_list(verdict, src=0, group=self._io)
+        self.superseded = self.superseded or verdict[0]
+        return verdict[0] or verdict[1]
 
     def _check_fence(self, force: bool = False) -> None:
         """Rank 0: note a newer gang's claim (`superseded`); storage errors are raised."""

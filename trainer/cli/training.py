@@ -294,7 +294,7 @@ def _run_as_rank(job: RLFineTune, args: argparse.Namespace) -> int:
     try:
         dist = init_from_env(collective_timeout_s(job))
     except Exception as error:  # the store unreachable, a peer that never came
-        traceback.print_exc()
+        _print_traceback(error)
         liveness.report(join_failure(error, rank))
         exit_worker(ExitCode.FAILURE)
     liveness.beat("joined the process group")

@@ -42,6 +42,7 @@ from rlft.trainer.checkpoint.commands import storage_options
 from rlft.trainer.checkpoint.factory import s3_options
 from rlft.trainer.exit_codes import ExitCode
 from rlft.trainer.http_server import HTTPServer
+from rlft.trainer.redaction import scrubbed
 from rlft.trainer.rollout.arguments import add_arguments
 from rlft.trainer.rollout.engine import WeightNamesError
 from rlft.trainer.rollout.protocol import (
@@ -542,7 +543,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             _join_ray_cluster(args, kind)
         except RayClusterError as error:
-            print(f"rlft rollout: {error}", file=sys.stderr, flush=True)
+            print(f"rlft rollout: {scrubbed(str(error))}", file=sys.stderr, flush=True)
             termination.write(termination.Verdict(error.exit_code, str(error)))
             return error.exit_code
     try:

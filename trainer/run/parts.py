@@ -60,6 +60,15 @@ def context_positions(config: Any) -> int | None:
     return int(positions)
 
 
+def longest_wrong(answer: str) -> list[str]:
+    """The made-up wrong answers of `answer` with the most characters (tokenising all
+    twenty of each line of a million-line file took long at every start)."""
+    candidates = wrong_answers(answer)
+    most = max(len(c) for c in candidates)
+    widest = [c for c in candidates if len(c) == most]
+    return [widest[0], widest[-1]]
+
+
 def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int) -> None:
     """Every problem fits the model's context, or the job is refused before it starts
     (exit 2, naming the line). Found at a step instead, a problem too long fails that step
@@ -97,7 +106,7 @@ def check_context(job: RLFineTune, task: Task, encoder: Encoder, positions: int)
         if supervised and not held_out:
             answers = [problem.answer]
             if preferences:
-                answers += [problem.rejected] if problem.rejected else wrong_answers(problem.answer)
+                answers += [problem.rejected] if problem.rejected else longest_wrong(problem.answer)
             longest = max(len(encoder.answer(a)) for a in answers)
             if prompt + longest > need:
                 need, after = prompt + longest, f"its longest answer's {longest} tokens"

@@ -147,9 +147,10 @@ def os_error(
             "(the partial file was removed)"
         )
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        other = f" or choose another {room}" if room else ""
         return StorageError(
             f"permission denied {what} under {location}: make the folder writable by the "
-            "trainer or choose another spec.checkpoint.uri"
+            f"trainer{other}"
         )
     # A network file system's passing faults (a server restarting, a stale handle).
     transient = error.errno in (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN)

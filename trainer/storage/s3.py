@@ -10,8 +10,10 @@ ours plus the server's redacted message: credentials never reach a log line.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +48,8 @@ _CREDENTIAL_FILES = {
     ),
     "aws_session_token": ("AWS_SESSION_TOKEN", "aws_session_token", "sessionToken"),
 }
+log = logging.getLogger("rlft.storage")
+
 _TRANSIENT_CODES = {
     "SlowDown",
     "Throttling",
@@ -200,9 +204,10 @@ class S3Storage:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._client = _session(credentials).client(
-            "s3", endpoint_url=options.endpoint_url, config=config
-        )
+        self._config = config
+        self._credentials = credentials
+        self._rotating = threading.Lock()
+        self._client = self._new_client()
         part = options.part_size_mb << 20
         self._transfer = TransferConfig(
             multipart_threshold=part,
@@ -212,6 +217,30 @@ class S3Storage:
         )
 
     # ------------------------------------------------------------------ helpers
+
+    def _new_client(self):
+        return _session(self._credentials).client(
+            "s3", endpoint_url=self.options.endpoint_url, config=self._config
+        )
+
+    def _rotated(self) -> bool:
+        """Whether credentialsDir now holds other credentials than the client's (the
+        kubelet updates a mounted Secret when it is rotated; a run of weeks outlives a
+        key): the client is rebuilt with them."""
+        if not self.options.credentials_dir:
+            return False
+        try:
+            current = read_credentials_dir(self.options.credentials_dir)
+        except (CredentialsError, OSError):
+            return False
+        with self._rotating:
+            if current == self._credentials:
+                return False
+            self._credentials = current
+            secret_keys = ("aws_secret_access_key", "aws_session_token")
+            self._secrets += [current.get(key) for key in secret_keys]
+            self._client = self._new_client()
+        return True
 
     def _key(self, key: str) -> str:
         check_key(key)
@@ -235,7 +264,9 @@ class S3Storage:
         # Only the inner error is classified: an upload's own message names the bucket
         # and key, and "interconnect-ckpt" read as an unreachable endpoint, retried for
         # uploadRetryMinutes where the credentials had been refused.
-        if isinstance(inner, _CONNECTION_ERRORS):
+        # s3transfer retries a download's reads on the socket's own errors and ends with
+        # the last (RetriesExceededError): a network fault too, not a damaged object.
+        if isinstance(inner, (*_CONNECTION_ERRORS, OSError)):
             endpoint = self.options.endpoint_url or "the S3 endpoint"
             return StorageError(f"cannot reach {endpoint} for {where}", transient=True)
         code, message = _error_code(inner)
@@ -247,6 +278,12 @@ class S3Storage:
         if code in ("NoSuchKey", "NotFound", "404"):
             return ObjectMissingError(f"{where}: no such object")
         if code in _CREDENTIAL_CODES:
+            if self._rotated():  # retried (transient) with the new ones
+                return CredentialsError(
+                    f"the object store rejected the credentials ({code}) for {where}; "
+                    "credentialsDir holds new ones now: retrying with them",
+                    transient=True,
+                )
             return CredentialsError(
                 f"the object store rejected the credentials ({code}) for {where}: check the "
                 "access key and secret (spec.checkpoint.credentialsSecret or AWS_* variables)"
@@ -390,7 +427,13 @@ class S3Storage:
                     f"objects ({first.get('Code')})",
                     transient=True,
                 )
-        self._abort_uploads(prefix)
+        if not prefix or prefix.endswith("/"):  # a folder: a single key has none
+            try:
+                self._abort_uploads(prefix)
+            except StorageError as error:
+                # Best effort: a key without s3:ListBucketMultipartUploads still deletes
+                # (a lifecycle rule, AbortIncompleteMultipartUpload, removes the parts).
+                log.warning("the unfinished uploads under %s stay: %s", prefix, error)
         return len(doomed)
 
     def _abort_uploads(self, prefix: str) -> None:
