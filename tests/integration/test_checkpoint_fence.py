@@ -78,3 +78,49 @@ def test_a_gang_older_than_the_claim_is_refused_at_its_start(storage, monkeypatc
     assert Fence(storage, "job-uid-1", 0).newest() == 5
     monkeypatch.delenv("RLFT_JOB_UID")  # a local run: no fence
     assert claim_fence(storage, True, lambda value: value, retry_s=5) is None
+
+
+def superseded_on_two_ranks(rank: int, port: int, root: str) -> None:
+    """Spawned per rank: a gang of 2 saves once, then a newer gang claims the location
+    and the old gang's next save (its final one, waited for) must fail on both ranks
+    alike, with no file of it written and the fence's word on both."""
+    import json
+
+    from checkpoint_fixtures import join_gloo_group, leave_gloo_group
+
+    join_gloo_group(rank, 2, port)
+    storage = open_storage(f"file://{root}/ckpts")
+    fence = Fence(storage, "job-uid-2", 0)
+    if rank == 0:
+        fence.claim()
+    ckpt = Checkpointer(storage, job_uid="job-uid-2", fence=fence)
+    model = tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = ckpt.save(2, model, optimizer, extra={"step": 2}, wait=True)
+    torch.distributed.barrier()
+    if rank == 0:
+        Fence(storage, "job-uid-2", 1).claim()  # the newer gang
+    torch.distributed.barrier()
+    second = ckpt.save(4, model, optimizer, extra={"step": 4}, wait=True)
+    said = ckpt.superseded or ""
+    ckpt.close()
+    Path(root, f"rank-{rank}.json").write_text(json.dumps([first, second, said]))
+    leave_gloo_group()
+
+
+def test_both_ranks_of_a_superseded_gang_stop_alike(tmp_path: Path) -> None:
+    """Only rank 0 reads the fence: its word reached no other rank, which uploaded its
+    shards anyway and, after a final save, went on alone into collectives."""
+    import json
+
+    import torch.multiprocessing as mp
+    from seaweedfs import free_ports
+
+    (port,) = free_ports(1)
+    mp.spawn(superseded_on_two_ranks, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        first, second, said = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert first is True and second is False, rank
+        assert "replaced by attempt 1" in said, (rank, said)
+    assert not (tmp_path / "ckpts" / "step-000004").exists()  # no rank wrote a file
+    assert Catalog(open_storage(f"file://{tmp_path}/ckpts")).scan().latest == 2

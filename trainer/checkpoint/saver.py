@@ -459,18 +459,11 @@ class Checkpointer:
         entries: list[FileEntry] = []
         error: str | None = None
         retries_before = self.stats.upload_retries
-        fenced = self._fence_verdict(job)  # every rank's, before any rank writes a file
-        try:
-            job.future.result()
-            if fenced:
-                raise SupersededError(fenced) if self.superseded else StorageError(fenced)
-            entries = self._upload(job)
-        except (StorageError, CheckpointError) as failure:
-            error = str(failure)
-        except dcp.CheckpointException as failure:  # a BaseException: staging disk full…
-            error = _dcp_error(failure)
-        except Exception as failure:
-            error = f"{type(failure).__name__}: {failure}"
+        error = _failure_of(job.future.result)
+        # Every rank's word from the fence before any rank writes a file; after DCP's
+        # own collectives on the group (a broadcast beside them hung both ranks).
+        fenced = self._fence_verdict(job)
+        error = error or fenced or _failure_of(lambda: entries.extend(self._upload(job)))
         retried = self.stats.upload_retries - retries_before
         results = [(error, entries, retried)]
         if self.distributed:
@@ -608,6 +601,19 @@ class Checkpointer:
         except StorageError as error:
             log.warning("the uploads of failed checkpoint %s stay (%s)", folder, error)
         return False
+
+
+def _failure_of(call: Callable[[], Any]) -> str | None:
+    """What went wrong in `call`, as a save's failure is reported; None if nothing."""
+    try:
+        call()
+    except (StorageError, CheckpointError) as failure:
+        return str(failure)
+    except dcp.CheckpointException as failure:  # a BaseException: staging disk full…
+        return _dcp_error(failure)
+    except Exception as failure:
+        return f"{type(failure).__name__}: {failure}"
+    return None
 
 
 def _json_or_error(value: dict[str, Any], name: str) -> str:
