@@ -129,6 +129,18 @@ def s3_env(monkeypatch, seaweed) -> SeaweedServer:
 _buckets = iter(range(10**6))
 
 
+@pytest.fixture(params=["s3", "file"])
+def store(request, tmp_path: Path):
+    """An empty location on each backend: a real SeaweedFS bucket, a local folder."""
+    from rlft.trainer.storage.backends import open_storage
+
+    if request.param == "file":
+        return open_storage(f"file://{tmp_path}/ckpts")
+    server = request.getfixturevalue("s3_env")
+    bucket = request.getfixturevalue("bucket")
+    return open_storage(f"s3://{bucket}/run-a", s3_options(server))
+
+
 @pytest.fixture
 def bucket(s3_env) -> str:
     """A fresh bucket on the session's server."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_fixtures import batch_for, s3_options, tiny_model, train_step
+from checkpoint_fixtures import batch_for, tiny_model, train_step
 
 from rlft.trainer.checkpoint import load, open_storage
 from rlft.trainer.checkpoint.catalog import Catalog
@@ -20,22 +20,14 @@ torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(params=["s3", "file"])
-def storage(request, tmp_path: Path):
-    if request.param == "file":
-        return open_storage(f"file://{tmp_path}/ckpts")
-    server = request.getfixturevalue("s3_env")
-    bucket = request.getfixturevalue("bucket")
-    return open_storage(f"s3://{bucket}/run", s3_options(server))
-
-
 def _gang(storage, attempt: int) -> Checkpointer:
     fence = Fence(storage, "job-uid-1", attempt)
     fence.claim()
     return Checkpointer(storage, interval_steps=1, keep_last=3, job_uid="job-uid-1", fence=fence)
 
 
-def test_an_older_gang_commits_nothing_once_a_newer_one_claimed(storage) -> None:
+def test_an_older_gang_commits_nothing_once_a_newer_one_claimed(store) -> None:
+    storage = store
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     old = _gang(storage, attempt=0)
@@ -67,7 +59,8 @@ def test_an_older_gang_commits_nothing_once_a_newer_one_claimed(storage) -> None
     new.close()
 
 
-def test_a_gang_older_than_the_claim_is_refused_at_its_start(storage, monkeypatch) -> None:
+def test_a_gang_older_than_the_claim_is_refused_at_its_start(store, monkeypatch) -> None:
+    storage = store
     Fence(storage, "job-uid-1", 4).claim()
     monkeypatch.setenv("RLFT_JOB_UID", "job-uid-1")
     monkeypatch.setenv("RLFT_GANG_ATTEMPT", "3")

@@ -20,15 +20,6 @@ from rlft.trainer.checkpoint.errors import (
 from rlft.trainer.storage.backends import TEMP_MARK, FileStorage, open_storage, sha256_file
 
 
-@pytest.fixture(params=["s3", "file"])
-def store(request, tmp_path: Path):
-    if request.param == "file":
-        return open_storage(f"file://{tmp_path}/ckpts")
-    server = request.getfixturevalue("s3_env")
-    bucket = request.getfixturevalue("bucket")
-    return open_storage(f"s3://{bucket}/run-a", s3_options(server))
-
-
 def test_put_get_list_exists_delete(store, tmp_path: Path) -> None:
     big = tmp_path / "big.bin"
     big.write_bytes(os.urandom(12 << 20))  # > one 5 MiB part: a parallel multipart upload
