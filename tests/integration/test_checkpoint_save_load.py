@@ -651,7 +651,9 @@ def test_a_failed_save_leaves_nothing_it_uploaded(tmp_path: Path) -> None:
             storage.put_file(key, path, move=move)
 
     model, optimizer = _fresh()
-    ckpt = Checkpointer(RefusingTheMetadata(), retry_seconds=1)
+    # The refusal is permanent (not retried); a short deadline also ended the clean-up,
+    # which runs only within it: on a slow machine (a 2 s save) the uploads stayed.
+    ckpt = Checkpointer(RefusingTheMetadata(), retry_seconds=120)
     assert not ckpt.save(7, model, optimizer, extra={"step": 7}, wait=True)
     ckpt.close()
     assert storage.list("step-000007/") == []
