@@ -246,6 +246,10 @@ class S3Storage:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
+    def _full(self, prefix: str) -> str:
+        """The bucket key prefix of a prefix under this location."""
+        return (f"{self.prefix}/" if self.prefix else "") + prefix
+
     def _relative(self, full: str) -> str:
         return full[len(self.prefix) + 1 :] if self.prefix else full
 
@@ -388,7 +392,7 @@ class S3Storage:
             body.close()
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        full = (f"{self.prefix}/" if self.prefix else "") + prefix
+        full = self._full(prefix)
         found: list[ObjectInfo] = []
         pages = self._client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket, Prefix=full
@@ -440,7 +444,7 @@ class S3Storage:
         """Abort the multipart uploads left under `prefix`: a process killed mid-upload
         (preempted, OOM, the grace watchdog's exit) leaves its parts stored and billed,
         invisible to listings; only an abort removes them."""
-        full = (f"{self.prefix}/" if self.prefix else "") + prefix
+        full = self._full(prefix)
         pages = self._client.get_paginator("list_multipart_uploads").paginate(
             Bucket=self.bucket, Prefix=full
         )
