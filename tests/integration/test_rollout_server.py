@@ -402,9 +402,11 @@ def test_versions_cut_short_are_pruned_like_published_ones(tmp_path: Path) -> No
 def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """The publisher retries a version whose upload (or load) failed because the object
-    store was down, instead of ending the run, and asks an instance marked down again;
-    the instance serves the version once the store is back."""
+    """The store goes down between the publisher's upload of a version and the
+    instance's load of it: the load fails on the missing store and the instance is marked
+    down. The publisher retries instead of ending the run, asks the instance marked down
+    again, and does not count the version as published until it is served; the instance
+    serves it once the store is back."""
     from seaweedfs import SeaweedServer
 
     from rlft.trainer.rollout.publisher import WeightPublisher
@@ -419,22 +421,35 @@ def test_weights_published_while_the_store_is_down_arrive_when_it_is_back(
         store = WeightStore.at("s3://outage/weights")
         model, _ = tiny_model(seed=0)
         publish(store, model, 0)
+        write = store.write
+
+        def write_then_stop_the_store(version: int, weights: bytes, config: str) -> str:
+            uri = write(version, weights, config)
+            s3.stop()  # the upload went through; the instance's load will not
+            return uri
+
         with LocalServers(1, "transformers", store.storage.uri, log_dir=tmp_path) as servers:
             client = RolloutClient(servers.start(), timeout_s=20, token=servers.token)
             client.wait_ready(120)
             publisher = WeightPublisher(client, store, "store", timeout_s=120)
-            s3.stop()
-            # What a load that failed on the missing store leaves: the instance marked
-            # down. A version nobody loaded must not count as published.
-            client.mark_down(client.instances[0], "its last load failed")
+            store.write = write_then_stop_the_store
             redraw(model, 5)
             publisher.publish(model, 1)
-            time.sleep(4)  # a few failed attempts
-            assert publisher.acked < 1
+            instance = client.instances[0]
+            deadline = time.monotonic() + 60
+            while instance.failures == 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert instance.failures >= 1, "the load from the stopped store did not fail"
+            assert instance.last_error
+            time.sleep(3)  # a few more failed attempts
+            assert publisher.acked < 1  # a version nobody loaded is not published
+            health = http_json(f"{instance.url}/healthz", None, 10)
+            assert health["policy_version"] == 0
             s3.start()
             publisher.wait(1, timeout=90)
-            health = http_json(f"{client.instances[0].url}/healthz", None, 10)
+            health = http_json(f"{instance.url}/healthz", None, 10)
             assert health["policy_version"] == 1
+            assert store.versions() == [0, 1]  # written once, not again on each retry
             publisher.close()
             client.close()
     finally:
