@@ -9,7 +9,8 @@ held ones with 503 (the client's retry or its death decides what happens next);
 `refuse(fragment)` answers such uploads with 503 at once, until `release()`. Reads
 pass: retention's scan after a commit reads the manifests of committed steps, and holding
 one of those is not an upload in flight; `refuse(fragment, reads=True)` refuses every
-request (a store that is down).
+request (a store that is down). `deny(fragment)` answers reads of matching keys with the
+403 AccessDenied an access policy gives (S3's own error body, so botocore parses it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 WRITES = {"PUT", "POST"}
+READS = {"GET", "HEAD"}
+DENIED = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+    "<Message>Access Denied</Message><RequestId>test-proxy</RequestId></Error>"
+)
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection"}
 
 
@@ -42,6 +48,9 @@ class S3Proxy:
         """Requests waiting now."""
         self.held_paths: list[str] = []
         """Every path held so far."""
+        self.denied_fragment: str | None = None
+        self.denied = 0
+        """Reads answered 403 so far."""
         self._released = threading.Event()
         self._lock = threading.Lock()
         proxy = self
@@ -64,8 +73,22 @@ class S3Proxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(length) if length else b""
 
+            def _deny(self) -> None:
+                with proxy._lock:
+                    proxy.denied += 1
+                data = DENIED.encode() if self.command != "HEAD" else b""
+                self.send_response(403, "Forbidden")
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def _forward(self) -> None:
                 body = self._body()
+                denied = proxy.denied_fragment
+                if denied is not None and denied in self.path and self.command in READS:
+                    self._deny()
+                    return
                 fragment = proxy.held_fragment
                 if fragment is not None and fragment in self.path and self.command in proxy.methods:
                     with proxy._lock:
@@ -112,8 +135,11 @@ class S3Proxy:
         self.held_fragment = fragment
         self.methods = {"GET", "HEAD", "PUT", "POST", "DELETE"} if reads else WRITES
 
+    def deny(self, fragment: str) -> None:
+        self.denied_fragment = fragment
+
     def release(self) -> None:
-        self.held_fragment = None
+        self.held_fragment = self.denied_fragment = None
         self._released.set()
 
     def stop(self) -> None:

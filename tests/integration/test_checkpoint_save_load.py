@@ -276,36 +276,31 @@ def test_with_a_job_uid_other_jobs_checkpoints_are_never_candidates(location) ->
         load(storage, 5, *_fresh(seed=3), job_uid="job-a")  # not one of its own
 
 
+@pytest.mark.parametrize("refused", [".distcp", ".metadata"])
 def test_a_download_the_store_refuses_is_that_error_not_a_damaged_checkpoint(
-    s3_env, bucket
+    s3_env, bucket, refused
 ) -> None:
     """Refused credentials (or a vanished bucket) would refuse every checkpoint alike:
-    the resume reports that, instead of calling each checkpoint damaged."""
+    the resume reports that, instead of calling each checkpoint damaged. The shards are
+    read in ranged pieces, DCP's metadata as a whole file: a refusal of either."""
+    from s3_proxy import S3Proxy
+
     storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
     model, optimizer = _fresh()
     ckpt = Checkpointer(storage)
     _save(ckpt, model, optimizer, 2)
     ckpt.close()
-
-    class Refusing:
-        """The real store, refusing the shards' downloads as an access policy would."""
-
-        def __getattr__(self, name: str):
-            return getattr(storage, name)
-
-        def get_file(self, key: str, path: Path) -> None:
-            if key.endswith(".distcp"):
-                raise CredentialsError(f"the object store rejected (AccessDenied) {key}")
-            storage.get_file(key, path)
-
-        def get_range(self, key: str, start: int, length: int) -> bytes:
-            if key.endswith(".distcp"):  # a resume reads the pieces of shards it needs
-                raise CredentialsError(f"the object store rejected (AccessDenied) {key}")
-            return storage.get_range(key, start, length)
-
-    with pytest.raises(CredentialsError, match="AccessDenied"):
-        load(Refusing(), "auto", *_fresh(seed=3))
-    assert load(storage, "auto", *_fresh(seed=3)).step == 2
+    proxy = S3Proxy(s3_env.endpoint)
+    try:
+        behind = open_storage(f"s3://{bucket}/run", s3_options(s3_env, endpoint_url=proxy.url))
+        proxy.deny(refused)  # the manifest and `latest` still read
+        with pytest.raises(CredentialsError, match="AccessDenied"):
+            load(behind, "auto", *_fresh(seed=3), retry_s=30)
+        assert proxy.denied >= 1
+        proxy.release()
+        assert load(behind, "auto", *_fresh(seed=3)).step == 2
+    finally:
+        proxy.stop()
 
 
 def test_a_resume_that_finds_nothing_leaves_the_optimizer_as_it_was(location) -> None:
