@@ -9,8 +9,9 @@ held ones with 503 (the client's retry or its death decides what happens next);
 `refuse(fragment)` answers such uploads with 503 at once, until `release()`. Reads
 pass: retention's scan after a commit reads the manifests of committed steps, and holding
 one of those is not an upload in flight; `refuse(fragment, reads=True)` refuses every
-request (a store that is down). `deny(fragment)` answers reads of matching keys with the
-403 AccessDenied an access policy gives (S3's own error body, so botocore parses it).
+request (a store that is down). `deny(fragment)` answers reads of matching keys (or the
+`methods` given) with the 403 AccessDenied an access policy gives (S3's own error body,
+so botocore parses it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class S3Proxy:
         self.held_paths: list[str] = []
         """Every path held so far."""
         self.denied_fragment: str | None = None
+        self.denied_methods = READS
         self.denied = 0
         """Reads answered 403 so far."""
         self._released = threading.Event()
@@ -86,7 +88,8 @@ class S3Proxy:
             def _forward(self) -> None:
                 body = self._body()
                 denied = proxy.denied_fragment
-                if denied is not None and denied in self.path and self.command in READS:
+                methods = proxy.denied_methods
+                if denied is not None and denied in self.path and self.command in methods:
                     self._deny()
                     return
                 fragment = proxy.held_fragment
@@ -135,8 +138,8 @@ class S3Proxy:
         self.held_fragment = fragment
         self.methods = {"GET", "HEAD", "PUT", "POST", "DELETE"} if reads else WRITES
 
-    def deny(self, fragment: str) -> None:
-        self.denied_fragment = fragment
+    def deny(self, fragment: str, methods: set[str] = READS) -> None:
+        self.denied_fragment, self.denied_methods = fragment, methods
 
     def release(self) -> None:
         self.held_fragment = self.denied_fragment = None

@@ -37,12 +37,32 @@ def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
     """A run that checkpointed SAVED, with distinct weights at each step: (checkpoints,
     learner, cursor, {step: the policy's parameters then}, a function starting the next
     run's checkpoint handling on the same location and closing this one's)."""
+    yield from _saved_run({"uri": f"file://{tmp_path}/ckpts"}, tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def saved_run_behind_a_proxy(s3_env, bucket, tmp_path: Path, monkeypatch, one_torch_thread):
+    """`saved_run` on a real SeaweedFS bucket reached through a proxy that can refuse
+    requests: (the proxy, then what `saved_run` yields)."""
+    from s3_proxy import S3Proxy
+
+    proxy = S3Proxy(s3_env.endpoint)
+    checkpoint = {"uri": f"s3://{bucket}/ckpts", "endpointUrl": proxy.url}
+    checkpoint["addressingStyle"] = "path"
+    try:
+        for run in _saved_run(checkpoint, tmp_path, monkeypatch):
+            yield proxy, run
+    finally:
+        proxy.stop()
+
+
+def _saved_run(checkpoint: dict, tmp_path: Path, monkeypatch):
     job = parse_job(
         manifest(
             {
                 "model": TINY_MODEL,
                 "telemetry": {"enabled": False},
-                "checkpoint": {"uri": f"file://{tmp_path}/ckpts", "intervalSteps": 10},
+                "checkpoint": {**checkpoint, "intervalSteps": 10},
             }
         )
     )
@@ -244,17 +264,20 @@ def test_a_checkpoint_whose_pointer_failed_stays_the_next_ones_parent(saved_run)
 
 
 def test_a_rollback_skips_what_a_failed_retention_left_of_another_timeline(
-    saved_run, monkeypatch
+    saved_run_behind_a_proxy,
 ) -> None:
-    """`--resume 10` commits 40, whose retention fails: 20 and 30 stay. A restart resumes
-    40; a collapse before 40 must go back to 10, 40's past, not to the healthy 30."""
-    _, learner, _, weights, next_run = saved_run
+    """`--resume 10` commits 40, whose retention fails (the store refuses deletions, as
+    a key without s3:DeleteObject would): 20 and 30 stay. A restart resumes 40; a
+    collapse before 40 must go back to 10, 40's past, not to the healthy 30."""
+    proxy, (_, learner, _, weights, next_run) = saved_run_behind_a_proxy
     checkpoints = next_run()
     cursor = checkpoints.resume(10, learner)
-    monkeypatch.setattr(checkpoints.checkpointer.catalog, "prune", lambda keep_last: set())
+    proxy.deny("?delete", methods={"POST"})  # S3 DeleteObjects: POST /bucket?delete
     cursor.step = cursor.policy_version = 40
     checkpoints.end_of_step(cursor, learner)
     checkpoints.checkpointer.wait()
+    assert proxy.denied >= 1  # retention tried, and failed
+    proxy.release()
     assert set(checkpoints.checkpointer.catalog.scan().manifests) == {10, 20, 30, 40}
     restarted = next_run()
     cursor = restarted.resume("auto", learner)
