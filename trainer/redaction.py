@@ -24,6 +24,14 @@ SECRET_NAMES_ENV = "RLFT_SECRET_ENV"
 """Set by the operator: the names (comma-separated) of the job's own variables it fills
 from Secrets (`valueFrom.secretKeyRef` in spec.trainer.env / spec.rollout.env)."""
 
+SECRET_WORDS = frozenset(
+    {"TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIAL", "CREDENTIALS"}
+)
+"""A variable whose name has one of these words (split at `_`), or ends in `_KEY`, is
+taken for a secret whoever set it: values from `envFrom` Secrets reach the environment
+under their keys' names, which neither the operator (it never reads Secrets) nor the
+trainer can list. `TOKENIZERS_PARALLELISM` is no secret: whole words only."""
+
 SHORTEST = 8
 """Values shorter than this are not hidden: a variable set to `main` or `true` would
 blank that word out of every message."""
@@ -38,9 +46,15 @@ _SECRET_QUERY = re.compile(
 )
 
 
+def named_as_secret(name: str) -> bool:
+    words = name.upper().split("_")
+    return bool(SECRET_WORDS.intersection(words)) or (len(words) > 1 and words[-1] == "KEY")
+
+
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
     names = [*SECRET_ENV, *(environ.get(SECRET_NAMES_ENV) or "").split(",")]
+    names += [name for name in environ if named_as_secret(name)]
     values = (environ.get(name.strip(), "").strip() for name in names if name.strip())
     return sorted({v for v in values if len(v) >= SHORTEST}, key=len, reverse=True)
 

@@ -62,6 +62,24 @@ def test_a_rewards_error_reaches_the_log_and_the_jobs_status_without_its_secrets
     assert KEY not in failure.message and SESSION not in failure.message
 
 
+def test_variables_named_as_secrets_are_scrubbed_whoever_set_them():
+    """`envFrom` puts a Secret's keys in the environment under their own names, which the
+    operator never sees (it does not read Secrets): they are scrubbed by name."""
+    environ = {
+        "OPENAI_API_KEY": "sk-0123456789",
+        "JUDGE_TOKEN": "tok-0123456789",
+        "DB_PASSWORD": "pw-0123456789",
+        "my_secret": "lower-0123456789",
+        "TOKENIZERS_PARALLELISM": "false-but-long",
+        "KEYCLOAK_REALM": "realm-0123456789",
+        "MONKEY": "banana-0123456789",
+    }
+    text = " ".join(environ.values())
+    assert scrubbed(text, environ) == (
+        "*** *** *** *** false-but-long realm-0123456789 banana-0123456789"
+    )
+
+
 def test_scrubbing_leaves_what_is_not_a_secret():
     environ = {"HF_TOKEN": "hf_abcdef123456", "RLFT_SECRET_ENV": "A, B", "A": "alpha-secret"}
     text = "GET https://hub/x?revision=main&token=hf_abcdef123456 alpha-secret s3://b/run"
