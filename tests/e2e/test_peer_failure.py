@@ -75,3 +75,29 @@ def test_the_survivor_of_a_rank_killed_outright_writes_its_verdict(tmp_path):
     ranks = [json.loads(line) for line in text.splitlines() if termination.MARK in line]
     assert [line["rank"] for line in ranks] == [0], text  # rank 1 had no time for one
     assert ranks[0]["exit_code"] == 1 and ranks[0]["message"], ranks
+
+
+def test_an_error_after_the_last_step_is_retryable_not_the_jobs_configuration(
+    tmp_path, monkeypatch
+):
+    """A ValueError once the steps are done (the final model's save, say) ended the run
+    with exit 2, which the operator takes for a job that can never run: no restart, and
+    the failure blamed on its configuration. A job that trained is not misconfigured."""
+    import rlft.trainer.run.job as job_module
+    from rlft.trainer.cli.main import main
+
+    def failing_finish(run, *args):
+        raise ValueError("the final save found something wrong")
+
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = 1
+    spec["spec"]["algorithm"]["sft"] = {"steps": 0}
+    job.write_text(yaml.safe_dump(spec))
+    monkeypatch.setattr(job_module, "_finish", failing_finish)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(termination.ENV, str(tmp_path / "out.termination"))
+    assert main(["train", str(job), "--out", str(tmp_path / "out")]) == 1
+    verdict = termination.read((tmp_path / "out.termination").read_text())
+    assert verdict is not None and verdict.exit_code == 1, verdict
+    assert "after step 1: the final save found something wrong" in verdict.message, verdict

@@ -111,7 +111,8 @@ def prepare_output(
 
 
 class StepFailedError(RuntimeError):
-    """A ValueError raised after the run trained a step: not the job's configuration."""
+    """A ValueError raised after the run trained a step (in a later step, or once the
+    steps are done): not the job's configuration."""
 
 
 def run_job(
@@ -206,15 +207,22 @@ def _run_job(
                 # the message alone. Judged by this process alone, a failure that exited
                 # 1 became exit 2 on the restart that resumed before it.
                 raise StepFailedError(f"step {run.cursor.step + 1} failed: {error}") from error
-        run.checkpoints.final(run.cursor, run.learner)
-        extra = phase.source.summary(run)
-        # Still inside: a SIGTERM while the final model is evaluated and written (minutes
-        # on a real job) is a stop in its grace, not the signal's default end, which
-        # killed the process there without a verdict.
-        eval_final = run.eval_accuracy()
-        if not dist.is_main:
-            return {}
-        return _finish(run, parts, steps, extra, eval_final, time.perf_counter() - started)
+        try:
+            run.checkpoints.final(run.cursor, run.learner)
+            extra = phase.source.summary(run)
+            # Still inside: a SIGTERM while the final model is evaluated and written
+            # (minutes on a real job) is a stop in its grace, not the signal's default
+            # end, which killed the process there without a verdict.
+            eval_final = run.eval_accuracy()
+            if not dist.is_main:
+                return {}
+            return _finish(run, parts, steps, extra, eval_final, time.perf_counter() - started)
+        except ValueError as error:
+            if run.cursor.step == 0:
+                raise
+            # As for a step: a job that trained is configured well enough (this was exit
+            # 2, a permanent failure blamed on the job, for an error in its final save).
+            raise StepFailedError(f"after step {run.cursor.step}: {error}") from error
     except StopRequested as stop:
         reporter.log(f"rlft: {stop}; exiting so the job can resume later")
         # `signalled`: this process's own SIGTERM, not only a peer's shared by the loop.
