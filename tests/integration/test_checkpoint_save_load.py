@@ -631,26 +631,27 @@ def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket) -> 
         proxy.stop()
 
 
-def test_a_failed_save_leaves_nothing_it_uploaded(tmp_path: Path) -> None:
-    """The store refuses one file of a save for good: its other uploads are removed, not
+def test_a_failed_save_leaves_nothing_it_uploaded(s3_env, bucket) -> None:
+    """The store refuses one file of a save for good (a 403 AccessDenied for DCP's
+    metadata, as a key scoped away from it would get): its other uploads are removed, not
     left above `latest` where retention never looks (the last save of a run stayed)."""
-    storage = open_storage(f"file://{tmp_path}/ckpts")
+    from s3_proxy import S3Proxy
 
-    class RefusingTheMetadata:
-        def __getattr__(self, name: str):
-            return getattr(storage, name)
-
-        def put_file(self, key: str, path: Path, move: bool = False) -> None:
-            if key.endswith(".metadata"):
-                raise StorageError(f"the object store refused {key}")
-            storage.put_file(key, path, move=move)
-
-    model, optimizer = _fresh()
-    # The refusal is permanent (not retried); a short deadline also ended the clean-up,
-    # which runs only within it: on a slow machine (a 2 s save) the uploads stayed.
-    ckpt = Checkpointer(RefusingTheMetadata(), retry_seconds=120)
-    assert not ckpt.save(7, model, optimizer, extra={"step": 7}, wait=True)
-    ckpt.close()
+    storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
+    proxy = S3Proxy(s3_env.endpoint)
+    try:
+        behind = open_storage(f"s3://{bucket}/run", s3_options(s3_env, endpoint_url=proxy.url))
+        proxy.deny(".metadata", methods={"PUT", "POST"})
+        model, optimizer = _fresh()
+        # The refusal is permanent (not retried); a short deadline also ended the
+        # clean-up, which runs only within it: on a slow machine (a 2 s save) the
+        # uploads stayed.
+        ckpt = Checkpointer(behind, retry_seconds=120)
+        assert not ckpt.save(7, model, optimizer, extra={"step": 7}, wait=True)
+        ckpt.close()
+        assert proxy.denied >= 1
+    finally:
+        proxy.stop()
     assert storage.list("step-000007/") == []
     assert Catalog(storage).scan().uncommitted == set()
 

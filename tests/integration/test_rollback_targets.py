@@ -236,25 +236,21 @@ def test_a_restart_after_a_rollback_resumes_the_restored_checkpoint(saved_run) -
     assert _holds(learner, weights[10])
 
 
-def test_a_checkpoint_whose_pointer_failed_stays_the_next_ones_parent(saved_run) -> None:
-    """Step 40's manifest is written but moving `latest` to it fails: it is committed
-    (a resume finds it), so step 50 descends from it and retention keeps it. Were 50's
-    parent still 30, 40 would be deleted as another timeline's."""
-    checkpoints, learner, cursor, _, _ = saved_run
-    storage = checkpoints.checkpointer.storage
-    put_bytes = storage.put_bytes
-
-    def refuse_the_pointer(key: str, data: bytes) -> None:
-        if key == "latest":
-            raise StorageError("403 AccessDenied (injected)")
-        put_bytes(key, data)
-
-    storage.put_bytes = refuse_the_pointer
+def test_a_checkpoint_whose_pointer_failed_stays_the_next_ones_parent(
+    saved_run_behind_a_proxy,
+) -> None:
+    """Step 40's manifest is written but moving `latest` to it fails (the store answers
+    403 AccessDenied): it is committed (a resume finds it), so step 50 descends from it
+    and retention keeps it. Were 50's parent still 30, 40 would be deleted as another
+    timeline's."""
+    proxy, (checkpoints, learner, cursor, _, _) = saved_run_behind_a_proxy
+    proxy.deny("/ckpts/latest", methods={"PUT"})
     cursor.step = cursor.policy_version = 40
     checkpoints.end_of_step(cursor, learner)
     checkpoints.checkpointer.wait()
     assert checkpoints.stats.failed == 1
-    storage.put_bytes = put_bytes
+    assert proxy.denied >= 1
+    proxy.release()
     cursor.step = cursor.policy_version = 50
     checkpoints.end_of_step(cursor, learner)
     checkpoints.checkpointer.wait()
