@@ -15,7 +15,6 @@ from checkpoint_fixtures import corrupt
 from tiny_jobs import TINY_MODEL, manifest
 
 from rlft.trainer.checkpoint import NoCheckpointError
-from rlft.trainer.checkpoint.errors import StorageError
 from rlft.trainer.checkpoint.manifest import FRESH_START
 from rlft.trainer.config import parse_job
 from rlft.trainer.distributed import Dist
