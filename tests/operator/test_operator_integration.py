@@ -436,7 +436,11 @@ def test_leader_election_between_two_replicas(tmp_path):
         wait_for(lambda: "Creating" in leader.log(), "the leader to reconcile")
         assert "default/first" not in standby.log()
         leader.stop(signal.SIGTERM)  # a graceful exit leaves the peering at once
-        wait_for(lambda: "Resuming operations" in standby.log(), "the standby to take over")
+        # Past the 30 s peering lifetime: a leader slow to exit (killed at stop's
+        # deadline) leaves its peering entry until then.
+        wait_for(
+            lambda: "Resuming operations" in standby.log(), "the standby to take over", timeout=60
+        )
         api.apply(job_doc(name="second", namespace="default"))
         _started(api, "default", "second", 2)
         assert "default/second: Creating" in standby.log()
@@ -445,12 +449,15 @@ def test_leader_election_between_two_replicas(tmp_path):
         # killed gangs the new leader had restarted).
         leader = OperatorProcess(api, *args, "--priority", "300", name="newer")
         wait_for(lambda: standby.log().count("Pausing operations") == 2, "the standby to pause")
-        before = _reconciles(standby)
         wait_for(lambda: _reconciles(leader) >= 4, "the new leader to reconcile both jobs")
         # Only the replica that serves the jobs counts them: summed over the replicas
         # (as a dashboard does), the paused one's last count would double them.
         wait_for(lambda: _jobs(leader) == 2, "the new leader to count both jobs")
+        # Zero once both of its jobs' daemons have ended (their clean-up clears the
+        # count): a reconcile in flight as it paused may still count until then.
         wait_for(lambda: _jobs(standby) == 0, "the paused replica to count none")
+        # A reconcile that began before the pause may still finish (and count) after it.
+        (before,) = wait_for(lambda: _settled(standby), "the paused replica's last reconcile")
         time.sleep(5)  # more than two --poll-seconds
         assert _reconciles(standby) == before
         assert _jobs(standby) == 0
@@ -464,6 +471,13 @@ def test_leader_election_between_two_replicas(tmp_path):
 def _jobs(process: OperatorProcess) -> float:
     found = re.findall(r"^rlft_operator_jobs\{[^}]*\} (\S+)$", process.metrics(), re.M)
     return sum(float(v) for v in found)
+
+
+def _settled(process: OperatorProcess) -> tuple[float] | None:
+    """(its reconcile count) when the count stayed the same for over a --poll-seconds."""
+    first = _reconciles(process)
+    time.sleep(2.5)
+    return (first,) if _reconciles(process) == first else None
 
 
 def _reconciles(process: OperatorProcess) -> float:
