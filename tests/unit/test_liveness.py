@@ -245,14 +245,23 @@ def test_waiting_for_a_checkpoint_in_flight_beats_until_its_retry_deadline(insta
 
 def test_waiting_for_rollouts_beats_only_while_completions_arrive(installed):
     tokens = [0]
+    # The wait read the count before the answer came, and after it.
+    reads = [threading.Event(), threading.Event()]
     pipeline = RolloutPipeline.__new__(RolloutPipeline)  # only what the wait reads
     pipeline._queue = queue.Queue()
-    pipeline.tokens = lambda: tokens[0]
+
+    def read_tokens() -> int:
+        value = tokens[0]
+        reads[1 if value else 0].set()
+        return value
+
+    pipeline.tokens = read_tokens
 
     def generate() -> None:
-        time.sleep(1.2)
+        # In step with the wait, not with sleeps a loaded machine may outlast.
+        assert reads[0].wait(30)  # the wait noted the count
         tokens[0] += 40  # a request answered
-        time.sleep(1.2)
+        assert reads[1].wait(30)  # the wait saw the new count (its 1 s poll)
         pipeline._queue.put("batch")
 
     threading.Thread(target=generate).start()

@@ -314,7 +314,14 @@ def test_a_pipeline_closed_while_it_waits_for_weights_generates_nothing() -> Non
     pipeline._floor_version = 4  # as `restarted` sets it
     pipeline.start()
     assert waiting.wait(10)
-    threading.Timer(0.2, published.set).start()  # published while close() joins
+
+    def publish_once_closing() -> None:  # published while close() joins, not before
+        deadline = time.monotonic() + 10
+        while not pipeline._stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        published.set()
+
+    threading.Thread(target=publish_once_closing, daemon=True).start()
     pipeline.close()
     thread = pipeline._thread
     thread.join(10)

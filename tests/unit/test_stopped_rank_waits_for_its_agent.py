@@ -18,7 +18,14 @@ def test_the_wait_ends_when_the_agents_sigterm_arrives_and_restores_the_handler(
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+        def sigterm_once_waiting() -> None:  # not before the wait's own handler is set
+            deadline = time.monotonic() + 10
+            while signal.getsignal(signal.SIGTERM) is handler and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=sigterm_once_waiting, daemon=True).start()
         started = time.monotonic()
         _await_own_agent(30.0)
         assert time.monotonic() - started < 10.0
