@@ -304,26 +304,55 @@ def test_a_module_that_fails_to_import_is_named(user_module) -> None:
     assert "NameError" in str(caught.value)
 
 
-@pytest.mark.parametrize(("retryable", "code"), [(True, 1), (False, 2)])
+JUDGE_OUT_OF_REACH = """
+import socket
+
+
+def judge(completion, answer):
+    # A judge service on a port nobody listens on: the connection is refused for real.
+    with socket.create_connection(("127.0.0.1", {port}), timeout=5):
+        return 1.0
+"""
+WRONG_REWARD = """
+def judge(completion, answer):
+    return completion + 1  # a str plus an int: a TypeError on every call
+"""
+
+
+@pytest.mark.parametrize(
+    ("source", "code"), [(JUDGE_OUT_OF_REACH, 1), (WRONG_REWARD, 2)], ids=["unreachable", "wrong"]
+)
 def test_rlft_train_exits_1_for_a_reward_call_that_failed_and_2_for_a_wrong_reward(
-    tmp_path, monkeypatch, retryable, code
+    tmp_path, user_module, source, code
 ) -> None:
     """The exit code is the operator's failure policy: 1 is restarted within the budget,
-    2 fails the job for good."""
-    from pathlib import Path
+    2 fails the job for good. A real `rlft train` whose reward meets a refused connection,
+    or raises an error of its own."""
+    import socket
 
     import yaml
+    from tiny_jobs import arithmetic_rl_spec, manifest
 
-    import rlft.trainer.run.job as job_module
+    from rlft.trainer import termination
     from rlft.trainer.cli.main import main
 
-    def raising(*args, **kwargs):
-        raise RewardError("reward 'mine:judge' raised ConnectionError: timed out", retryable)
-
-    monkeypatch.setattr(job_module, "run_job", raising)
-    job = Path(__file__).parents[2] / "examples" / "tiny-grpo.yaml"
-    assert yaml.safe_load(job.read_text())["kind"] == "RLFineTune"
-    assert main(["train", str(job), "--out", str(tmp_path / "out")]) == code
+    with socket.socket() as closed:  # a free port, closed again: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    name = user_module(source.replace("{port}", str(port)))
+    spec = arithmetic_rl_spec({"name": "grpo", "groupSize": 2}, steps=1)
+    spec["reward"] = {"functions": [{"name": f"{name}:judge"}]}
+    spec["algorithm"]["sft"] = {"steps": 0}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(manifest(spec)))
+    verdict_file = tmp_path / "out.termination"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(termination.ENV, str(verdict_file))
+        assert main(["train", str(job), "--out", str(tmp_path / "out")]) == code
+    verdict = termination.read(verdict_file.read_text())
+    assert verdict is not None and verdict.exit_code == code, verdict
+    raised = "ConnectionRefusedError" if code == 1 else "TypeError"
+    assert f"reward '{name}:judge' raised {raised}" in verdict.message, verdict
 
 
 @pytest.mark.parametrize(
