@@ -521,18 +521,6 @@ def test_file_storage_operations(tmp_path: Path) -> None:
         store.put_bytes("../escape", b"")
 
 
-def test_file_writes_leave_no_temp_file_when_they_fail(tmp_path: Path) -> None:
-    store = FileStorage(tmp_path)
-
-    def failing(out):
-        out.write(b"partial")
-        raise OSError(28, os.strerror(28))  # ENOSPC, as the kernel reports it
-
-    with pytest.raises(StorageError, match="no space left"):
-        store._write_atomically("step-000001/x", failing)
-    assert list((tmp_path / "step-000001").iterdir()) == []
-
-
 def test_a_folder_that_cannot_be_read_fails_the_listing(tmp_path: Path, monkeypatch) -> None:
     """os.walk skipped an unreadable folder: a passing NFS fault on a step folder made a
     resume go back to an older step, on the root a fresh start (whose retention then
