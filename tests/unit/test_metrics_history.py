@@ -21,7 +21,6 @@ from rlft.trainer.checkpoint.history import (
     merge_plan,
 )
 from rlft.trainer.storage.backends import FileStorage
-from rlft.trainer.storage.errors import StorageError
 
 
 def _lines(steps: range) -> str:
@@ -92,23 +91,41 @@ def test_a_damaged_or_missing_segment_is_named_and_left_out(tmp_path, store):
     assert "unreadable" in warnings[-1] and len(warnings) == 2
 
 
-def test_a_segment_the_store_refuses_for_a_moment_is_read_again(tmp_path, store):
-    """A resume retries a segment as it retries the checkpoint: a 503 cost its lines."""
+def test_a_segment_the_store_refuses_for_a_moment_is_read_again(tmp_path, s3_env, bucket):
+    """A resume retries a segment as it retries the checkpoint: a 503 cost its lines. A
+    real SeaweedFS bucket behind a proxy answering 503 to every read until it refused
+    two (botocore's own retries off, so each reaches the history's)."""
+    import threading
+    import time
+
+    from checkpoint_fixtures import s3_options
+    from s3_proxy import S3Proxy
+
+    from rlft.trainer.storage.backends import open_storage
+
+    store = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(_lines(range(1, 6)))
     extra = _save(MetricsHistory(store, metrics), store, 5, None)
-    refusals = [StorageError("503 Slow Down", transient=True)]
-    read = store.get_bytes
+    proxy = S3Proxy(s3_env.endpoint)
+    try:
+        options = s3_options(s3_env, endpoint_url=proxy.url, max_attempts=1)
+        behind = open_storage(f"s3://{bucket}/run", options)
+        proxy.refuse("/", reads=True)
 
-    def flaky(key: str) -> bytes:
-        if refusals:
-            raise refusals.pop()
-        return read(key)
+        def release_after_two_refusals() -> None:
+            deadline = time.monotonic() + 60
+            while len(proxy.held_paths) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.release()
 
-    store.get_bytes = flaky  # type: ignore[method-assign]
-    elsewhere = tmp_path / "elsewhere.jsonl"
-    MetricsHistory(store, elsewhere, retry_s=30).restore(extra, 5, pytest.fail)
-    assert elsewhere.read_text() == _lines(range(1, 6)) and not refusals
+        threading.Thread(target=release_after_two_refusals, daemon=True).start()
+        elsewhere = tmp_path / "elsewhere.jsonl"
+        MetricsHistory(behind, elsewhere, retry_s=60).restore(extra, 5, pytest.fail)
+        assert len(proxy.held_paths) >= 2
+    finally:
+        proxy.stop()
+    assert elsewhere.read_text() == _lines(range(1, 6))
 
 
 def test_a_local_file_cut_mid_line_is_restored_without_its_last_line(tmp_path, store):
