@@ -1,9 +1,9 @@
 """A SIGTERM while the run waits for a save that is still retrying a store outage (before
 a rollback loads, before the final save): the save gives up within the grace period left,
 not after its own uploadRetryMinutes, and the run goes on to stop with a verdict. A real
-run's checkpoint handling on file://, its uploads refused as a store that is down for
-writes refuses them; the signal's flag set as the handler sets it (a real SIGTERM would
-arm the grace watchdog inside the test process)."""
+run's checkpoint handling on a SeaweedFS bucket, behind a proxy that answers its uploads
+503 as a store down for writes does; the signal's flag set as the handler sets it (a
+real SIGTERM would arm the grace watchdog inside the test process)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from s3_proxy import S3Proxy
 from tiny_jobs import TINY_MODEL, manifest
 
-from rlft.trainer.checkpoint.errors import StorageError
 from rlft.trainer.config import parse_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.learner.learner import Learner
@@ -29,16 +29,19 @@ RETRY_MINUTES = 1.0
 
 
 @pytest.fixture
-def run(tmp_path: Path, one_torch_thread):
+def run(tmp_path: Path, s3_env, bucket, one_torch_thread):
     """A run with step 10 committed and step 20's save in flight, retrying uploads the
     store refuses: (checkpoints, learner, cursor, log lines)."""
+    proxy = S3Proxy(s3_env.endpoint)
     job = parse_job(
         manifest(
             {
                 "model": TINY_MODEL,
                 "telemetry": {"enabled": False},
                 "checkpoint": {
-                    "uri": f"file://{tmp_path}/ckpts",
+                    "uri": f"s3://{bucket}/ckpts",
+                    "endpointUrl": proxy.url,
+                    "addressingStyle": "path",
                     "intervalSteps": 10,
                     "gracePeriodSeconds": GRACE_S,
                     "uploadRetryMinutes": RETRY_MINUTES,
@@ -61,12 +64,7 @@ def run(tmp_path: Path, one_torch_thread):
         checkpoints.end_of_step(cursor, learner)
         checkpoints.checkpointer.wait()
         assert checkpoints.last_step == 10
-
-        def refused(*args, **kwargs):
-            raise StorageError("503 Slow Down (injected)", transient=True)
-
-        checkpoints.checkpointer.storage.put_file = refused
-        checkpoints.checkpointer.storage.put_bytes = refused
+        proxy.refuse("/ckpts/")  # uploads: 503 at once; reads pass
         cursor.step = cursor.policy_version = 20
         checkpoints.end_of_step(cursor, learner)  # in flight, retrying
         assert checkpoints.checkpointer.busy
@@ -74,6 +72,7 @@ def run(tmp_path: Path, one_torch_thread):
     finally:
         checkpoints.close()
         supervisor.close()
+        proxy.stop()
 
 
 def _sigterm_soon(checkpoints: Checkpointing) -> None:
