@@ -6,7 +6,8 @@ Requests go to the server unchanged (the Host header too, so S3 signatures still
 verify), one connection per request. `hold(fragment)` makes every upload (PUT, or a
 multipart POST) whose path contains `fragment` wait until `release()`, which answers the
 held ones with 503 (the client's retry or its death decides what happens next);
-`refuse(fragment)` answers such uploads with 503 at once, until `release()`. Reads
+`refuse(fragment)` answers such uploads with 503 at once, until `release()` (or, with
+`times`, that many of them). Reads
 pass: retention's scan after a commit reads the manifests of committed steps, and holding
 one of those is not an upload in flight; `refuse(fragment, reads=True)` refuses every
 request (a store that is down). `deny(fragment)` answers reads of matching keys (or the
@@ -43,6 +44,8 @@ class S3Proxy:
         target = urlsplit(upstream)
         self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
         self.held_fragment: str | None = None
+        self.refusals_left: int | None = None
+        """How many more requests `refuse(times=…)` refuses (None: all)."""
         self.methods = WRITES
         """The requests `hold` and `refuse` act on."""
         self.held = 0
@@ -85,6 +88,19 @@ class S3Proxy:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _held(self) -> bool:
+                fragment = proxy.held_fragment
+                if fragment is None or fragment not in self.path:
+                    return False
+                with proxy._lock:
+                    if self.command not in proxy.methods or proxy.refusals_left == 0:
+                        return False  # not one it acts on, or refused as many as asked
+                    if proxy.refusals_left is not None:
+                        proxy.refusals_left -= 1
+                    proxy.held += 1
+                    proxy.held_paths.append(self.path)
+                return True
+
             def _forward(self) -> None:
                 body = self._body()
                 denied = proxy.denied_fragment
@@ -92,11 +108,7 @@ class S3Proxy:
                 if denied is not None and denied in self.path and self.command in methods:
                     self._deny()
                     return
-                fragment = proxy.held_fragment
-                if fragment is not None and fragment in self.path and self.command in proxy.methods:
-                    with proxy._lock:
-                        proxy.held += 1
-                        proxy.held_paths.append(self.path)
+                if self._held():
                     proxy._released.wait()
                     with proxy._lock:
                         proxy.held -= 1
@@ -131,12 +143,16 @@ class S3Proxy:
 
     def hold(self, fragment: str) -> None:
         self._released.clear()
-        self.held_fragment, self.methods = fragment, WRITES
+        with self._lock:
+            self.refusals_left = None
+            self.held_fragment, self.methods = fragment, WRITES
 
-    def refuse(self, fragment: str, reads: bool = False) -> None:
+    def refuse(self, fragment: str, reads: bool = False, times: int | None = None) -> None:
         self._released.set()
-        self.held_fragment = fragment
-        self.methods = {"GET", "HEAD", "PUT", "POST", "DELETE"} if reads else WRITES
+        with self._lock:
+            self.refusals_left = times
+            self.held_fragment = fragment
+            self.methods = {"GET", "HEAD", "PUT", "POST", "DELETE"} if reads else WRITES
 
     def deny(self, fragment: str, methods: set[str] = READS) -> None:
         self.denied_fragment, self.denied_methods = fragment, methods

@@ -121,26 +121,21 @@ def test_a_file_damaged_in_another_ranks_share_is_named_on_every_rank(tmp_path: 
         assert f"step-000002: {victim}: checksum mismatch" in error, error
 
 
-def flaky_on_rank_1(rank: int, port: int, root: str) -> None:
-    """Spawned per rank: a save on 2 ranks where rank 1's store refuses one upload (a
-    transient error, retried); rank 0 records the events it gets."""
+def flaky_on_rank_1(rank: int, port: int, root: str, uri: str, endpoints: list[str]) -> None:
+    """Spawned per rank: a save on 2 ranks where rank 1's store (behind the test's proxy)
+    refuses one upload with a 503 (a transient error, retried); rank 0 records the events
+    it gets."""
     import json
 
     from rlft.trainer.checkpoint.saver import Checkpointer
-    from rlft.trainer.storage.errors import StorageError
+    from rlft.trainer.storage.backends import S3Options
 
     join_gloo_group(rank, 2, port)
-    storage = open_storage(f"file://{root}/ckpts")
-    if rank == 1:
-        put_file, refused = storage.put_file, []
-
-        def refuses_once(key, path, *, move=False):
-            if not refused:
-                refused.append(key)
-                raise StorageError("503 SlowDown", transient=True)
-            put_file(key, path, move=move)
-
-        storage.put_file = refuses_once
+    # Rank 1 without botocore's own retries: the refusal reaches the saver's.
+    options = S3Options(
+        endpoint_url=endpoints[rank], addressing_style="path", max_attempts=0 if rank else 3
+    )
+    storage = open_storage(uri, options)
     events: list[list] = []
     ckpt = Checkpointer(storage, on_event=lambda name, info: events.append([name, info]))
     model = tiny_model(seed=0)
@@ -151,13 +146,23 @@ def flaky_on_rank_1(rank: int, port: int, root: str) -> None:
     leave_gloo_group()
 
 
-def test_another_ranks_upload_retries_reach_rank_0(tmp_path: Path) -> None:
+def test_another_ranks_upload_retries_reach_rank_0(tmp_path: Path, s3_env, bucket) -> None:
     """Each rank uploads its own shards; only rank 0 has telemetry, and it counted only
     its own retries: a store throttling the other ranks was invisible."""
     import json
 
+    from s3_proxy import S3Proxy
+
     (port,) = free_ports(1)
-    mp.spawn(flaky_on_rank_1, args=(port, str(tmp_path)), nprocs=2, join=True)
+    proxy = S3Proxy(s3_env.endpoint)
+    try:
+        proxy.refuse("/ckpts/", times=1)
+        endpoints = [s3_env.endpoint, proxy.url]  # rank 1 alone behind the proxy
+        uri = f"s3://{bucket}/ckpts"
+        mp.spawn(flaky_on_rank_1, args=(port, str(tmp_path), uri, endpoints), nprocs=2, join=True)
+        assert len(proxy.held_paths) == 1
+    finally:
+        proxy.stop()
     events = json.loads((tmp_path / "events-0.json").read_text())
     peers = [info for name, info in events if name == "peer_retries"]
     assert peers == [{"step": 2, "count": 1}], events

@@ -109,7 +109,7 @@ def test_a_segment_the_store_refuses_for_a_moment_is_read_again(tmp_path, s3_env
     extra = _save(MetricsHistory(store, metrics), store, 5, None)
     proxy = S3Proxy(s3_env.endpoint)
     try:
-        options = s3_options(s3_env, endpoint_url=proxy.url, max_attempts=1)
+        options = s3_options(s3_env, endpoint_url=proxy.url, max_attempts=0)
         behind = open_storage(f"s3://{bucket}/run", options)
         proxy.refuse("/", reads=True)
 

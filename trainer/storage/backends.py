@@ -363,4 +363,5 @@ class S3Options:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0
     max_attempts: int = 3
-    """Attempts inside botocore for each request; the saver retries on top of these."""
+    """Retries inside botocore for each request, after its first attempt (botocore's
+    `retries.max_attempts` counts retries: 3 is 4 attempts); callers retry on top."""
