@@ -42,9 +42,10 @@ class _Output:
     def __init__(self, process: subprocess.Popen):
         self.lines: queue.Queue[str] = queue.Queue()
         self.text = ""
-        threading.Thread(
+        self.reader = threading.Thread(
             target=lambda: [self.lines.put(x) for x in process.stdout], daemon=True
-        ).start()
+        )
+        self.reader.start()
 
     def wait_for(self, marker: str, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
@@ -52,7 +53,10 @@ class _Output:
             self.text += self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
 
     def rest(self) -> str:
-        time.sleep(0.5)  # the reader's last lines
+        """The whole output, once the process has exited: the reader ends at the pipe's
+        EOF (when the process and any rank left of it are gone), having queued every line
+        however long a loaded machine took to read them."""
+        self.reader.join(timeout=30)
         while not self.lines.empty():
             self.text += self.lines.get()
         return self.text
@@ -200,8 +204,7 @@ def test_torchrun_killed_outright_leaves_no_rank_training(tmp_path):
         assert len(ranks) == 2, ranks
         os.kill(agent, signal.SIGKILL)
         process.wait(timeout=30)
-        time.sleep(1)  # a rank found still running had time to go
-        left = [pid for pid in ranks if read_proc(pid, "cmdline")]
+        left = _still_running(ranks)
     finally:
         kill_tree(process)
         for pid in ranks:  # orphans are no descendants of the run any more
@@ -210,3 +213,15 @@ def test_torchrun_killed_outright_leaves_no_rank_training(tmp_path):
     text = output.rest()
     assert process.returncode == 1, text
     assert not left, (left, text)
+
+
+def _still_running(pids: list[int], timeout: float = 15) -> list[int]:
+    """Those of `pids` still running after up to `timeout` seconds: a SIGKILLed process
+    may take a while to go on a loaded machine (torch's threads, its memory freed),
+    while a rank left training is still there at the end."""
+    deadline = time.monotonic() + timeout
+    left = [pid for pid in pids if read_proc(pid, "cmdline")]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [pid for pid in left if read_proc(pid, "cmdline")]
+    return left

@@ -14,11 +14,13 @@ import time
 
 from processes import descendants_running, kill_tree, read_proc
 from test_resume import (
+    GRACE,
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
     start,
     wait_for_step,
     write_long_job,
 )
+from trainer_holds import WAIT_FOR_ROLLOUTS, Hold
 
 from rlft.trainer.checkpoint.manifest import LATEST
 
@@ -31,7 +33,8 @@ def _rank(pid: int) -> int | None:
 
 
 def test_sigterm_to_rank_1_while_rank_0_waits_for_rollouts_checkpoints_at_once(tmp_path):
-    write_long_job(tmp_path, grace=30, rollout_server=True)
+    write_long_job(tmp_path, grace=GRACE, rollout_server=True)
+    hold = Hold(tmp_path, WAIT_FOR_ROLLOUTS)
     process = start(tmp_path, "out", "--nproc", "2")
     servers: list[int] = []
     try:
@@ -41,11 +44,14 @@ def test_sigterm_to_rank_1_while_rank_0_waits_for_rollouts_checkpoints_at_once(t
         rank_1 = [pid for pid in workers if _rank(pid) == 1]
         assert len(servers) == 1 and len(rank_1) == 1, (servers, workers)
         os.kill(servers[0], signal.SIGSTOP)  # rank 0 waits for a batch that never comes
-        time.sleep(1.0)  # the request of the next batch is out, or will be
+        # Until rank 0 is in that wait (a step may take more than any sleep), and then
+        # until the stop reaches it: a batch still in flight cannot end the wait first.
+        hold.arm()
+        hold.wait(process)
         sent = time.monotonic()
         os.kill(rank_1[0], signal.SIGTERM)  # its pod preempted, rank 0's not
         checkpoints = tmp_path / "out" / "checkpoints"
-        while not (checkpoints / LATEST).exists() and time.monotonic() - sent < 40:
+        while not (checkpoints / LATEST).exists() and time.monotonic() - sent < GRACE + 10:
             assert process.poll() is None or process.returncode == 0, process.stdout.read()
             time.sleep(0.2)
         committed_after = time.monotonic() - sent
@@ -57,7 +63,8 @@ def test_sigterm_to_rank_1_while_rank_0_waits_for_rollouts_checkpoints_at_once(t
         for pid in servers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert committed_after < 15, (committed_after, output)
+    # Rank 1's watchdog would have ended it at the grace's end, with no checkpoint.
+    assert committed_after < GRACE, (committed_after, output)
     assert process.returncode == 0, output
     assert "stopping while waiting for rollouts; checkpointing step" in output, output
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")

@@ -29,6 +29,7 @@ from prometheus_fixtures import free_port
 from s3_proxy import S3Proxy
 from safetensors.torch import load_file
 from tiny_jobs import arithmetic_rl_spec, write_parity_job
+from trainer_holds import WAIT_FOR_ROLLOUTS, Hold
 
 from rlft.trainer import termination
 from rlft.trainer.checkpoint.manifest import LATEST, MANIFEST
@@ -243,7 +244,8 @@ def test_sigterm_in_the_warm_start_stops_at_once_and_exits_0(tmp_path) -> None:
 def _sigterm_once(process: subprocess.Popen, marker: str) -> tuple[str, float]:
     """SIGTERM once `marker` is in the output; (the whole output, seconds to the exit)."""
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True)
+    reader.start()
     seen = ""
     while marker not in seen:
         seen += lines.get(timeout=120)
@@ -251,7 +253,9 @@ def _sigterm_once(process: subprocess.Popen, marker: str) -> tuple[str, float]:
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
     took = time.monotonic() - sent
-    time.sleep(0.5)  # the reader's last lines
+    # The reader ends at the output's end (the pipe's EOF, once the process is gone):
+    # then it has queued every line, however long a loaded machine took to read them.
+    reader.join(timeout=30)
     output = seen + "".join(lines.get() for _ in range(lines.qsize()))
     assert process.returncode == 0, output
     return output, took
@@ -272,6 +276,7 @@ def test_failed_checkpoints_are_reported_as_failed(tmp_path, bucket, s3_env) -> 
     failed and naming none in its termination message (it used to claim one)."""
     proxy = S3Proxy(s3_env.endpoint)
     process = None
+    grace = 6
     try:
         job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
         spec = yaml.safe_load(job.read_text())
@@ -283,7 +288,7 @@ def test_failed_checkpoints_are_reported_as_failed(tmp_path, bucket, s3_env) -> 
             "addressingStyle": "path",
             "intervalSteps": 2,
             "uploadRetryMinutes": 0.05,
-            "gracePeriodSeconds": 6,
+            "gracePeriodSeconds": grace,
         }
         port = free_port()
         spec["spec"]["telemetry"] = {"port": port}
@@ -302,8 +307,12 @@ def test_failed_checkpoints_are_reported_as_failed(tmp_path, bucket, s3_env) -> 
         if process is not None and process.poll() is None:
             kill_tree(process)
         proxy.stop()
+    # Exit 0 with a stopped verdict already says the grace was kept: the watchdog ends a
+    # rank still at work when it runs out, with exit 1 and a failure verdict. This bound
+    # is the exit's: it fails a process that went on well past its grace, not one that a
+    # loaded machine made slow to exit.
     assert process.returncode == 0, output
-    assert stopped_after < 6 + 5, output
+    assert stopped_after < grace + 20, (stopped_after, output)
     assert "whose emergency checkpoint failed (the newest committed checkpoint: none)" in output
     assert "stopped after the emergency checkpoint" not in output, output
     assert "Traceback" not in output, output
@@ -343,6 +352,10 @@ def write_long_job(
     job.write_text(yaml.safe_dump(spec))
 
 
+GRACE = 30
+"""The grace period of the tests that stop a trainer waiting for rollouts."""
+
+
 def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     tmp_path,
 ) -> None:
@@ -350,7 +363,8 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
     waits for a batch from a rollout server that will not answer (here: stopped with
     SIGSTOP). The trainer stops waiting, checkpoints the step it finished and exits 0,
     well inside its grace period, instead of being killed at its end with no checkpoint."""
-    write_long_job(tmp_path, grace=30, rollout_server=True)
+    write_long_job(tmp_path, grace=GRACE, rollout_server=True)
+    hold = Hold(tmp_path, WAIT_FOR_ROLLOUTS)
     process = start(tmp_path, "out")
     servers: list[int] = []
     try:
@@ -358,11 +372,14 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
         servers = descendants_running(process.pid, "rlft.trainer.rollout.server")
         assert len(servers) == 1, servers
         os.kill(servers[0], signal.SIGSTOP)
-        time.sleep(1.0)  # the request of the next batch is out, or will be
+        # Until rank 0 waits for a batch (a step may take more than any sleep), and
+        # then until the signal: a batch still in flight cannot end that wait first.
+        hold.arm()
+        hold.wait(process)
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         checkpoints = tmp_path / "out" / "checkpoints"
-        while not (checkpoints / LATEST).exists() and time.monotonic() - sent < 40:
+        while not (checkpoints / LATEST).exists() and time.monotonic() - sent < GRACE + 10:
             assert process.poll() is None or process.returncode == 0, process.stdout.read()
             time.sleep(0.2)
         committed_after = time.monotonic() - sent
@@ -375,7 +392,8 @@ def test_sigterm_while_the_rollout_server_is_gone_still_checkpoints_and_exits_0(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert process.returncode == 0, output
-    assert committed_after < 15, (committed_after, output)
+    # Killed at the grace's end, the trainer would have committed nothing.
+    assert committed_after < GRACE, (committed_after, output)
     assert "stopping while waiting for rollouts; checkpointing step" in output, output
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
 

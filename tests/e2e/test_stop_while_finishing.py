@@ -8,38 +8,32 @@ it there without a word (exit -15, no termination message)."""
 from __future__ import annotations
 
 import signal
-import time
 
 import yaml
 from processes import kill_tree
 from test_resume import start, write_job
+from trainer_holds import FINAL_EVALUATION, Hold
 
 from rlft.trainer import termination
 from rlft.trainer.checkpoint.manifest import LATEST, step_dir
 
 STEPS = 3
-EVAL_PROBLEMS = 100_000
-"""A final evaluation of seconds here: the window the signal comes in."""
 
 
 def test_sigterm_while_the_final_model_is_evaluated_ends_in_grace_with_a_verdict(tmp_path):
     job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
     spec = yaml.safe_load(job.read_text())
     spec["spec"]["trainer"]["steps"] = STEPS
-    spec["spec"]["data"]["arithmetic"] |= {"digits": 3, "evalSize": EVAL_PROBLEMS}
-    spec["spec"]["eval"]["maxProblems"] = EVAL_PROBLEMS
     spec["spec"]["checkpoint"] = {"intervalSteps": 1000, "gracePeriodSeconds": 60}
     job.write_text(yaml.safe_dump(spec))
+    # The final evaluation waits for the signal: it lands there however fast the machine.
+    hold = Hold(tmp_path, FINAL_EVALUATION)
     process = start(tmp_path, "out")
-    latest = tmp_path / "out" / "checkpoints" / LATEST
     try:
-        deadline = time.monotonic() + 300
-        # The final checkpoint (the only one: no periodic saves) names the last step.
-        while not (latest.exists() and latest.read_text().strip() == step_dir(STEPS)):
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "the final checkpoint never came"
-            time.sleep(0.02)
-        time.sleep(1.0)  # past the commit's own end: into the final evaluation
+        hold.wait(process)
+        # The final checkpoint (the only one: no periodic saves) came before.
+        latest = tmp_path / "out" / "checkpoints" / LATEST
+        assert latest.read_text().strip() == step_dir(STEPS)
         assert not (tmp_path / "out" / "summary.json").exists(), "finished before the signal"
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=90)[0]
