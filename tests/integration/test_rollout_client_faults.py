@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from rollout_fixtures import (
     redraw,
     store_at,
     tiny_model,
+    wait_until,
 )
 
 from rlft.trainer.rollout import SamplingParams
@@ -47,13 +47,6 @@ GREEDY = SamplingParams(max_new_tokens=8, greedy=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
-        time.sleep(0.05)
 
 
 def at_once(client: RolloutClient, count: int, request: GenerateRequest) -> list[Generated]:
@@ -434,7 +427,9 @@ def test_a_broadcast_to_no_live_instance_is_not_a_publication(tmp_path):
     publisher = WeightPublisher(client, store, "broadcast", timeout_s=3)
     try:
         publisher.published = 1  # past the first version (by the store): broadcasts
-        client.mark_down(client.instances[0], "connection refused")
+        # Nothing listens at its port: the client's own probe is refused and finds it down.
+        assert not client.probe(client.instances[0])
+        assert client.live() == []
         publisher.publish(model, 5)
         with pytest.raises(RuntimeError, match="no live rollout instance"):
             publisher.wait(5, timeout=30)

@@ -124,22 +124,32 @@ def test_a_caller_that_gave_up_is_no_error_of_the_server(tmp_path: Path) -> None
     server = ThreadServer()
     http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
     engine = server.server.host.engine
-    real, done = engine.generate, threading.Event()
+    real, gone, handled = engine.generate, threading.Event(), threading.Event()
 
     def slow(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(1.0)  # longer than the caller waits
-        try:
-            return real(*args, **kwargs)
-        finally:
-            done.set()
+        # Held until the caller has given up, not for a time longer than its timeout:
+        # the order is then certain however loaded the machine.
+        assert gone.wait(30), "the caller never gave up"
+        return real(*args, **kwargs)
 
     engine.generate = slow
+    finish = server.server.finish_request
+
+    def finished(*args: Any, **kwargs: Any) -> None:
+        # The handler is done with the request (counted it, and replied to nobody, or
+        # counted an error): a fixed sleep after the engine returned missed both there.
+        try:
+            finish(*args, **kwargs)
+        finally:
+            handled.set()
+
+    server.server.finish_request = finished  # type: ignore[method-assign]
     request = GenerateRequest(PROMPTS, 1, GREEDY, stop_ids=[tokenizer.eos_token_id])
     try:
         with pytest.raises(RequestFailed):
             http_json(f"{server.url}/generate", request.to_json(), 0.2)
-        assert done.wait(10)
-        time.sleep(0.5)  # the reply to nobody
+        gone.set()
+        assert handled.wait(30), "the handler never finished the request"
         registry = server.server.metrics.registry
         counts = {
             status: registry.get_sample_value(ROLLOUT_REQUESTS.name, {"status": status})
@@ -147,6 +157,7 @@ def test_a_caller_that_gave_up_is_no_error_of_the_server(tmp_path: Path) -> None
         }
         assert counts == {"ok": 1.0, "error": None}, counts
     finally:
+        gone.set()  # a failed test leaves no handler waiting out its 30 s
         server.stop()
 
 
@@ -185,9 +196,10 @@ def test_a_hung_engine_fails_the_liveness_probe_and_is_live_again_once_it_return
     server.server.stall_s = 0.5
     http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
     engine = server.server.host.engine
-    real, release = engine.generate, threading.Event()
+    real, entered, release = engine.generate, threading.Event(), threading.Event()
 
     def hangs(*args: Any, **kwargs: Any) -> Any:  # fault injection: a wedged engine
+        entered.set()
         release.wait(30)
         return real(*args, **kwargs)
 
@@ -199,12 +211,15 @@ def test_a_hung_engine_fails_the_liveness_probe_and_is_live_again_once_it_return
     try:
         assert _status(f"{server.url}/livez") == (200, None)
         caller.start()
-        time.sleep(1.0)
-        code, reason = _status(f"{server.url}/livez")
+        # The call is in the engine, then past the stall limit: a fixed sleep of twice
+        # the limit was not always enough for the request to reach the engine at all.
+        assert entered.wait(30), "the request never reached the engine"
+        code, reason = _wait_for_status(f"{server.url}/livez", 503, 30)
         assert code == 503 and "one generate call has been in the engine" in reason
         assert _status(f"{server.url}/healthz")[0] == 503
         release.set()
         caller.join(30)
+        assert not caller.is_alive(), "the released request never returned"
         assert _status(f"{server.url}/livez") == (200, None)
         assert _status(f"{server.url}/healthz")[0] == 200
     finally:
@@ -218,6 +233,16 @@ def _status(url: str) -> tuple[int, str | None]:
             return response.status, json.loads(response.read()).get("reason")
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read()).get("reason")
+
+
+def _wait_for_status(url: str, code: int, timeout: float) -> tuple[int, str | None]:
+    """`url`'s first answer with status `code`, or its last one after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    answer = _status(url)
+    while answer[0] != code and time.monotonic() < deadline:
+        time.sleep(0.05)
+        answer = _status(url)
+    return answer
 
 
 def test_the_stall_limit_is_twice_the_jobs_request_timeout_unless_given() -> None:

@@ -13,10 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_fixtures import PROMPTS, ThreadServer, publish, redraw, store_at, tiny_model
+from rollout_fixtures import (
+    PROMPTS,
+    ThreadServer,
+    publish,
+    redraw,
+    store_at,
+    tiny_model,
+    wait_until,
+)
 
 from rlft.trainer.rollout import SamplingParams, TransformersEngine
-from rlft.trainer.rollout.client import RequestFailed, RolloutClient, http_json
+from rlft.trainer.rollout.client import Generated, RequestFailed, RolloutClient, http_json
 from rlft.trainer.rollout.local import LocalServers
 from rlft.trainer.rollout.protocol import GenerateRequest, ProtocolError, WeightsRequest
 from rlft.trainer.rollout.remote import RemoteEngine
@@ -194,33 +202,50 @@ def test_weight_updates_are_atomic_with_respect_to_requests(server, tmp_path: Pa
         expected[version] = greedy_reference(model, tokenizer)
     http_json(f"{server.url}/weights", {"version": 0, "uri": publish(store, models[0], 0)}, 60)
     client = RolloutClient([server.url], timeout_s=60)
-    answers = []
+    answers: list[Generated] = []
+    errors: list[Exception] = []
     stop = threading.Event()
 
     def ask() -> None:
-        while not stop.is_set():
-            answers.append(client.generate(GenerateRequest(PROMPTS, 1, GREEDY)))
+        try:
+            while not stop.is_set():
+                answers.append(client.generate(GenerateRequest(PROMPTS, 1, GREEDY)))
+        except Exception as error:  # told by the waits below, not lost with the thread
+            errors.append(error)
+
+    def wait_for_an_answer_of(version: int) -> None:
+        def has() -> bool:
+            assert not errors, f"a request failed: {errors[0]!r}"
+            return any(a.policy_version == version for a in list(answers))
+
+        wait_until(has, 60, f"an answer of version {version}")
 
     askers = [threading.Thread(target=ask) for _ in range(3)]
     for thread in askers:
         thread.start()
-    for version in range(1, 4):
-        time.sleep(0.15)
-        uri = publish(store, models[version], version)
-        assert client.load_weights(
-            client.instances[0], WeightsRequest(version=version, uri=uri), 60
-        )
-    time.sleep(0.15)
-    stop.set()
-    for thread in askers:
-        thread.join()
+    try:
+        # Each version is published once one answer came from the one before (0 first):
+        # a fixed time per version skipped versions on a loaded machine. The askers keep
+        # requests in flight meanwhile, so the loads still race them.
+        for version in range(1, 4):
+            wait_for_an_answer_of(version - 1)
+            uri = publish(store, models[version], version)
+            assert client.load_weights(
+                client.instances[0], WeightsRequest(version=version, uri=uri), 60
+            )
+        wait_for_an_answer_of(3)
+    finally:
+        stop.set()
+        for thread in askers:
+            thread.join(60)
+    assert not errors, f"a request failed: {errors[0]!r}"
     seen = set()
     for answer in answers:
         versions = {c.policy_version for c in answer.completions}
         assert versions == {answer.policy_version}
         assert [c.token_ids for c in answer.completions] == expected[answer.policy_version]
         seen.add(answer.policy_version)
-    assert len(seen) >= 3, f"the race covered too few versions: {sorted(seen)}"
+    assert seen == {0, 1, 2, 3}, f"the race covered too few versions: {sorted(seen)}"
     client.close()
 
 
@@ -503,6 +528,7 @@ def test_sampled_completions_do_not_depend_on_which_instances_are_live(tmp_path)
     uri = publish(store_at(tmp_path), model, 0)
     servers = [ThreadServer(), ThreadServer()]
     client = RolloutClient([s.url for s in servers], timeout_s=30, probe_every_s=60)
+    stopped: list[ThreadServer] = []
     try:
         for s in servers:
             http_json(f"{s.url}/weights", {"version": 0, "uri": uri}, 60)
@@ -516,13 +542,19 @@ def test_sampled_completions_do_not_depend_on_which_instances_are_live(tmp_path)
             return [c.token_ids for c in remote.generate(prompts, 2, sampling, generator)]
 
         both = sample()
-        client.mark_down(client.instances[1], "fault injected by the test")
+        # The fault: the second instance stops (its port refuses connections), and the
+        # client's own probe finds it down, as its probe loop would.
+        servers[1].stop()
+        stopped.append(servers[1])
+        assert not client.probe(client.instances[1])
         assert [i.healthy for i in client.instances] == [True, False]
         assert sample() == both
+        assert [i.healthy for i in client.instances] == [True, False]
     finally:
         client.close()
         for s in servers:
-            s.stop()
+            if s not in stopped:
+                s.stop()
 
 
 def test_a_generate_request_is_counted_before_its_answer_is_sent(monkeypatch, tmp_path) -> None:
