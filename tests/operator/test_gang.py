@@ -9,6 +9,7 @@ calls that create and refresh a PodGroup, each declared in the permissions."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from rlft.operator import crd, permissions, plan
 from rlft.operator import gang as G
 from rlft.operator import manifests as M
 from rlft.operator import names as N
-from rlft.operator.kube import ApiError, Connection, Kube
+from rlft.operator.kube import Connection, Kube
 from rlft.operator.observe import KUEUE_STOP
 from rlft.trainer.config import JobFileError, parse_job
 from rlft.trainer.config.gang import GangSpec
@@ -436,42 +437,77 @@ def test_the_plan_of_a_gang_job_is_valid(gang, tmp_path):
 # ------------------------------------------------------------- the REST calls
 
 
-class _Recording(Kube):
-    """Kube whose requests are recorded (and checked against the permissions), answered
-    with 409 for the PodGroup's POST when `exists`."""
+GANG_CRDS = Path(__file__).resolve().parent / "data" / "gang"
 
-    def __init__(self, exists: bool):
-        super().__init__(Connection(server="http://unused", headers={}))
-        self.exists = exists
+
+@pytest.fixture(scope="module")
+def api_with_pod_groups(tmp_path_factory):
+    """The emulated API server with Volcano's and scheduler-plugins' published PodGroup
+    CRDs: it answers a second create with its own 409 AlreadyExists."""
+    from cluster import EmulatedApiServer
+
+    api = EmulatedApiServer(tmp_path_factory.mktemp("api"))
+    try:
+        for name in ("volcano-podgroups-crd.yaml", "coscheduling-podgroups-crd.yaml"):
+            api.kubectl("apply", "--validate=false", "-f", str(GANG_CRDS / name))
+        api.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}})
+        yield api
+    finally:
+        api.stop()
+
+
+class _Recording(Kube):
+    """Kube whose requests are recorded (each also checked against the permissions by
+    `_request` itself) on their way to the API server."""
+
+    def __init__(self, server: str):
+        super().__init__(Connection(server=server, headers={}))
         self.calls: list[tuple[str, str, Any, str]] = []
 
     async def _request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
     ) -> dict[str, Any]:
-        permissions.require(method, path)
         self.calls.append((method, path, body, content_type))
-        if method == "POST" and self.exists:
-            raise ApiError(409, "already exists")
-        return {}
+        return await super()._request(method, path, body, content_type)
 
 
 @pytest.mark.parametrize("kind", ["volcano", "coscheduling"])
-def test_a_pod_group_is_created_or_brought_to_the_current_gang(kind):
+def test_a_pod_group_is_created_or_brought_to_the_current_gang(kind, api_with_pod_groups):
+    """A second create meets the API server's 409: the group that exists gets the new
+    spec and owner (a job deleted and applied again under its name finds its former
+    self's PodGroup, which the garbage collector, asynchronous on a real cluster, would
+    delete as that job's, leaving the new pods waiting for a group that is gone)."""
+    api = api_with_pod_groups
     (group,) = _desired(_job(kind)).pod_groups.values()
     collection = f"/apis/{G.POD_GROUP_APIS[kind]}/namespaces/ml/podgroups"
-    fresh = _Recording(exists=False)
-    assert asyncio.run(fresh.create(group)) is True
+    again = copy.deepcopy(group)  # the job applied again: a new uid, a bigger gang
+    again["metadata"]["ownerReferences"][0]["uid"] = "1a1b-uid"
+    again["spec"]["minMember"] += 1
+    pod = next(iter(_desired(_job(kind)).pods.values()))
+    pod = copy.deepcopy(pod)
+    pod["metadata"]["name"] = f"{pod['metadata']['name']}-{kind}"
+
+    async def twice() -> tuple[_Recording, _Recording, _Recording, _Recording]:
+        kubes = [_Recording(api.url) for _ in range(4)]
+        try:
+            assert await kubes[0].create(group) is True
+            assert await kubes[1].create(again) is False
+            assert await kubes[2].create(pod) is True
+            assert await kubes[3].create(pod) is False
+        finally:
+            for kube in kubes:
+                await kube.close()
+        return tuple(kubes)  # type: ignore[return-value]
+
+    fresh, existing, _, core = asyncio.run(twice())
     assert fresh.calls == [("POST", collection, group, "application/json")]
-    existing = _Recording(exists=True)
-    assert asyncio.run(existing.create(group)) is False
-    # Its owner too: a job deleted and applied again under its name finds its former
-    # self's PodGroup, which the garbage collector (asynchronous on a real cluster) would
-    # delete as that job's, leaving the new pods waiting for a group that is gone.
-    owners = group["metadata"]["ownerReferences"]
-    assert owners[0]["uid"] == "0f0e-uid"
     patch = [
-        {"op": "add", "path": "/spec", "value": group["spec"]},
-        {"op": "add", "path": "/metadata/ownerReferences", "value": owners},
+        {"op": "add", "path": "/spec", "value": again["spec"]},
+        {
+            "op": "add",
+            "path": "/metadata/ownerReferences",
+            "value": again["metadata"]["ownerReferences"],
+        },
     ]
     assert existing.calls[1] == (
         "PATCH",
@@ -479,9 +515,11 @@ def test_a_pod_group_is_created_or_brought_to_the_current_gang(kind):
         patch,
         "application/json-patch+json",
     )
-    pod = next(iter(_desired(_job(kind)).pods.values()))
-    core = _Recording(exists=True)
-    assert asyncio.run(core.create(pod)) is False
+    stored = api.get(
+        f"podgroups.{G.POD_GROUP_APIS[kind].split('/')[0]}", "tiny-grpo-gang", "-n", "ml"
+    )
+    assert stored["metadata"]["ownerReferences"][0]["uid"] == "1a1b-uid"
+    assert stored["spec"]["minMember"] == again["spec"]["minMember"]
     assert [c[:2] for c in core.calls] == [("POST", "/api/v1/namespaces/ml/pods")]  # no patch
 
 
