@@ -97,3 +97,35 @@ def test_a_resumed_run_goes_on_past_the_versions_its_instances_were_given(
     after = published + 1 + steps - resumed  # one optimizer step each after it
     assert again["policy_version"] == after
     assert published + 1 <= instance.server.host.policy_version <= after  # as above
+
+
+def test_a_replaced_gang_still_running_cannot_load_weights_into_the_new_ones_instances(
+    tmp_path, monkeypatch, instance
+):
+    """The operator replaced a trainer gang whose node stopped reporting; cut off from the
+    API server but not from the rollout pods, the old gang trained on and pushed its
+    weights into the new gang's instances (its versions interleaving with the new one's).
+    An instance that took weights from gang attempt 3 refuses attempt 1's (409), and the
+    old trainer stops with exit 1 and a verdict that says why."""
+    from rollout_fixtures import publish, store_at, tiny_model
+
+    from rlft.trainer import termination
+    from rlft.trainer.cli.main import main
+    from rlft.trainer.rollout.client import http_json
+    from rlft.trainer.rollout.protocol import WeightsRequest
+
+    model, _ = tiny_model(seed=0)
+    uri = publish(store_at(tmp_path / "new-gang"), model, 0)
+    http_json(f"{instance.url}/weights", WeightsRequest(0, uri, gang=3).to_json(), 60)
+    assert instance.server.host.gang == 3
+    _job(tmp_path)  # writes job.yaml (and its reward) there
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("RLFT_ROLLOUT_URLS", instance.url)
+    monkeypatch.setenv("RLFT_GANG_ATTEMPT", "1")
+    monkeypatch.setenv(termination.ENV, str(tmp_path / "old.termination"))
+    job_file = tmp_path / "job.yaml"
+    assert main(["train", str(job_file), "--out", str(tmp_path / "out")]) == 1
+    verdict = termination.read((tmp_path / "old.termination").read_text())
+    assert verdict is not None and verdict.exit_code == 1, verdict
+    assert "gang attempt 1 refused: gang attempt 3 of this job has replaced it" in (verdict.message)
+    assert instance.server.host.policy_version == 0  # still the new gang's weights

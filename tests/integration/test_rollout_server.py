@@ -125,6 +125,25 @@ def test_weights_request_needs_a_published_version(server, tmp_path: Path) -> No
     assert status == 500 and "not a published weight version" in body["error"]
 
 
+def test_weights_of_an_older_trainer_gang_are_refused(server, tmp_path: Path) -> None:
+    """An instance takes weights from gang attempts that never go back (a load without
+    one, from a local run, passes); a bad attempt number is named."""
+    from rlft.trainer.rollout.protocol import SupersededGangError
+
+    model = tiny_model()[0]
+    uri = publish(store_at(tmp_path), model, 0)
+    load = f"{server.url}/weights"
+    assert http_json(load, {"version": 0, "uri": uri, "gang": 2}, 60)["policy_version"] == 0
+    assert http_json(load, {"version": 0, "uri": uri, "gang": 2}, 60)  # the same gang
+    assert http_json(load, {"version": 0, "uri": uri}, 60)  # no gang: not refused
+    with pytest.raises(SupersededGangError, match="gang attempt 1 refused: gang attempt 2"):
+        http_json(load, {"version": 0, "uri": uri, "gang": 1}, 60)
+    assert http_json(load, {"version": 0, "uri": uri, "gang": 3}, 60)
+    assert server.server.host.gang == 3
+    with pytest.raises(ProtocolError, match="gang"):
+        http_json(load, {"version": 0, "uri": uri, "gang": "new"}, 10)
+
+
 def test_a_load_older_than_the_weights_served_does_not_go_back(server, tmp_path) -> None:
     """A load that queued behind a long request (its first attempt timed out at the
     trainer, which retried while it waited) arrives after a newer one: it was applied,

@@ -12,8 +12,10 @@ a gang that finds a higher number there stops (`SupersededError`, on every rank)
 its start, at a save (before any rank uploads a file, and again before the commit) and
 at the end of the first step `CHECK_SECONDS` after its last read. A save already
 uploading when the new gang starts may still write files, never a manifest or `latest`.
-Until it stops, the older gang may still publish weights (`spec.rollout.weightsUri`):
-the fence guards the checkpoints. A local `rlft train` has no job uid and no fence.
+The rollout instances fence weights on their own: a weight load carries the sender's
+gang attempt, and an instance that took a newer gang's weights refuses an older one's
+(`SupersededGangError`, rollout/protocol.py). A local `rlft train` has no job uid and no
+fence.
 """
 
 from __future__ import annotations

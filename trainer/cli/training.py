@@ -66,6 +66,7 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
         from rlft.trainer.data.jsonl import DataFileError
         from rlft.trainer.data.rewards import RewardError
         from rlft.trainer.model.build import ModelLoadError
+        from rlft.trainer.rollout.protocol import SupersededGangError
         from rlft.trainer.run.job import (
             OutputExistsError,
             StepFailedError,
@@ -104,6 +105,8 @@ def _run(job: RLFineTune, args: argparse.Namespace, dist=None) -> int:
             return _failed(ExitCode.FAILURE, error, rank)
         return _failed(ExitCode.INVALID_CONFIG, error, rank)
     except (CheckpointError, StorageError, TelemetryServeError) as error:  # worth retrying
+        return _failed(ExitCode.FAILURE, error, rank)
+    except SupersededGangError as error:  # as the fence's SupersededError: this gang ends
         return _failed(ExitCode.FAILURE, error, rank)
     except StepFailedError as error:  # worth retrying too; where it came from is kept
         _print_traceback(error)

@@ -46,6 +46,7 @@ from rlft.trainer.rollout.pipeline import StopWaiting, never
 from rlft.trainer.rollout.protocol import (
     GenerateRequest,
     ProtocolError,
+    SupersededGangError,
     WeightsRequest,
     completion_from_json,
 )
@@ -115,7 +116,7 @@ def _refusal(text: str) -> str:
 def http_json(url: str, body: Any | None, timeout: float, token: str | None = None) -> Any:
     """POST (or GET when body is None) JSON, with the rollout token when given;
     RequestFailed on any transport or server error, ProtocolError on a 400 (a bad request
-    is not retried)."""
+    is not retried), SupersededGangError on a 409 (weights from a replaced gang)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url,
@@ -136,6 +137,8 @@ def http_json(url: str, body: Any | None, timeout: float, token: str | None = No
                 f"{url}: HTTP 400, the rollout instance refused the request itself (it is "
                 f"not sent to another instance): {_refusal(text)}"
             ) from None
+        if error.code == 409:  # a newer gang of the job took over the instance
+            raise SupersededGangError(f"{url}: {_refusal(text)}") from None
         if error.code == 401:  # another job's instance at this address, or a token edited
             text = f"refused this client's rollout token ({TOKEN_ENV}): {text}"
         raise RequestFailed(f"{url}: HTTP {error.code} {text}") from None

@@ -5,9 +5,12 @@ One protocol for every engine, so the orchestrator never knows which one it talk
 - `POST /generate` {prompts: [[int]], n, sampling: {temperature, top_p, max_new_tokens,
   greedy}, seed?, request_id?} → {request_id, policy_version, completions: [{prompt_index,
   token_ids, logprobs, finish_reason, policy_version}], tokens, seconds}
-- `POST /weights` {version, uri?} or {version, broadcast: {address, rank, world_size,
-  timeout_s?, group?}} → {policy_version, seconds}; `group` names the group (a new name
-  is a new group, also at the last one's address)
+- `POST /weights` {version, uri?, gang?} or {version, broadcast: {address, rank,
+  world_size, timeout_s?, group?}, gang?} → {policy_version, seconds}; `group` names the
+  group (a new name is a new group, also at the last one's address); `gang` is the
+  sender's trainer gang attempt: weights from a gang older than one the instance took
+  weights from are refused with 409 (a replaced gang still running, cut off from the
+  API server but not from the rollout pods)
 - `GET /healthz` → {ok, policy_version, engine, model}; 503 until weights are loaded
 - `GET /livez` → {ok, engine}: 200 once the server serves, weights or not
 - `GET /metrics` → Prometheus text
@@ -172,9 +175,12 @@ class WeightsRequest:
     """Folder (file:// or s3://) of the Hugging Face safetensors of `version`."""
     broadcast: dict[str, Any] | None = None
     """Join the trainer's torch.distributed group: address, rank, world_size."""
+    gang: int | None = None
+    """The sender's trainer gang attempt (`$RLFT_GANG_ATTEMPT`; None: a local run)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "uri": self.uri, "broadcast": self.broadcast}
+        body = {"version": self.version, "uri": self.uri, "broadcast": self.broadcast}
+        return body if self.gang is None else {**body, "gang": self.gang}
 
     @classmethod
     def from_json(cls, body: Any) -> WeightsRequest:
@@ -198,4 +204,10 @@ class WeightsRequest:
                 raise ProtocolError(f"broadcast.rank: {rank} must be < world_size {world}")
             if not isinstance(broadcast.get("group", ""), str):
                 raise ProtocolError("broadcast.group: must be a string")
-        return cls(version=version, uri=uri, broadcast=broadcast)
+        gang = None if body.get("gang") is None else _int(body, "gang", 0, 2**62)
+        return cls(version=version, uri=uri, broadcast=broadcast, gang=gang)
+
+
+class SupersededGangError(RuntimeError):
+    """Weights from a trainer gang older than one the instance already took weights from:
+    a newer gang of the job replaced the sender (HTTP 409)."""

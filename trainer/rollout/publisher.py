@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import save
 
 from rlft.trainer.rollout.client import Instance, RolloutClient
-from rlft.trainer.rollout.protocol import WeightsRequest
+from rlft.trainer.rollout.protocol import SupersededGangError, WeightsRequest
 from rlft.trainer.storage.retry import backoff_delays
 from rlft.trainer.telemetry.liveness_server import pod_address
 from rlft.trainer.weights.store import WeightStore, config_json, serialize, unique_tensors
@@ -58,10 +58,14 @@ class WeightPublisher:
         host: str | None = None,
         catch_up_every_s: float = 1.0,
         catch_up_backoff_max_s: float = 60.0,
+        gang: int | None = None,
     ):
         if mode not in ("store", "broadcast"):
             raise ValueError(f"publication mode {mode!r}: use store or broadcast")
         self.client, self.store, self.mode = client, store, mode
+        self.gang = gang
+        """This trainer's gang attempt, sent with each load: an instance that took weights
+        from a newer gang refuses them (SupersededGangError ends the publication)."""
         # The broadcast group's address, which rollout pods connect to.
         self.timeout_s, self.host = timeout_s, host or pod_address()
         self._cond = threading.Condition()
@@ -129,6 +133,8 @@ class WeightPublisher:
             return self._acked
 
     def _raise_error(self) -> None:
+        if isinstance(self._error, SupersededGangError):
+            raise self._error  # as it is: this gang must stop, not retry
         if self._error is not None:
             raise RuntimeError(f"weight publication failed: {self._error}") from self._error
 
@@ -187,11 +193,13 @@ class WeightPublisher:
         behind = [i for i in self.client.behind(version) if self._hold(i.url)[0] <= now]
         if not behind:
             return
-        request = WeightsRequest(version=version, uri=uri)
+        request = WeightsRequest(version=version, uri=uri, gang=self.gang)
 
         def load(instance) -> None:
             try:
                 loaded = self.client.load_weights(instance, request, self.timeout_s)
+            except SupersededGangError:
+                raise
             except Exception as error:  # a refused load (400): the next publication may do
                 loaded = False
                 log.warning("weights of version %d: catch-up failed: %s", version, error)
@@ -218,6 +226,8 @@ class WeightPublisher:
             attempt += 1
             try:
                 return True, self._ship(version, snapshot, config)
+            except SupersededGangError:
+                raise  # a newer gang took the instances over: no retry would pass
             except Exception as error:
                 delay = next(delays)
                 if time.monotonic() + delay > deadline:
@@ -237,17 +247,19 @@ class WeightPublisher:
         """Ship `version`; the URI of its store copy, if one was written."""
         if isinstance(snapshot, bytes):
             uri = self._stored(version, lambda: snapshot, config)
-            self._post_all(WeightsRequest(version=version, uri=uri))
+            self._post_all(WeightsRequest(version=version, uri=uri, gang=self.gang))
             return uri
         try:
             return self._broadcast(version, snapshot, config)
+        except SupersededGangError:
+            raise
         except Exception as error:  # a member died mid-broadcast: fall back to the store
             log.warning(
                 "weights of version %d: broadcast failed (%s); by the store", version, error
             )
             self._group, self._members = None, ()
             uri = self._stored(version, lambda: save(snapshot), config)
-            self._post_all(WeightsRequest(version=version, uri=uri))
+            self._post_all(WeightsRequest(version=version, uri=uri, gang=self.gang))
             return uri
 
     def _stored(self, version: int, weights: Callable[[], bytes], config: str) -> str:
@@ -326,6 +338,7 @@ class WeightPublisher:
                     "timeout_s": min(self.timeout_s, 60.0),
                     "group": self._group_name,
                 },
+                gang=self.gang,
             )
             for rank in range(1, len(live) + 1)
         ]

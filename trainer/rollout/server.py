@@ -48,6 +48,7 @@ from rlft.trainer.rollout.engine import WeightNamesError
 from rlft.trainer.rollout.protocol import (
     GenerateRequest,
     ProtocolError,
+    SupersededGangError,
     WeightsRequest,
     completion_to_json,
 )
@@ -98,6 +99,9 @@ class EngineHost:
         and the pod's liveness probe has it replaced."""
         self._generating_since: float | None = None
         """When the generate call in the engine began (None: none is)."""
+        self.gang: int | None = None
+        """The newest trainer gang attempt that sent weights: an older one's are refused."""
+        self._gang_lock = threading.Lock()
 
     @contextlib.contextmanager
     def _use(self, writer: bool) -> Iterator[None]:
@@ -173,6 +177,7 @@ class EngineHost:
 
     def load(self, request: WeightsRequest) -> dict[str, Any]:
         started = time.perf_counter()
+        self._admit(request.gang)
         if request.broadcast is not None:
             version, tensors = self._receive(request)
             with self._use(writer=True):
@@ -190,6 +195,20 @@ class EngineHost:
         if self._metrics is not None:
             self._metrics.version(version)
         return {"policy_version": version, "seconds": seconds}
+
+    def _admit(self, gang: int | None) -> None:
+        """Refuse weights from a gang older than the newest that sent any: the operator
+        replaced it (its node stopped reporting), but it may still run and reach this
+        instance, and its versions would interleave with the new gang's."""
+        if gang is None:
+            return
+        with self._gang_lock:
+            if self.gang is not None and gang < self.gang:
+                raise SupersededGangError(
+                    f"weights from trainer gang attempt {gang} refused: gang attempt "
+                    f"{self.gang} of this job has replaced it"
+                )
+            self.gang = gang
 
     def _load_uri(self, request: WeightsRequest) -> None:
         """Load a published folder. Its tensors are read before the update in place
@@ -427,6 +446,9 @@ class _Handler(BaseHTTPRequestHandler):
         except ProtocolError as error:
             metrics.request("bad_request")
             self._reply(400, {"error": str(error)})
+        except SupersededGangError as error:
+            metrics.request("superseded")
+            self._reply(409, {"error": str(error)})
         except RuntimeError as error:
             metrics.request("unavailable")
             self._reply(503, {"error": str(error)})
