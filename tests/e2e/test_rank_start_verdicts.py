@@ -160,3 +160,54 @@ def test_a_peer_that_never_comes_is_a_rendezvous_failure_to_the_operator(tmp_pat
     failure = classify(pod)
     assert failure is not None and failure.kind == RENDEZVOUS and failure.group, (failure, message)
     assert "waiting for clients" in failure.message, failure
+
+
+def test_a_command_line_the_trainer_does_not_know_is_a_verdict_the_operator_shows(tmp_path):
+    """An operator newer than the trainer's image passes a flag the image does not know:
+    argparse's exit 2 came without a verdict, and the job failed for good with nothing
+    to show but a log tail. The refusal is the verdict now, read by the operator's own
+    failure policy as the kubelet reports the container's end."""
+    from rlft.operator import failures
+    from rlft.operator import names as N
+    from rlft.operator.observe import pod_view
+
+    job = write_parity_job(tmp_path, arithmetic_rl_spec({"name": "grpo", "groupSize": 4}))
+    log = tmp_path / "termination"
+    env = dict(os.environ, RANK="1", **{termination.ENV: str(log)})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlft.trainer.cli",
+            "train",
+            str(job),
+            "--flag-of-a-newer-operator",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=ENDS_WITHIN_S,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "unrecognized arguments: --flag-of-a-newer-operator 1" in done.stderr
+    verdict = termination.read(log.read_text())
+    assert verdict is not None and (verdict.exit_code, verdict.rank) == (2, 1), verdict
+    assert "unrecognized arguments: --flag-of-a-newer-operator 1" in verdict.message, verdict
+    terminated = {"exitCode": 2, "reason": "Error", "message": log.read_text()}
+    pod = {  # as the kubelet reports the trainer container's end
+        "metadata": {
+            "name": "tiny-grpo-trainer-0",
+            "uid": "u1",
+            "labels": {N.LABEL_ROLE: N.ROLE_TRAINER, N.LABEL_INDEX: "0"},
+        },
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [{"name": "main", "state": {"terminated": terminated}}],
+        },
+    }
+    failure = failures.classify(pod_view(pod))
+    assert (
+        failure is not None
+        and "unrecognized arguments: --flag-of-a-newer-operator 1" in failure.message
+    )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from rlft.trainer.cli.training import add_training_commands
 from rlft.trainer.config import JobFileError, RLFineTune, load_job
@@ -162,8 +164,26 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     export.set_defaults(handler=ck.cmd_export)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose refusal of a command line is also the process's verdict: in a pod
+    the operator wrote that command line (an operator newer than the trainer's image,
+    say), and exit 2 alone told its failure policy nothing it could show."""
+
+    def error(self, message: str) -> NoReturn:
+        from rlft.trainer import termination
+
+        rank = os.environ.get("RANK", "0")
+        verdict = termination.Verdict(
+            ExitCode.INVALID_CONFIG,
+            f"{self.prog}: {message} (the command line; see `{self.prog} --help`)",
+            int(rank) if rank.isdigit() else 0,
+        )
+        termination.write_unless_written(verdict)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlft", description="RL fine-tuning of language models, locally or on Kubernetes."
     )
     commands = parser.add_subparsers(dest="command", required=True)
