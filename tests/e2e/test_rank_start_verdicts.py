@@ -167,8 +167,9 @@ def test_a_command_line_the_trainer_does_not_know_is_a_verdict_the_operator_show
     argparse's exit 2 came without a verdict, and the job failed for good with nothing
     to show but a log tail. The refusal is the verdict now, read by the operator's own
     failure policy as the kubelet reports the container's end."""
+    from test_secrets_in_errors import ended_trainer_pod
+
     from rlft.operator import failures
-    from rlft.operator import names as N
     from rlft.operator.observe import pod_view
 
     job = write_parity_job(tmp_path, arithmetic_rl_spec({"name": "grpo", "groupSize": 4}))
@@ -194,19 +195,7 @@ def test_a_command_line_the_trainer_does_not_know_is_a_verdict_the_operator_show
     verdict = termination.read(log.read_text())
     assert verdict is not None and (verdict.exit_code, verdict.rank) == (2, 1), verdict
     assert "unrecognized arguments: --flag-of-a-newer-operator 1" in verdict.message, verdict
-    terminated = {"exitCode": 2, "reason": "Error", "message": log.read_text()}
-    pod = {  # as the kubelet reports the trainer container's end
-        "metadata": {
-            "name": "tiny-grpo-trainer-0",
-            "uid": "u1",
-            "labels": {N.LABEL_ROLE: N.ROLE_TRAINER, N.LABEL_INDEX: "0"},
-        },
-        "status": {
-            "phase": "Failed",
-            "containerStatuses": [{"name": "main", "state": {"terminated": terminated}}],
-        },
-    }
-    failure = failures.classify(pod_view(pod))
+    failure = failures.classify(pod_view(ended_trainer_pod(2, log.read_text())))
     assert (
         failure is not None
         and "unrecognized arguments: --flag-of-a-newer-operator 1" in failure.message

@@ -45,8 +45,16 @@ def test_a_rewards_error_reaches_the_log_and_the_jobs_status_without_its_secrets
     assert KEY not in output and SESSION not in output, output
     message = (tmp_path / "out.termination").read_text()
     assert "api_key=***" in message and "***@judge.example" in message, message
-    terminated = {"exitCode": 1, "reason": "Error", "message": message}
-    pod = {  # as the kubelet reports the trainer container's end
+    failure = failures.classify(pod_view(ended_trainer_pod(1, message)))
+    assert failure is not None and "judge_reward:judge" in failure.message
+    assert KEY not in failure.message and SESSION not in failure.message
+
+
+def ended_trainer_pod(exit_code: int, message: str) -> dict:
+    """A trainer pod whose container ended with `exit_code` and the termination message
+    `message`, as the kubelet reports it to the API server (what the operator reads)."""
+    terminated = {"exitCode": exit_code, "reason": "Error", "message": message}
+    return {
         "metadata": {
             "name": "tiny-grpo-trainer-0",
             "uid": "u1",
@@ -57,9 +65,6 @@ def test_a_rewards_error_reaches_the_log_and_the_jobs_status_without_its_secrets
             "containerStatuses": [{"name": "main", "state": {"terminated": terminated}}],
         },
     }
-    failure = failures.classify(pod_view(pod))
-    assert failure is not None and "judge_reward:judge" in failure.message
-    assert KEY not in failure.message and SESSION not in failure.message
 
 
 def test_variables_named_as_secrets_are_scrubbed_whoever_set_them():
