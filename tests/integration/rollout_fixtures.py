@@ -16,6 +16,7 @@ from rlft.trainer.rollout.client import RolloutClient
 from rlft.trainer.rollout.local import LocalServers
 from rlft.trainer.rollout.publisher import WeightPublisher
 from rlft.trainer.rollout.server import start_server
+from rlft.trainer.storage.backends import S3Options
 from rlft.trainer.weights.store import WeightStore, config_json, serialize
 
 PROMPTS = [[40, 41, 42, 43, 44], [17], [100, 7, 250, 9, 31, 77, 5, 200]]
@@ -57,10 +58,13 @@ def publish(store: WeightStore, model, version: int) -> str:
 
 
 class ThreadServer:
-    """A rollout server on a thread of this process (transformers engine)."""
+    """A rollout server on a thread of this process (transformers engine); `s3`: how it
+    reaches published versions on S3 (as `rlft rollout` gets them from the job or flags)."""
 
-    def __init__(self, kind: str = "transformers", token: str | None = None):
-        self.server = start_server(kind, token=token)
+    def __init__(
+        self, kind: str = "transformers", token: str | None = None, s3: S3Options | None = None
+    ):
+        self.server = start_server(kind, token=token, s3=s3)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -73,6 +77,13 @@ class ThreadServer:
 
 def store_at(tmp_path: Path) -> WeightStore:
     return WeightStore.at((tmp_path / "weights").as_uri())
+
+
+def reading_through(proxy_url: str) -> S3Options:
+    """How a rollout server reads the store through a test's S3Proxy: one attempt per
+    request (botocore's max_attempts counts retries), so each request the proxy refuses
+    fails the load it belongs to, as a store down past botocore's retries does."""
+    return S3Options(endpoint_url=proxy_url, addressing_style="path", max_attempts=0)
 
 
 @contextlib.contextmanager

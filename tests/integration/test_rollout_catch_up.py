@@ -10,17 +10,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rollout_fixtures import PROMPTS, ThreadServer, publish, store_at, tiny_model
+from checkpoint_fixtures import s3_options
+from rollout_fixtures import PROMPTS, ThreadServer, publish, reading_through, store_at, tiny_model
+from s3_proxy import S3Proxy
+from seaweedfs import SeaweedServer
 
 from rlft.trainer.rollout import SamplingParams
 from rlft.trainer.rollout.client import RolloutClient, http_json
 from rlft.trainer.rollout.protocol import GenerateRequest, WeightsRequest
 from rlft.trainer.rollout.publisher import WeightPublisher
-from rlft.trainer.rollout.server import EngineHost
+from rlft.trainer.telemetry.metrics import ROLLOUT_REQUESTS
+from rlft.trainer.weights.store import WeightStore, version_key
 
 GREEDY = SamplingParams(max_new_tokens=4, greedy=True)
 
@@ -45,20 +49,29 @@ def stopped() -> Iterator[list[object]]:
         thing.close()  # type: ignore[attr-defined]
 
 
-def fail_load_once(server: ThreadServer, when: Callable[[WeightsRequest], bool]) -> list[int]:
-    """Fault injection: the first load of `server` that `when` picks fails as a store
-    that timed out would; returns the versions it was asked to load."""
-    host: EngineHost = server.server.host
-    real, asked = host.load, []
+@pytest.fixture
+def proxies(s3_env: SeaweedServer) -> Iterator[list[S3Proxy]]:
+    """Two pass-through proxies to the session's SeaweedFS: the store as each of
+    `readers` sees it (a proxy refuses reads where the store is down for that server)."""
+    started = [S3Proxy(s3_env.endpoint), S3Proxy(s3_env.endpoint)]
+    yield started
+    for proxy in started:
+        proxy.stop()
 
-    def load(request: WeightsRequest):
-        asked.append(request.version)
-        if when(request) and asked.count(request.version) == 1:
-            raise OSError("s3 GET: read timed out")
-        return real(request)
 
-    host.load = load  # type: ignore[method-assign]
-    return asked
+@pytest.fixture
+def readers(proxies: list[S3Proxy]) -> Iterator[list[ThreadServer]]:
+    """Two servers, the first reading the store through proxies[0], the second through
+    proxies[1]."""
+    started = [ThreadServer(s3=reading_through(proxy.url)) for proxy in proxies]
+    yield started
+    for server in started:
+        server.stop()
+
+
+def s3_store(s3_env: SeaweedServer, bucket: str, prefix: str = "weights") -> WeightStore:
+    """A publication location on a real SeaweedFS bucket, written past the proxies."""
+    return WeightStore.at(f"s3://{bucket}/{prefix}", s3=s3_options(s3_env))
 
 
 def version_at(server: ThreadServer) -> int | None:
@@ -66,44 +79,53 @@ def version_at(server: ThreadServer) -> int | None:
 
 
 def test_an_instance_whose_load_failed_is_sent_the_version_again(
-    servers, stopped, tmp_path: Path
+    readers, proxies, stopped, s3_env, bucket
 ) -> None:
     """Version 2 fails on A (transient) and reaches B, so it is published; B then dies.
     A answers but serves version 1, so it takes no requests, and nothing sent it 2 again:
     generation stalled until the deadline although 2 was in the store."""
-    a, b = servers
-    store = store_at(tmp_path)
+    a, b = readers
+    store = s3_store(s3_env, bucket)
     model, _ = tiny_model()
-    fail_load_once(a, lambda request: request.version == 2)
+    # The fault: the store answers A's first read of version 2 with 503 (down for it).
+    proxies[0].refuse(f"/{version_key(2)}/", reads=True, times=1)
     client = RolloutClient([a.url, b.url], timeout_s=10, deadline_s=5, probe_every_s=0.1)
     publisher = WeightPublisher(client, store, "store", 30, "127.0.0.1", catch_up_every_s=0.1)
     stopped += [client, publisher]
     publisher.publish_now(model, 1)
     publisher.publish_now(model, 2)
     assert version_at(b) == 2
+    assert len(proxies[0].held_paths) == 1, proxies[0].held_paths
+    # A answered that load 500 (the store's error, not a bad request): one error counted.
+    errors = a.server.metrics.registry.get_sample_value(ROLLOUT_REQUESTS.name, {"status": "error"})
+    assert errors == 1.0, errors
     b.stop()
     answer = client.generate(GenerateRequest(PROMPTS, 1, GREEDY))
     assert answer.url == a.url and answer.policy_version == 2
 
 
 def test_a_fresh_instance_whose_first_load_failed_is_loaded_again(
-    servers, stopped, tmp_path: Path
+    readers, proxies, stopped, s3_env, bucket
 ) -> None:
     """An instance with no weights answers /healthz 503; once its first load failed it
     never counted as live again ("no live rollout instance"), alone or beside others."""
     model, _ = tiny_model()
-    fail_load_once(servers[0], lambda request: request.version == 1)
-    fail_load_once(servers[1], lambda request: True)  # its first load, version 2
-    alone = RolloutClient([servers[0].url], timeout_s=10, deadline_s=5, probe_every_s=0.1)
-    publisher = WeightPublisher(alone, store_at(tmp_path / "alone"), "store", 8, "127.0.0.1")
+    # The faults: the store answers 503 to the first read of each server's first load
+    # (version 1 for the first, version 2 for the second).
+    proxies[0].refuse(f"/{version_key(1)}/", reads=True, times=1)
+    proxies[1].refuse("/", reads=True, times=1)
+    alone = RolloutClient([readers[0].url], timeout_s=10, deadline_s=5, probe_every_s=0.1)
+    publisher = WeightPublisher(alone, s3_store(s3_env, bucket, "alone"), "store", 8, "127.0.0.1")
     stopped += [alone, publisher]
     publisher.publish_now(model, 1)
-    assert version_at(servers[0]) == 1
+    assert version_at(readers[0]) == 1
+    assert len(proxies[0].held_paths) == 1, proxies[0].held_paths
 
     # Beside one that took it: the publication is done, and only the catch-up loads it.
-    a, b = servers
+    a, b = readers
     pair = RolloutClient([a.url, b.url], timeout_s=10, deadline_s=5, probe_every_s=0.1)
-    publisher = WeightPublisher(pair, store_at(tmp_path / "pair"), "store", 8, "127.0.0.1", 0.1)
+    store = s3_store(s3_env, bucket, "pair")
+    publisher = WeightPublisher(pair, store, "store", 8, "127.0.0.1", 0.1)
     stopped += [pair, publisher]
     publisher.publish_now(model, 2)
     deadline = time.monotonic() + 5
@@ -111,6 +133,7 @@ def test_a_fresh_instance_whose_first_load_failed_is_loaded_again(
         time.sleep(0.05)
     assert version_at(b) == 2
     assert http_json(f"{b.url}/healthz", None, 5)["policy_version"] == 2
+    assert [version_key(2) in path for path in proxies[1].held_paths] == [True]
 
 
 def test_a_publication_nobody_took_names_the_instances_errors(stopped, tmp_path) -> None:

@@ -9,6 +9,7 @@ liveness probe fails)."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -19,33 +20,37 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_fixtures import PROMPTS, ThreadServer, publish, store_at, tiny_model
+import torch
+from checkpoint_fixtures import s3_options
+from rollout_fixtures import PROMPTS, ThreadServer, publish, reading_through, store_at, tiny_model
+from s3_proxy import S3Proxy
+from safetensors.torch import save as save_safetensors
+from seaweedfs import SeaweedServer
 
 from rlft.trainer.rollout import SamplingParams
 from rlft.trainer.rollout.client import RequestFailed, RolloutClient, http_json
-from rlft.trainer.rollout.protocol import GenerateRequest, WeightsRequest
+from rlft.trainer.rollout.protocol import GenerateRequest
 from rlft.trainer.rollout.publisher import WeightPublisher
 from rlft.trainer.telemetry.metrics import ROLLOUT_REQUESTS
+from rlft.trainer.weights.store import WeightStore, config_json, unique_tensors, version_key
 
 GREEDY = SamplingParams(max_new_tokens=4, greedy=True)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_a_retried_publication_writes_its_store_copy_once(tmp_path: Path) -> None:
+def test_a_retried_publication_writes_its_store_copy_once(
+    s3_env: SeaweedServer, bucket: str
+) -> None:
     """The instance refuses loads for a while (restarting, its store unreadable): each
     retry of the publication uploaded the whole model to the store again."""
-    server = ThreadServer()
+    proxy = S3Proxy(s3_env.endpoint)
+    # The fault: the store answers the instance's first two reads of version 1 with 503
+    # (down for it), so its first two loads fail; the publisher writes past the proxy.
+    proxy.refuse(f"/{version_key(1)}/", reads=True, times=2)
+    server = ThreadServer(s3=reading_through(proxy.url))
     host = server.server.host
-    real, refusals = host.load, [OSError("store unreadable")] * 2
-
-    def load(request: WeightsRequest):  # fault injection: the first two loads fail
-        if refusals:
-            raise refusals.pop()
-        return real(request)
-
-    host.load = load  # type: ignore[method-assign]
-    store = store_at(tmp_path)
+    store = WeightStore.at(f"s3://{bucket}/weights", s3=s3_options(s3_env))
     written: list[int] = []
     write = store.write
 
@@ -58,12 +63,13 @@ def test_a_retried_publication_writes_its_store_copy_once(tmp_path: Path) -> Non
     publisher = WeightPublisher(client, store, "store", 30, "127.0.0.1")
     try:
         publisher.publish_now(tiny_model()[0], 1)
-        assert not refusals and host.policy_version == 1
+        assert len(proxy.held_paths) == 2 and host.policy_version == 1, proxy.held_paths
         assert written == [1]
     finally:
         publisher.close()
         client.close()
         server.stop()
+        proxy.stop()
 
 
 def test_a_publisher_thread_ended_by_a_catch_up_error_tells_the_trainer(tmp_path: Path) -> None:
@@ -97,11 +103,21 @@ def test_an_instance_damaged_before_the_first_publication_gets_no_requests(
     next load reaches it. Before the client knew any version it took generate requests,
     refused each, and was probed back, round and round."""
     model, tokenizer = tiny_model()
-    uri = publish(store_at(tmp_path), model, 0)
+    store = store_at(tmp_path)
+    uri = publish(store, model, 0)
     damaged, steady = ThreadServer(), ThreadServer()
     for server in (damaged, steady):
         http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
-    damaged.server.host.damaged = "the load of version 1 failed part-way"  # the fault
+    # The fault: version 1 names the model's tensors but one has the wrong shape; the
+    # load copies the others before it fails on that one (part old, part new weights).
+    tensors = unique_tensors(model.state_dict())
+    name, wrong = next(reversed(tensors.items()))
+    tensors[name] = torch.zeros(wrong.shape[0] + 1, *wrong.shape[1:])
+    bad = store.write(1, save_safetensors(tensors), config_json(model))
+    with pytest.raises(RequestFailed, match=f"HTTP 503 .*size mismatch for {re.escape(name)}"):
+        http_json(f"{damaged.url}/weights", {"version": 1, "uri": bad}, 60)
+    health = http_json(f"{damaged.url}/healthz", None, 5)
+    assert health["policy_version"] is None and "failed part-way" in health["reason"], health
     client = RolloutClient([damaged.url, steady.url], timeout_s=10, probe_every_s=0.05)
     try:
         for instance in client.instances:
