@@ -6,6 +6,7 @@ silently skipped in every run.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny_jobs import float64_model
 
@@ -95,3 +96,28 @@ def test_a_collapsed_router_is_judged_and_exported():
     text = exported(record)
     assert "rlft_expert_dead_ratio 0.5" in text
     assert "rlft_expert_load_imbalance 2.0" in text
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_masked_tokens_keep_their_place_in_the_token_mean(level):
+    """MIS drops a term by giving it weight 0: it still counts in the loss's normaliser,
+    as in TRL and prime-rl (verl takes it out of the response mask instead, which would
+    make this loss 1/6). Row 0 (3 tokens, advantage 1) is rejected, the others train at
+    ratio 1, each token's loss -advantage: (2·1 + 3·(-0.5) + 1·0.5) / 9 tokens."""
+    model = float64_model("qwen3", VOCAB)
+    spec = AlgorithmSpec.model_validate(
+        {"name": "grpo", "group_size": 2, "mismatch": {"mode": "mask", "level": level}}
+    )
+    objective = PolicyGradient(spec, 1.0, 5.0)
+    prompts = [[3, 4, 5]] * 2 + [[6, 7]] * 2
+    completions = [[11, 12, 13], [14, 15], [16, 17, 18], [19]]
+    behaviour = [own_logprobs(model, p, c) for p, c in zip(prompts, completions, strict=True)]
+    behaviour[0] = [x + 1.0 for x in behaviour[0]]  # weights e^-1 < 1/cap: rejected
+    batch = pack(prompts, completions, 0, behaviour, [1.0, -1.0, 0.5, -0.5]).to(torch.float64)
+    models = Models(model)
+    norms = Normalisers.local(batch.mask, batch.attention_mask)
+    with torch.no_grad():
+        prepared = objective.prepare(models, batch)
+    loss, _ = objective.loss(models, batch, prepared, norms)
+    assert norms.tokens == 9
+    assert loss.item() == pytest.approx(1 / 9, abs=1e-6)  # 1/6 were they dropped

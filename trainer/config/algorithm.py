@@ -83,7 +83,10 @@ class MismatchParams(Section):
     mode: Literal["none", "truncate", "mask"] = "none"
     """`none`: the clip ratio is taken directly against the behaviour log-probs.
     `truncate` (TIS): weight each term by min(π_old/π_behaviour, cap). `mask` (MIS): drop
-    terms whose weight exceeds cap or falls below 1/cap."""
+    terms whose weight exceeds cap or falls below 1/cap; they keep their place in the
+    loss's normaliser (a weight of 0), as in TRL and prime-rl, where verl takes them out
+    of the response mask (its gradient is then 1/(1 - the dropped fraction) times as
+    large)."""
     level: Literal["token", "sequence"] = "token"
     """Weight per token, or one weight per sequence (product of its token weights)."""
     cap: float = Field(2.0, gt=1, le=1e6)
