@@ -46,8 +46,16 @@ _SECRET_QUERY = re.compile(
 )
 
 
+NOT_SECRET_ENDINGS = frozenset({"FILE", "PATH", "DIR", "DIRECTORY", "ENV"})
+"""Names ending so hold where a secret is (`AWS_WEB_IDENTITY_TOKEN_FILE`, on every IRSA
+pod) or which variables hold one (`RLFT_SECRET_ENV`), not a secret: hidden, every error
+naming that file or variable lost what it needed to say."""
+
+
 def named_as_secret(name: str) -> bool:
     words = name.upper().split("_")
+    if words[-1] in NOT_SECRET_ENDINGS or "PUBLIC" in words:
+        return False
     return bool(SECRET_WORDS.intersection(words)) or (len(words) > 1 and words[-1] == "KEY")
 
 

@@ -78,10 +78,16 @@ def test_variables_named_as_secrets_are_scrubbed_whoever_set_them():
         "TOKENIZERS_PARALLELISM": "false-but-long",
         "KEYCLOAK_REALM": "realm-0123456789",
         "MONKEY": "banana-0123456789",
+        # Where secrets are, or which variables hold them: naming them is no leak.
+        "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/eks/token",
+        "SECRETS_DIR": "/var/run/secrets",
+        "RLFT_SECRET_ENV": "JUDGE_TOKEN,OTHER_ONE",
+        "SSH_PUBLIC_KEY": "ssh-ed25519 AAAAC3Nz",
     }
     text = " ".join(environ.values())
     assert scrubbed(text, environ) == (
-        "*** *** *** *** false-but-long realm-0123456789 banana-0123456789"
+        "*** *** *** *** false-but-long realm-0123456789 banana-0123456789 "
+        "/var/run/secrets/eks/token /var/run/secrets JUDGE_TOKEN,OTHER_ONE ssh-ed25519 AAAAC3Nz"
     )
 
 

@@ -89,10 +89,10 @@ class S3Proxy:
                 self.wfile.write(data)
 
             def _held(self) -> bool:
-                fragment = proxy.held_fragment
-                if fragment is None or fragment not in self.path:
-                    return False
                 with proxy._lock:
+                    fragment = proxy.held_fragment
+                    if fragment is None or fragment not in self.path:
+                        return False
                     if self.command not in proxy.methods or proxy.refusals_left == 0:
                         return False  # not one it acts on, or refused as many as asked
                     if proxy.refusals_left is not None:
@@ -103,8 +103,8 @@ class S3Proxy:
 
             def _forward(self) -> None:
                 body = self._body()
-                denied = proxy.denied_fragment
-                methods = proxy.denied_methods
+                with proxy._lock:  # the fragment and its methods as one setting
+                    denied, methods = proxy.denied_fragment, proxy.denied_methods
                 if denied is not None and denied in self.path and self.command in methods:
                     self._deny()
                     return
@@ -155,10 +155,14 @@ class S3Proxy:
             self.methods = {"GET", "HEAD", "PUT", "POST", "DELETE"} if reads else WRITES
 
     def deny(self, fragment: str, methods: set[str] = READS) -> None:
-        self.denied_fragment, self.denied_methods = fragment, methods
+        with self._lock:
+            self.denied_fragment, self.denied_methods = fragment, methods
 
     def release(self) -> None:
-        self.held_fragment = self.denied_fragment = None
+        """Every request passes again (held ones are answered 503); the counts stay."""
+        with self._lock:
+            self.held_fragment = self.denied_fragment = None
+            self.refusals_left, self.methods, self.denied_methods = None, WRITES, READS
         self._released.set()
 
     def stop(self) -> None:

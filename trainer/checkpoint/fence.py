@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from rlft.trainer.checkpoint.errors import CheckpointError, ObjectMissingError, StorageError
-from rlft.trainer.learner.faults import GANG_ENV
+from rlft.trainer.learner.faults import operator_gang_attempt
 from rlft.trainer.storage.backends import Storage
 
 FENCES = "fences"
@@ -60,10 +60,10 @@ class Fence:
     def from_environment(cls, storage: Storage) -> Fence | None:
         """The fence of an operator-started gang (its job uid and attempt in the pod's
         environment), or None."""
-        uid, attempt = os.environ.get(JOB_UID_ENV), os.environ.get(GANG_ENV, "")
-        if not uid or not attempt.isdigit():
+        uid, attempt = os.environ.get(JOB_UID_ENV), operator_gang_attempt()
+        if not uid or attempt is None:
             return None
-        return cls(storage, uid, int(attempt))
+        return cls(storage, uid, attempt)
 
     def newest(self) -> int | None:
         """The attempt the location was last claimed by (None: never)."""

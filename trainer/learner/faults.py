@@ -98,9 +98,16 @@ def apply(faults: list[Fault], step: int, parameters) -> None:
                     parameter.grad.mul_(factor)
 
 
+def operator_gang_attempt(environ: dict[str, str] | None = None) -> int | None:
+    """The gang attempt the operator gave this trainer pod; None outside the operator."""
+    value = (os.environ if environ is None else environ).get(GANG_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
 def gang_attempt(environ: dict[str, str] | None = None) -> int:
-    value = (os.environ if environ is None else environ).get(GANG_ENV, "0")
-    return int(value) if value.isdigit() else 0
+    """`operator_gang_attempt`, 0 outside the operator (a planted fault's default)."""
+    attempt = operator_gang_attempt(environ)
+    return 0 if attempt is None else attempt
 
 
 def planted_hang(

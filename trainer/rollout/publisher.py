@@ -306,9 +306,10 @@ class WeightPublisher:
 
     def _broadcast(self, version: int, state: dict[str, torch.Tensor], config: str) -> str | None:
         """Send over the group; (re)form it when the live instances changed. A store copy
-        is written whenever the group is re-formed, for instances that catch up later (a
-        restarted one reads the store's newest: without it, the first version's), and
-        when a member fell out (`_catch_up` sends it that copy); its URI is returned."""
+        is written, once the members took the version, whenever the group is re-formed,
+        for instances that catch up later (a restarted one reads the store's newest:
+        without it, the first version's), and when a member fell out (`_catch_up` sends it
+        that copy); its URI is returned."""
         from rlft.trainer.weights.broadcast import BroadcastGroup, GroupAddress
 
         live = self._members_now()
@@ -320,7 +321,7 @@ class WeightPublisher:
         members = tuple((i.url, i.server_id) for i in live)
         if members != self._members:
             self._group = None
-        uri = self._stored(version, lambda: save(state), config) if self._group is None else None
+        forming = self._group is None
         if self._group is None:
             # Named: a new group may get the last one's port, and a member at the same
             # rank in both took it for the old (dead) group and never joined the new one.
@@ -347,10 +348,19 @@ class WeightPublisher:
                 pool.submit(self.client.load_weights, i, r, self.timeout_s)
                 for i, r in zip(live, requests, strict=True)
             ]
-            if self._group is None:
-                self._group = BroadcastGroup(address, 0, min(self.timeout_s, 60.0), self.host)
-                self._members = members
-            self._group.send(version, state)
+            try:
+                if self._group is None:
+                    self._group = BroadcastGroup(address, 0, min(self.timeout_s, 60.0), self.host)
+                    self._members = members
+                self._group.send(version, state)
+            except Exception:
+                # Members that refused this gang (409) never joined: the group timed out
+                # waiting for them. Ended here, not by falling back to the store, which
+                # would write this replaced gang's weights where the new gang's are.
+                for future in futures:
+                    if isinstance(future.exception(), SupersededGangError):
+                        raise future.exception() from None
+                raise
             results = [f.result() for f in futures]
         if not all(results):  # someone fell out: re-form the group next time
             self._group, self._members = None, ()
@@ -358,6 +368,7 @@ class WeightPublisher:
             raise RuntimeError(
                 f"no rollout instance accepted weights version {version}{self.client.failures()}"
             )
-        if uri is None and not all(results):
-            uri = self.store.write(version, save(state), config)
-        return uri
+        if forming or not all(results):  # written once the members took it, not before:
+            # a gang refused by them (a newer one replaced it) writes nothing there.
+            return self._stored(version, lambda: save(state), config)
+        return None

@@ -101,6 +101,8 @@ class EngineHost:
         """When the generate call in the engine began (None: none is)."""
         self.gang: int | None = None
         """The newest trainer gang attempt that sent weights: an older one's are refused."""
+        self.served_gang: int | None = None
+        """The gang attempt whose weights the engine holds (None: no gang's, or unknown)."""
         self._gang_lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -177,17 +179,19 @@ class EngineHost:
 
     def load(self, request: WeightsRequest) -> dict[str, Any]:
         started = time.perf_counter()
-        self._admit(request.gang)
+        self._admit(request.gang)  # at once: a refused gang waits for nothing
         if request.broadcast is not None:
             version, tensors = self._receive(request)
             with self._use(writer=True):
+                self._admit(request.gang)  # a newer gang's load may have landed meanwhile
                 if self.engine is None:
                     raise RuntimeError(
                         "a broadcast cannot start an engine (no config): load a uri first"
                     )
-                if not self._older(version):
+                if not self._older(version, request.gang):
                     with self._damaging(version):
                         self.engine.load_tensors(tensors, version)
+                    self.served_gang = request.gang
         else:
             self._load_uri(request)
         seconds = time.perf_counter() - started
@@ -219,20 +223,30 @@ class EngineHost:
         with fetched(request.uri, s3=self.s3) as folder:
             tensors = read_tensors(folder) if self.engine is not None else None
             with self._use(writer=True):
+                self._admit(request.gang)  # a newer gang's load may have landed meanwhile
                 if self.engine is None:
                     self.engine = self._build(folder, request.version, True)
-                elif not self._older(request.version):
+                    self.served_gang = request.gang
+                elif not self._older(request.version, request.gang):
                     if tensors is None:  # a first load built the engine meanwhile
                         tensors = read_tensors(folder)
                     with self._damaging(request.version):
                         self.engine.load_tensors(tensors, request.version)
+                    self.served_gang = request.gang
 
-    def _older(self, version: int) -> bool:
+    def _older(self, version: int, gang: int | None) -> bool:
         """Whether `version` is older than the weights served (call under the writer lock):
         versions only grow, also across rollbacks and trainer restarts, so an older one is
         a load that waited (a retried load, its first attempt timed out at the trainer
-        while it queued) and arrived after a newer one; loading it would go back."""
-        return self.damaged is None and version < self.engine.policy_version
+        while it queued) and arrived after a newer one; loading it would go back. Not so
+        for a gang's first weights here: a replaced gang's, taken before the new gang was
+        heard from (or by a restarted instance from the store), may be numbered past the
+        new gang's, which would then be skipped while the old weights stayed served."""
+        if self.damaged is not None:
+            return False
+        if gang is not None and (self.served_gang is None or gang > self.served_gang):
+            return False
+        return version < self.engine.policy_version
 
     @contextlib.contextmanager
     def _damaging(self, version: int) -> Iterator[None]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rlft.trainer.config.model import vllm_cpu_head_problem
-from rlft.trainer.learner.faults import GANG_ENV
+from rlft.trainer.learner.faults import operator_gang_attempt
 from rlft.trainer.rollout.pipeline import Produce, RolloutPipeline, never
 
 if TYPE_CHECKING:
@@ -92,13 +92,6 @@ def pods_start_within(job: RLFineTune) -> float:
     rollout, scheduling = job.spec.rollout, job.spec.scheduling
     placed_and_started = scheduling.scheduling_timeout_seconds + rollout.startup_timeout_seconds
     return float(max(rollout.request_timeout_seconds, placed_and_started))
-
-
-def gang_attempt() -> int | None:
-    """The operator's gang attempt of this trainer (`$RLFT_GANG_ATTEMPT`), None for a
-    run the operator did not start: rollout instances refuse an older gang's weights."""
-    value = os.environ.get(GANG_ENV, "")
-    return int(value) if value.isdigit() else None
 
 
 def request_deadline(job: RLFineTune) -> float:
@@ -263,7 +256,12 @@ class RolloutSession:
         rollout = job.spec.rollout
         timeout = rollout.request_timeout_seconds
         self.publisher = WeightPublisher(
-            self.client, store, rollout.publication, timeout, gang=gang_attempt()
+            # Rollout instances refuse the weights of a gang older than one they heard from.
+            self.client,
+            store,
+            rollout.publication,
+            timeout,
+            gang=operator_gang_attempt(),
         )
         remote = RemoteEngine(self.client, stop_ids, rollout.request_prompts)
         self.remote = remote

@@ -282,7 +282,8 @@ ENGINES_EXPECTED = _m(
 ROLLOUT_REQUESTS = _m(
     "rlft_rollout_requests_total",
     "counter",
-    "Generate requests served.",
+    "Requests answered, by status: ok (generate requests served), error, unavailable, "
+    "bad_request, unauthorized, superseded (a replaced trainer gang's weights refused).",
     labels=("status",),
     source="rollout",
     panel="Rollout",
