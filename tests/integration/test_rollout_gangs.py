@@ -6,13 +6,24 @@ their version numbers ran past the new gang's."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
-from rollout_fixtures import ThreadServer, broadcasting, publish, redraw, store_at, tiny_model
+from rollout_fixtures import (
+    PROMPTS,
+    ThreadServer,
+    broadcasting,
+    publish,
+    redraw,
+    store_at,
+    tiny_model,
+    wait_until,
+)
 
+from rlft.trainer.rollout import SamplingParams
 from rlft.trainer.rollout.client import http_json
-from rlft.trainer.rollout.protocol import SupersededGangError, WeightsRequest
+from rlft.trainer.rollout.protocol import GenerateRequest, SupersededGangError, WeightsRequest
 from rlft.trainer.rollout.publisher import WeightPublisher
 
 
@@ -66,3 +77,59 @@ def test_a_replaced_gang_broadcasting_ends_without_writing_the_store(tmp_path: P
             publisher.close()
         assert store.numbers() == [0]  # no store copy of the old gang's version 7
         assert http_json(f"{url}/healthz", None, 10)["policy_version"] == 0
+
+
+def test_an_old_gangs_load_waiting_behind_a_request_is_refused_once_a_new_gang_loaded(
+    tmp_path: Path,
+):
+    """A load waits for the request in the engine (updates are atomic per request). The
+    old gang's load came first and was let in; the new gang's came while both waited.
+    Whichever then went first, the old gang's used to land too, and when it went second
+    its version (numbered past the new gang's) replaced the new gang's weights."""
+    server = ThreadServer()
+    host = server.server.host
+    try:
+        store = store_at(tmp_path)
+        model, _ = tiny_model(seed=0)
+        load = f"{server.url}/weights"
+        http_json(load, WeightsRequest(0, publish(store, model, 0)).to_json(), 60)
+        old, new = publish(store, model, 10), publish(store, model, 5)
+        entered, release = threading.Event(), threading.Event()
+        generate = host.engine.generate
+
+        def long_request(*args, **kwargs):  # a long generate request in the engine
+            entered.set()
+            release.wait(60)
+            return generate(*args, **kwargs)
+
+        host.engine.generate = long_request
+        answers: dict[str, object] = {}
+
+        def send(name: str, request: WeightsRequest) -> None:
+            try:
+                answers[name] = http_json(load, request.to_json(), 60)
+            except SupersededGangError as refused:
+                answers[name] = refused
+
+        greedy = SamplingParams(max_new_tokens=2, greedy=True)
+        asking = threading.Thread(
+            target=http_json,
+            args=(f"{server.url}/generate", GenerateRequest(PROMPTS, 1, greedy).to_json(), 60),
+        )
+        asking.start()
+        assert entered.wait(30)
+        loads = [
+            threading.Thread(target=send, args=("old", WeightsRequest(10, old, gang=1))),
+            threading.Thread(target=send, args=("new", WeightsRequest(5, new, gang=3))),
+        ]
+        for waiting, thread in enumerate(loads, start=1):
+            thread.start()
+            wait_until(lambda n=waiting: host._writers_waiting == n, 30, f"{waiting} waiting")
+        release.set()
+        for thread in [asking, *loads]:
+            thread.join(60)
+        assert isinstance(answers["old"], SupersededGangError), answers
+        assert host.policy_version == 5 and host.served_gang == 3
+    finally:
+        release.set()
+        server.stop()
