@@ -32,7 +32,7 @@ from tiny_jobs import arithmetic_rl_spec, write_parity_job
 from trainer_holds import WAIT_FOR_ROLLOUTS, Hold
 
 from rlft.trainer import termination
-from rlft.trainer.checkpoint.manifest import LATEST, MANIFEST
+from rlft.trainer.checkpoint.manifest import LATEST, MANIFEST, step_dir
 from rlft.trainer.storage.backends import Storage, open_storage
 
 
@@ -423,22 +423,32 @@ def test_an_error_after_a_trained_step_is_a_failure_to_retry_not_a_bad_job(tmp_p
     with the message alone. The restart resumes from its checkpoint at step 4 and meets
     the error again in its own first step: still exit 1 (it was 2, judged by the process
     alone, so one restart turned a retryable failure into a permanent one). Run again
-    without the fault, it completes."""
+    without the fault, it completes. (Step 4's checkpoint, or step 2's: a save due while
+    the one before still uploads is skipped, which a loaded machine makes happen.)"""
     write_job(tmp_path, {"name": "grpo", "groupSize": 4})
     planted = json.dumps([{"kind": "error", "rank": 0, "at": 5}])
+    latest = tmp_path / "out" / "checkpoints" / LATEST
     for attempt in range(2):
+        before = latest.read_text().strip() if latest.exists() else None
         process = start(tmp_path, "out", env={"RLFT_PLANT_FAULTS": planted})
         output = process.communicate(timeout=300)[0]
         assert process.returncode == 1, (attempt, output)
         assert "Traceback" in output and "step 5 failed: planted fault" in output, output
         verdict = termination.read((tmp_path / "out.termination").read_text())
         assert verdict is not None and verdict.exit_code == 1 and "step 5" in verdict.message
-        resumed = "rlft: resumed from the checkpoint of step 4"
-        assert attempt == 0 or resumed in output, output
+        assert attempt == 0 or _resumed_from(before) in output, output
+    before = latest.read_text().strip()
+    assert before in (step_dir(2), step_dir(4)), before
     again = start(tmp_path, "out")
     output = again.communicate(timeout=300)[0]
     assert again.returncode == 0, output
-    assert resumed in output and len(records(tmp_path / "out")) == STEPS, output
+    assert _resumed_from(before) in output and len(records(tmp_path / "out")) == STEPS, output
+
+
+def _resumed_from(folder: str | None) -> str:
+    """What a run says that resumed from the checkpoint `latest` named (`step-000004`)."""
+    assert folder is not None, "no checkpoint committed before the restart"
+    return f"rlft: resumed from the checkpoint of step {int(folder.removeprefix('step-'))}"
 
 
 def test_sigkill_then_resume_from_s3(tmp_path, bucket, s3_env) -> None:
