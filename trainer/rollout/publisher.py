@@ -193,7 +193,7 @@ class WeightPublisher:
         behind = [i for i in self.client.behind(version) if self._hold(i.url)[0] <= now]
         if not behind:
             return
-        request = WeightsRequest(version=version, uri=uri, gang=self.gang)
+        request = self._request(version, uri=uri)
 
         def load(instance) -> None:
             try:
@@ -247,7 +247,7 @@ class WeightPublisher:
         """Ship `version`; the URI of its store copy, if one was written."""
         if isinstance(snapshot, bytes):
             uri = self._stored(version, lambda: snapshot, config)
-            self._post_all(WeightsRequest(version=version, uri=uri, gang=self.gang))
+            self._post_all(self._request(version, uri=uri))
             return uri
         try:
             return self._broadcast(version, snapshot, config)
@@ -259,8 +259,14 @@ class WeightPublisher:
             )
             self._group, self._members = None, ()
             uri = self._stored(version, lambda: save(snapshot), config)
-            self._post_all(WeightsRequest(version=version, uri=uri, gang=self.gang))
+            self._post_all(self._request(version, uri=uri))
             return uri
+
+    def _request(
+        self, version: int, uri: str | None = None, broadcast: dict | None = None
+    ) -> WeightsRequest:
+        """A load of `version`, stamped with this trainer's gang (every load must be)."""
+        return WeightsRequest(version=version, uri=uri, broadcast=broadcast, gang=self.gang)
 
     def _stored(self, version: int, weights: Callable[[], bytes], config: str) -> str:
         """The URI of `version`'s store copy, written unless an earlier attempt of this
@@ -330,8 +336,8 @@ class WeightPublisher:
         else:
             address = self._group.address
         requests = [
-            WeightsRequest(
-                version=version,
+            self._request(
+                version,
                 broadcast={
                     "address": address.address,
                     "rank": rank,
@@ -339,7 +345,6 @@ class WeightPublisher:
                     "timeout_s": min(self.timeout_s, 60.0),
                     "group": self._group_name,
                 },
-                gang=self.gang,
             )
             for rank in range(1, len(live) + 1)
         ]

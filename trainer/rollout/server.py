@@ -188,10 +188,7 @@ class EngineHost:
                     raise RuntimeError(
                         "a broadcast cannot start an engine (no config): load a uri first"
                     )
-                if not self._older(version, request.gang):
-                    with self._damaging(version):
-                        self.engine.load_tensors(tensors, version)
-                    self.served_gang = request.gang
+                self._update(version, request.gang, lambda: tensors)
         else:
             self._load_uri(request)
         seconds = time.perf_counter() - started
@@ -227,12 +224,20 @@ class EngineHost:
                 if self.engine is None:
                     self.engine = self._build(folder, request.version, True)
                     self.served_gang = request.gang
-                elif not self._older(request.version, request.gang):
-                    if tensors is None:  # a first load built the engine meanwhile
-                        tensors = read_tensors(folder)
-                    with self._damaging(request.version):
-                        self.engine.load_tensors(tensors, request.version)
-                    self.served_gang = request.gang
+                else:  # None: a first load built the engine meanwhile, read them now
+                    self._update(
+                        request.version,
+                        request.gang,
+                        lambda: read_tensors(folder) if tensors is None else tensors,
+                    )
+
+    def _update(self, version: int, gang: int | None, tensors: Callable[[], dict]) -> None:
+        """Load `tensors()` into the served engine as `gang`'s `version`, unless it is
+        older than what it serves (call under the writer lock)."""
+        if not self._older(version, gang):
+            with self._damaging(version):
+                self.engine.load_tensors(tensors(), version)
+            self.served_gang = gang
 
     def _older(self, version: int, gang: int | None) -> bool:
         """Whether `version` is older than the weights served (call under the writer lock):

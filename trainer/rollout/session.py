@@ -255,13 +255,9 @@ class RolloutSession:
 
         rollout = job.spec.rollout
         timeout = rollout.request_timeout_seconds
+        # Rollout instances refuse the weights of a gang older than one they heard from.
         self.publisher = WeightPublisher(
-            # Rollout instances refuse the weights of a gang older than one they heard from.
-            self.client,
-            store,
-            rollout.publication,
-            timeout,
-            gang=operator_gang_attempt(),
+            self.client, store, rollout.publication, timeout, gang=operator_gang_attempt()
         )
         remote = RemoteEngine(self.client, stop_ids, rollout.request_prompts)
         self.remote = remote
