@@ -26,7 +26,7 @@ settings.load_profile("explore" if os.environ.get("RLFT_HYPOTHESIS_EXPLORE") els
 
 # The SeaweedFS S3 fixtures serve tests in several folders (checkpoint storage, resume).
 sys.path.insert(0, str(Path(__file__).parent / "integration"))
-from checkpoint_fixtures import bucket, s3_env, seaweed  # noqa: E402, F401
+from checkpoint_fixtures import bucket, s3_env, seaweed, store_proxy  # noqa: E402, F401
 
 # The loopback OTLP/HTTP receiver serves the tracing tests (unit and end to end).
 from otlp_receiver import otlp_receiver  # noqa: E402, F401

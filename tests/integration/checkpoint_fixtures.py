@@ -149,6 +149,19 @@ def bucket(s3_env) -> str:
     return name
 
 
+@pytest.fixture
+def store_proxy(s3_env):
+    """A pass-through proxy in front of the session's server (s3_proxy.py) that a test
+    tells to hold, refuse or deny requests; stopped after the test."""
+    from s3_proxy import S3Proxy
+
+    proxy = S3Proxy(s3_env.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
 def s3_options(server: SeaweedServer, **overrides):
     from rlft.trainer.storage.backends import S3Options
 

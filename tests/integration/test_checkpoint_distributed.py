@@ -146,23 +146,19 @@ def flaky_on_rank_1(rank: int, port: int, root: str, uri: str, endpoints: list[s
     leave_gloo_group()
 
 
-def test_another_ranks_upload_retries_reach_rank_0(tmp_path: Path, s3_env, bucket) -> None:
+def test_another_ranks_upload_retries_reach_rank_0(
+    tmp_path: Path, s3_env, bucket, store_proxy
+) -> None:
     """Each rank uploads its own shards; only rank 0 has telemetry, and it counted only
     its own retries: a store throttling the other ranks was invisible."""
     import json
 
-    from s3_proxy import S3Proxy
-
     (port,) = free_ports(1)
-    proxy = S3Proxy(s3_env.endpoint)
-    try:
-        proxy.refuse("/ckpts/", times=1)
-        endpoints = [s3_env.endpoint, proxy.url]  # rank 1 alone behind the proxy
-        uri = f"s3://{bucket}/ckpts"
-        mp.spawn(flaky_on_rank_1, args=(port, str(tmp_path), uri, endpoints), nprocs=2, join=True)
-        assert len(proxy.held_paths) == 1
-    finally:
-        proxy.stop()
+    store_proxy.refuse("/ckpts/", times=1)
+    endpoints = [s3_env.endpoint, store_proxy.url]  # rank 1 alone behind the proxy
+    uri = f"s3://{bucket}/ckpts"
+    mp.spawn(flaky_on_rank_1, args=(port, str(tmp_path), uri, endpoints), nprocs=2, join=True)
+    assert len(store_proxy.held_paths) == 1
     events = json.loads((tmp_path / "events-0.json").read_text())
     peers = [info for name, info in events if name == "peer_retries"]
     assert peers == [{"step": 2, "count": 1}], events

@@ -278,29 +278,28 @@ def test_with_a_job_uid_other_jobs_checkpoints_are_never_candidates(location) ->
 
 @pytest.mark.parametrize("refused", [".distcp", ".metadata"])
 def test_a_download_the_store_refuses_is_that_error_not_a_damaged_checkpoint(
-    s3_env, bucket, refused
+    s3_env, bucket, store_proxy, refused
 ) -> None:
     """Refused credentials (or a vanished bucket) would refuse every checkpoint alike:
     the resume reports that, instead of calling each checkpoint damaged. The shards are
     read in ranged pieces, DCP's metadata as a whole file: a refusal of either."""
-    from s3_proxy import S3Proxy
-
     storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
     model, optimizer = _fresh()
     ckpt = Checkpointer(storage)
     _save(ckpt, model, optimizer, 2)
     ckpt.close()
-    proxy = S3Proxy(s3_env.endpoint)
-    try:
-        behind = open_storage(f"s3://{bucket}/run", s3_options(s3_env, endpoint_url=proxy.url))
-        proxy.deny(refused)  # the manifest and `latest` still read
-        with pytest.raises(CredentialsError, match="AccessDenied"):
-            load(behind, "auto", *_fresh(seed=3), retry_s=30)
-        assert proxy.denied >= 1
-        proxy.release()
-        assert load(behind, "auto", *_fresh(seed=3)).step == 2
-    finally:
-        proxy.stop()
+    behind = _behind(store_proxy, s3_env, bucket)
+    store_proxy.deny(refused)  # the manifest and `latest` still read
+    with pytest.raises(CredentialsError, match="AccessDenied"):
+        load(behind, "auto", *_fresh(seed=3), retry_s=30)
+    assert store_proxy.denied >= 1
+    store_proxy.release()
+    assert load(behind, "auto", *_fresh(seed=3)).step == 2
+
+
+def _behind(proxy, s3_env, bucket: str):
+    """The test's location as a trainer reaches it through `proxy`."""
+    return open_storage(f"s3://{bucket}/run", s3_options(s3_env, endpoint_url=proxy.url))
 
 
 def test_a_resume_that_finds_nothing_leaves_the_optimizer_as_it_was(location) -> None:
@@ -604,54 +603,40 @@ def test_checkpoints_deleted_while_read_are_gone_not_damaged_nor_a_crash(
     live.close()
 
 
-def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket) -> None:
+def test_a_resume_waits_out_a_store_that_refuses_for_a_while(s3_env, bucket, store_proxy) -> None:
     """The object store answers 503 to every read for a few seconds (past botocore's own
     retries): the resume retries, and restores once the store is back. It used to end
     the (re)start with exit 1: each operator restart during an outage spent budget."""
-    from s3_proxy import S3Proxy
-
     storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
     model, optimizer = _fresh()
     ckpt = Checkpointer(storage)
     _save(ckpt, model, optimizer, 2)
     ckpt.close()
-    proxy = S3Proxy(s3_env.endpoint)
-    try:
-        behind = open_storage(f"s3://{bucket}/run", s3_options(s3_env, endpoint_url=proxy.url))
-        proxy.refuse("/", reads=True)
-        threading.Timer(4.0, proxy.release).start()
-        started = time.monotonic()
-        assert load(behind, "auto", *_fresh(seed=3), retry_s=120).step == 2
-        assert time.monotonic() - started >= 4.0
-        proxy.refuse("/", reads=True)  # down past the wait: an error, no hang
-        with pytest.raises(StorageError) as error:
-            load(behind, "auto", *_fresh(seed=3), retry_s=1)
-        assert error.value.transient
-    finally:
-        proxy.stop()
+    behind = _behind(store_proxy, s3_env, bucket)
+    store_proxy.refuse("/", reads=True)
+    threading.Timer(4.0, store_proxy.release).start()
+    started = time.monotonic()
+    assert load(behind, "auto", *_fresh(seed=3), retry_s=120).step == 2
+    assert time.monotonic() - started >= 4.0
+    store_proxy.refuse("/", reads=True)  # down past the wait: an error, no hang
+    with pytest.raises(StorageError) as error:
+        load(behind, "auto", *_fresh(seed=3), retry_s=1)
+    assert error.value.transient
 
 
-def test_a_failed_save_leaves_nothing_it_uploaded(s3_env, bucket) -> None:
+def test_a_failed_save_leaves_nothing_it_uploaded(s3_env, bucket, store_proxy) -> None:
     """The store refuses one file of a save for good (a 403 AccessDenied for DCP's
     metadata, as a key scoped away from it would get): its other uploads are removed, not
     left above `latest` where retention never looks (the last save of a run stayed)."""
-    from s3_proxy import S3Proxy
-
     storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
-    proxy = S3Proxy(s3_env.endpoint)
-    try:
-        behind = open_storage(f"s3://{bucket}/run", s3_options(s3_env, endpoint_url=proxy.url))
-        proxy.deny(".metadata", methods={"PUT", "POST"})
-        model, optimizer = _fresh()
-        # The refusal is permanent (not retried); a short deadline also ended the
-        # clean-up, which runs only within it: on a slow machine (a 2 s save) the
-        # uploads stayed.
-        ckpt = Checkpointer(behind, retry_seconds=120)
-        assert not ckpt.save(7, model, optimizer, extra={"step": 7}, wait=True)
-        ckpt.close()
-        assert proxy.denied >= 1
-    finally:
-        proxy.stop()
+    store_proxy.deny(".metadata", methods={"PUT", "POST"})
+    model, optimizer = _fresh()
+    # The refusal is permanent (not retried); a short deadline also ended the clean-up,
+    # which runs only within it: on a slow machine (a 2 s save) the uploads stayed.
+    ckpt = Checkpointer(_behind(store_proxy, s3_env, bucket), retry_seconds=120)
+    assert not ckpt.save(7, model, optimizer, extra={"step": 7}, wait=True)
+    ckpt.close()
+    assert store_proxy.denied >= 1
     assert storage.list("step-000007/") == []
     assert Catalog(storage).scan().uncommitted == set()
 

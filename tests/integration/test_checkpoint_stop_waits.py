@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from s3_proxy import S3Proxy
 from tiny_jobs import TINY_MODEL, manifest
 
 from rlft.trainer.config import parse_job
@@ -29,10 +28,9 @@ RETRY_MINUTES = 1.0
 
 
 @pytest.fixture
-def run(tmp_path: Path, s3_env, bucket, one_torch_thread):
+def run(tmp_path: Path, bucket, store_proxy, one_torch_thread):
     """A run with step 10 committed and step 20's save in flight, retrying uploads the
     store refuses: (checkpoints, learner, cursor, log lines)."""
-    proxy = S3Proxy(s3_env.endpoint)
     job = parse_job(
         manifest(
             {
@@ -40,7 +38,7 @@ def run(tmp_path: Path, s3_env, bucket, one_torch_thread):
                 "telemetry": {"enabled": False},
                 "checkpoint": {
                     "uri": f"s3://{bucket}/ckpts",
-                    "endpointUrl": proxy.url,
+                    "endpointUrl": store_proxy.url,
                     "addressingStyle": "path",
                     "intervalSteps": 10,
                     "gracePeriodSeconds": GRACE_S,
@@ -64,7 +62,7 @@ def run(tmp_path: Path, s3_env, bucket, one_torch_thread):
         checkpoints.end_of_step(cursor, learner)
         checkpoints.checkpointer.wait()
         assert checkpoints.last_step == 10
-        proxy.refuse("/ckpts/")  # uploads: 503 at once; reads pass
+        store_proxy.refuse("/ckpts/")  # uploads: 503 at once; reads pass
         cursor.step = cursor.policy_version = 20
         checkpoints.end_of_step(cursor, learner)  # in flight, retrying
         assert checkpoints.checkpointer.busy
@@ -72,7 +70,6 @@ def run(tmp_path: Path, s3_env, bucket, one_torch_thread):
     finally:
         checkpoints.close()
         supervisor.close()
-        proxy.stop()
 
 
 def _sigterm_soon(checkpoints: Checkpointing) -> None:

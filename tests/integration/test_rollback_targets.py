@@ -40,19 +40,13 @@ def saved_run(tmp_path: Path, monkeypatch, one_torch_thread):
 
 
 @pytest.fixture
-def saved_run_behind_a_proxy(s3_env, bucket, tmp_path: Path, monkeypatch, one_torch_thread):
+def saved_run_behind_a_proxy(bucket, store_proxy, tmp_path: Path, monkeypatch, one_torch_thread):
     """`saved_run` on a real SeaweedFS bucket reached through a proxy that can refuse
     requests: (the proxy, then what `saved_run` yields)."""
-    from s3_proxy import S3Proxy
-
-    proxy = S3Proxy(s3_env.endpoint)
-    checkpoint = {"uri": f"s3://{bucket}/ckpts", "endpointUrl": proxy.url}
+    checkpoint = {"uri": f"s3://{bucket}/ckpts", "endpointUrl": store_proxy.url}
     checkpoint["addressingStyle"] = "path"
-    try:
-        for run in _saved_run(checkpoint, tmp_path, monkeypatch):
-            yield proxy, run
-    finally:
-        proxy.stop()
+    for run in _saved_run(checkpoint, tmp_path, monkeypatch):
+        yield store_proxy, run
 
 
 def _saved_run(checkpoint: dict, tmp_path: Path, monkeypatch):

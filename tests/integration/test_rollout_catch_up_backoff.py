@@ -21,8 +21,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 EVERY_S, LONGEST_S = 0.05, 0.8
 
 
-def test_a_failing_catch_up_backs_off_and_still_lands(s3_env: SeaweedServer, bucket: str) -> None:
-    proxy = S3Proxy(s3_env.endpoint)
+def test_a_failing_catch_up_backs_off_and_still_lands(
+    s3_env: SeaweedServer, bucket: str, store_proxy: S3Proxy
+) -> None:
+    proxy = store_proxy
     # The fault: every read of A's is answered 403 AccessDenied (a key scoped away from
     # the weights), each load one refused request; B reads the store directly.
     proxy.deny("/")
@@ -48,4 +50,3 @@ def test_a_failing_catch_up_backs_off_and_still_lands(s3_env: SeaweedServer, buc
         client.close()
         a.stop()
         b.stop()
-        proxy.stop()

@@ -40,11 +40,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_a_retried_publication_writes_its_store_copy_once(
-    s3_env: SeaweedServer, bucket: str
+    s3_env: SeaweedServer, bucket: str, store_proxy: S3Proxy
 ) -> None:
     """The instance refuses loads for a while (restarting, its store unreadable): each
     retry of the publication uploaded the whole model to the store again."""
-    proxy = S3Proxy(s3_env.endpoint)
+    proxy = store_proxy
     # The fault: the store answers the instance's first two reads of version 1 with 503
     # (down for it), so its first two loads fail; the publisher writes past the proxy.
     proxy.refuse(f"/{version_key(1)}/", reads=True, times=2)
@@ -69,7 +69,6 @@ def test_a_retried_publication_writes_its_store_copy_once(
         publisher.close()
         client.close()
         server.stop()
-        proxy.stop()
 
 
 def test_a_publisher_thread_ended_by_a_catch_up_error_tells_the_trainer(tmp_path: Path) -> None:

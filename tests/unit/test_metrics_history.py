@@ -91,12 +91,13 @@ def test_a_damaged_or_missing_segment_is_named_and_left_out(tmp_path, store):
     assert "unreadable" in warnings[-1] and len(warnings) == 2
 
 
-def test_a_segment_the_store_refuses_for_a_moment_is_read_again(tmp_path, s3_env, bucket):
+def test_a_segment_the_store_refuses_for_a_moment_is_read_again(
+    tmp_path, s3_env, bucket, store_proxy
+):
     """A resume retries a segment as it retries the checkpoint: a 503 cost its lines. A
     real SeaweedFS bucket behind a proxy answering 503 to its first two reads
     (botocore's own retries off, so each reaches the history's)."""
     from checkpoint_fixtures import s3_options
-    from s3_proxy import S3Proxy
 
     from rlft.trainer.storage.backends import open_storage
 
@@ -104,16 +105,12 @@ def test_a_segment_the_store_refuses_for_a_moment_is_read_again(tmp_path, s3_env
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(_lines(range(1, 6)))
     extra = _save(MetricsHistory(store, metrics), store, 5, None)
-    proxy = S3Proxy(s3_env.endpoint)
-    try:
-        options = s3_options(s3_env, endpoint_url=proxy.url, max_attempts=0)
-        behind = open_storage(f"s3://{bucket}/run", options)
-        proxy.refuse("/", reads=True, times=2)
-        elsewhere = tmp_path / "elsewhere.jsonl"
-        MetricsHistory(behind, elsewhere, retry_s=60).restore(extra, 5, pytest.fail)
-        assert len(proxy.held_paths) == 2
-    finally:
-        proxy.stop()
+    options = s3_options(s3_env, endpoint_url=store_proxy.url, max_attempts=0)
+    behind = open_storage(f"s3://{bucket}/run", options)
+    store_proxy.refuse("/", reads=True, times=2)
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    MetricsHistory(behind, elsewhere, retry_s=60).restore(extra, 5, pytest.fail)
+    assert len(store_proxy.held_paths) == 2
     assert elsewhere.read_text() == _lines(range(1, 6))
 
 
