@@ -21,13 +21,16 @@ from rlft.trainer.checkpoint.fence import Fence
 def _job(folder: Path, location: str, max_problems: int) -> None:
     """The resume test's job, long, checkpointing every 2 steps at `location`; the
     gangs' job files differ in eval.maxProblems only, so their manifests' config hashes
-    tell whose each checkpoint is."""
+    tell whose each checkpoint is. A collapse only alerts: the old gang must train on
+    until the new one claims the location, however long the new one takes to start (a
+    rollback budget spent first ended it with exit 3 on a loaded machine)."""
     folder.mkdir()
     job = write_job(folder, {"name": "grpo", "groupSize": 4})
     spec = yaml.safe_load(job.read_text())
     spec["spec"]["trainer"]["steps"] = 5000
     spec["spec"]["eval"] = {"maxProblems": max_problems}
     spec["spec"]["checkpoint"] = {"uri": location, "intervalSteps": 2, "keepLast": 2}
+    spec["spec"]["stability"] = {"onCollapse": "alert"}
     job.write_text(yaml.safe_dump(spec))
 
 
