@@ -1,14 +1,20 @@
-"""What a process's own error text loses before it is printed or becomes its verdict (the
+"""What a process's own text loses before it is printed or becomes its verdict (the
 termination message the operator copies into the job's status, conditions and Events):
 the values of the secrets in its environment, and credentials in URLs. A reward that
 calls a judge with its key in the URL, a library error quoting a request: their text
-reached the job's status as it was."""
+reached the job's status as it was.
+
+`scrub_output` puts every line the `rlft` process prints through the same filter (its
+own log lines, a reward's prints, libraries' logging and warnings): the pod's log is read
+by whoever may `kubectl logs`, and collected into log stores that keep it for months."""
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import sys
+import threading
+from collections.abc import Iterable, Mapping
 
 SECRET_ENV = (
     "AWS_ACCESS_KEY_ID",
@@ -71,7 +77,60 @@ def scrubbed(text: str, environ: Mapping[str, str] | None = None) -> str:
     """`text` without the environment's secret values, URL user-info parts (`user:pw@`,
     `token@`) and the values of URL query parameters named as a key, token, secret or
     signature."""
-    for value in secret_values(environ):
+    return _without(text, secret_values(environ))
+
+
+def _without(text: str, values: Iterable[str]) -> str:
+    for value in values:  # longest first: a secret containing another goes whole
         text = text.replace(value, "***")
     text = _USERINFO.sub(r"\1***@", text)
     return _SECRET_QUERY.sub(r"\1***", text)
+
+
+class ScrubbedStream:
+    """A text stream that passes on what is written to it `scrubbed`, a line at a time: a
+    secret printed in pieces (`print("key", key)` writes each argument on its own) is
+    whole when it is looked for. A partial line goes on at `flush` (a prompt, a progress
+    bar's `\r` update); a secret cut by a flush in its middle is the one case it misses.
+    Everything else (fileno, isatty, encoding, buffer) is the wrapped stream's."""
+
+    def __init__(self, stream, secrets: list[str]):
+        self._stream, self._secrets = stream, secrets
+        self._pending = ""
+        # Reentrant: a signal handler that prints runs on the main thread, maybe inside
+        # a write of its own (a plain lock would deadlock there).
+        self._lock = threading.RLock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            cut = max(self._pending.rfind("\n"), self._pending.rfind("\r")) + 1
+            if cut:
+                lines, self._pending = self._pending[:cut], self._pending[cut:]
+                self._stream.write(_without(lines, self._secrets))
+        return len(text)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                self._stream.write(_without(self._pending, self._secrets))
+                self._pending = ""
+            self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def scrub_output(environ: Mapping[str, str] | None = None) -> None:
+    """From now on this process's `sys.stdout` and `sys.stderr` are `ScrubbedStream`s of
+    the secrets its environment holds now. Output written to the file descriptors
+    directly (C libraries, child processes that are not `rlft`) does not pass here."""
+    secrets = secret_values(environ)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, ScrubbedStream):
+            setattr(sys, name, ScrubbedStream(stream, secrets))

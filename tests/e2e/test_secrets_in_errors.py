@@ -2,9 +2,12 @@
 printed and before it becomes the verdict the operator copies into the job's status: a
 reward calling a judge with its key in the URL failed with the library's error, which
 quoted the URL, key and all. Both sides are real: `rlft train` fails, and the
-operator's own reading of the pod's termination message makes the failure it reports."""
+operator's own reading of the pod's termination message makes the failure it reports.
+What else the process prints (a reward's own prints and logging) is scrubbed too."""
 
 from __future__ import annotations
+
+import io
 
 import yaml
 from test_resume import start, write_job
@@ -12,17 +15,23 @@ from test_resume import start, write_job
 from rlft.operator import failures
 from rlft.operator import names as N
 from rlft.operator.observe import pod_view
-from rlft.trainer.redaction import scrubbed
+from rlft.trainer.redaction import ScrubbedStream, scrubbed, secret_values
 
 KEY = "judge-key-0f1e2d3c4b5a"
 SESSION = "aws-session-9a8b7c6d5e"
 
 JUDGE = """
+import logging
 import os
+import sys
 
 
 def judge(completion, answer):
     key = os.environ["JUDGE_API_KEY"]
+    print("calling the judge with", key)
+    sys.stderr.write(f"retrying https://judge.example/v1?token={key[:6]}")  # in two pieces
+    sys.stderr.write(f"{key[6:]} after 1s\\n")
+    logging.getLogger("judge").warning("judge session %s", os.environ["AWS_SESSION_TOKEN"])
     raise ConnectionError(
         f"Max retries exceeded with url: /v1/judge?api_key={key} "
         f"(https://user:{key}@judge.example/v1) session {os.environ['AWS_SESSION_TOKEN']}"
@@ -42,6 +51,8 @@ def test_a_rewards_error_reaches_the_log_and_the_jobs_status_without_its_secrets
     output = process.communicate(timeout=300)[0]
     assert process.returncode != 0, output
     assert "judge_reward:judge" in output and "ConnectionError" in output, output
+    assert "calling the judge with ***" in output and "judge session ***" in output, output
+    assert "v1?token=*** after 1s" in output, output
     assert KEY not in output and SESSION not in output, output
     message = (tmp_path / "out.termination").read_text()
     assert "api_key=***" in message and "***@judge.example" in message, message
@@ -101,3 +112,19 @@ def test_scrubbing_leaves_what_is_not_a_secret():
     assert scrubbed(said, {}) == (
         "redis://***@h/0 https://***@h/x?author=me&design=a&X-Amz-Signature=***&api_key=***"
     )
+
+
+def test_output_is_scrubbed_a_line_at_a_time():
+    """A secret written in pieces is whole when looked for; a partial line (a progress
+    bar's update) still goes on at a flush; the rest is the wrapped stream's."""
+    under = io.StringIO()
+    stream = ScrubbedStream(under, secret_values({"JUDGE_TOKEN": "tok-0123456789"}))
+    stream.write("key tok-01")
+    assert under.getvalue() == ""
+    stream.write("23456789 and https://me:pw@host/x\nnext")
+    assert under.getvalue() == "key *** and https://***@host/x\n"
+    stream.flush()
+    assert under.getvalue().endswith("\nnext")
+    stream.writelines(["\rbar 1/2 tok-0123456789", "\r"])
+    assert under.getvalue().endswith("next\rbar 1/2 ***\r")
+    assert stream.getvalue() == under.getvalue()  # what it does not do is the stream's

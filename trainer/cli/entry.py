@@ -13,6 +13,9 @@ STOPPED_STARTING = "rlft: stopped: SIGINT while starting; nothing had run"
 
 def main() -> int:
     try:
+        from rlft.trainer.redaction import scrub_output
+
+        scrub_output()
         from rlft.trainer.cli.main import main as run
     except KeyboardInterrupt:
         print(STOPPED_STARTING, file=sys.stderr)

@@ -226,5 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.handler(args))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # torchrun's ranks, and tests, start `python -m` this module
+    from rlft.trainer.redaction import scrub_output
+
+    scrub_output()
     sys.exit(main())
