@@ -450,11 +450,15 @@ def test_creates_refused_by_admission_are_shown_and_made_once_the_cause_is_fixed
     assert f'pods "{name}-rollout-0" is forbidden: exceeded quota: job-pods' in created["message"]
     trainers = [p for p in cluster.api.list("pods", ns) if "-trainer-" in p["metadata"]["name"]]
     assert [p["spec"]["serviceAccountName"] for p in trainers] == ["trainer-sa"] * 2, trainers
+    wait_for(
+        lambda: _job_in(cluster, ns, name)["status"]["createFailure"]["attempts"] >= 2,
+        "a retried create",
+        timeout=60,
+    )
     time.sleep(5)  # retried meanwhile, with backoff: still one Event per cause
     quota_events, account_events = events("QuotaExceeded"), events("Forbidden")
     assert len(quota_events) == 1 and "exceeded quota" in quota_events[0]["message"]
     assert len(account_events) == 1 and "trainer-sa" in account_events[0]["message"]
-    assert _job_in(cluster, ns, name)["status"]["createFailure"]["attempts"] >= 2
     quota(3)
     done = wait_for(
         lambda: (

@@ -177,7 +177,9 @@ def test_a_gang_below_replicas_min_waits_says_so_and_resumes_when_capacity_retur
     seaweed.create_bucket(bucket)
     job = faulty_job(name, bucket, steps=16)
     one_trainer_per_node(job)
-    job["spec"]["scheduling"] = {"schedulingTimeoutSeconds": 5}
+    # Also torchrun's join timeout: every (re)started gang's pods must join within it,
+    # which at 5 s a loaded machine's start-up skew could miss.
+    job["spec"]["scheduling"] = {"schedulingTimeoutSeconds": 15}
     cluster.apply(job)
     wait_for(lambda: checkpointed(cluster, name), "a committed checkpoint", 300, every=0.5)
     pod = f"{name}-trainer-1"

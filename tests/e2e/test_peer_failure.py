@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,7 +20,17 @@ from test_resume import start, write_job
 from rlft.trainer import termination
 
 ENDS_WITHIN_S = 90
-"""Far past a run of two steps here, far below the group's 600 s timeout."""
+"""From the first step on: far past a step here, far below the group's 600 s timeout."""
+
+
+def _first_step_or_end(out: Path, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Until step 1 is in metrics.jsonl or the run ended: the start (torchrun, two ranks
+    importing torch, the warm start) is the machine's speed, not what a test times."""
+    deadline = time.monotonic() + timeout
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
+        assert time.monotonic() < deadline, "step 1 never came"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -27,8 +38,9 @@ def test_a_step_failing_on_one_rank_ends_the_run_at_once_with_its_verdict(tmp_pa
     write_job(tmp_path, {"name": "grpo", "groupSize": 4})
     planted = json.dumps([{"kind": "error", "rank": rank, "at": 2}])
     process = start(tmp_path, "out", "--nproc", "2", env={"RLFT_PLANT_FAULTS": planted})
-    started = time.monotonic()
     try:
+        _first_step_or_end(tmp_path / "out", process)
+        started = time.monotonic()
         output = process.communicate(timeout=ENDS_WITHIN_S)[0]
     except subprocess.TimeoutExpired:
         kill_tree(process)
@@ -37,6 +49,9 @@ def test_a_step_failing_on_one_rank_ends_the_run_at_once_with_its_verdict(tmp_pa
             f"still running {time.monotonic() - started:.0f} s after rank {rank} failed:\n"
             + output[-3000:]
         ) from None
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
     assert process.returncode == 1, output
     assert f"step 2 failed: planted fault: rank {rank} fails at step 2" in output, output
     verdict = termination.read((tmp_path / "out.termination").read_text())

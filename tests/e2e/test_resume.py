@@ -276,7 +276,7 @@ def test_failed_checkpoints_are_reported_as_failed(tmp_path, bucket, s3_env) -> 
     failed and naming none in its termination message (it used to claim one)."""
     proxy = S3Proxy(s3_env.endpoint)
     process = None
-    grace = 6
+    grace = 12  # at 6, 2 s between the retries giving up and the watchdog: flaky when loaded
     try:
         job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
         spec = yaml.safe_load(job.read_text())
@@ -349,6 +349,9 @@ def write_long_job(
     if rollout_server:
         spec["spec"]["rollout"] |= {"local": "servers", "instances": 1, "maxStaleness": 0}
     spec["spec"]["checkpoint"] = {"intervalSteps": interval, "gracePeriodSeconds": grace}
+    # Collapse only alerts: these tests stop the run themselves, and a collapse with no
+    # checkpoint to roll back to would end it first (exit 3), were the test slow to act.
+    spec["spec"]["stability"] = {"onCollapse": "alert"}
     job.write_text(yaml.safe_dump(spec))
 
 

@@ -6,6 +6,7 @@ retried with backoff, created once the quota is raised)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.request
 from typing import Any
@@ -148,9 +149,17 @@ def test_a_create_refused_by_a_quota_is_a_condition_and_one_event_until_raised(a
     assert created["status"] == "False"
     assert 'pods "qu-rollout-0" is forbidden: exceeded quota: job-pods' in created["message"]
     assert "limited: pods=1" in created["message"]
-    time.sleep(7)  # with a 2 s poll and pod events: a hot retry would try a dozen times
-    failure = _job(api, ns, "qu")["status"]["createFailure"]
-    assert 2 <= failure["attempts"] <= 4, failure  # after 2 s, then 4 s
+    seen = time.monotonic()
+
+    def attempts() -> int:
+        return _job(api, ns, "qu")["status"]["createFailure"]["attempts"]
+
+    wait_for(lambda: attempts() >= 2, "a retried create", timeout=60)
+    time.sleep(max(0.0, 7 - (time.monotonic() - seen)))
+    # With a 2 s poll and pod events a hot retry would try a dozen times in 7 s; doubled
+    # waits from 2 s (attempt n + 1 at 2^(n+1) - 2 s) make 3, fewer on a slow machine.
+    elapsed, failure = time.monotonic() - seen, _job(api, ns, "qu")["status"]["createFailure"]
+    assert failure["attempts"] <= 2 + math.log2(elapsed + 2), (failure, elapsed)
     reasons = [r for r, _ in _events(api, ns)]
     assert reasons.count("QuotaExceeded") == 1, reasons
     assert list(_pods(api, ns, "qu")) == ["qu-trainer-0"]
