@@ -12,16 +12,21 @@ import os
 import signal
 import time
 
+import yaml
+from checkpoint_fixtures import s3_options
 from processes import descendants_running, kill_tree, read_proc
 from test_resume import (
     GRACE,
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step,
     start,
     wait_for_step,
+    write_job,
     write_long_job,
 )
-from trainer_holds import WAIT_FOR_ROLLOUTS, Hold
+from trainer_holds import FINAL_CHECKPOINT, WAIT_FOR_ROLLOUTS, Hold
 
+from rlft.trainer.checkpoint import open_storage
+from rlft.trainer.checkpoint.catalog import Catalog
 from rlft.trainer.checkpoint.manifest import LATEST
 
 
@@ -68,3 +73,47 @@ def test_sigterm_to_rank_1_while_rank_0_waits_for_rollouts_checkpoints_at_once(t
     assert process.returncode == 0, output
     assert "stopping while waiting for rollouts; checkpointing step" in output, output
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
+
+
+def test_sigterm_to_rank_0_alone_ends_rank_1s_save_retries_within_its_grace(
+    tmp_path, s3_env, bucket, store_proxy
+):
+    """The other way round: rank 0's pod preempted, rank 1's not, while rank 1 retries
+    the upload of its step-2 shard (the store refuses it) in the run's final wait for
+    the save in flight. Rank 1 had no step's collective to learn of the stop in: it
+    retried for its whole uploadRetryMinutes while rank 0, waiting for its shards to
+    commit, ran out of grace, and its watchdog ended the run with exit 1 and without the
+    final checkpoint. Now rank 1 reads the stop and its time from the group's store and
+    gives up within rank 0's grace, and the final checkpoint commits in it."""
+    job = write_job(tmp_path, {"name": "grpo", "groupSize": 4})
+    spec = yaml.safe_load(job.read_text())
+    spec["spec"]["trainer"]["steps"] = 6
+    spec["spec"]["eval"] = {"maxProblems": 4}  # what ends the run comes after the save
+    spec["spec"]["checkpoint"] = {
+        "uri": f"s3://{bucket}/run",
+        "endpointUrl": store_proxy.url,
+        "addressingStyle": "path",
+        "intervalSteps": 2,
+        "uploadRetryMinutes": 10,
+        "gracePeriodSeconds": GRACE,
+    }
+    job.write_text(yaml.safe_dump(spec))
+    store_proxy.refuse("/step-000002/__1_")  # rank 1's step-2 shard: answered 503
+    hold = Hold(tmp_path, FINAL_CHECKPOINT)
+    process = start(tmp_path, "out", "--nproc", "2")
+    try:
+        hold.wait(process)  # rank 0 at its final checkpoint; rank 1 in the wait
+        workers = descendants_running(process.pid, "rlft.trainer.cli.main")
+        (rank_0,) = [pid for pid in workers if _rank(pid) == 0]
+        sent = time.monotonic()
+        os.kill(rank_0, signal.SIGTERM)
+        output = process.communicate(timeout=GRACE + 60)[0]
+        ended_after = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            kill_tree(process)
+    assert process.returncode == 0, output
+    assert ended_after < GRACE, (ended_after, output)
+    assert "checkpoint at step 2 failed and was not committed" in output, output
+    storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
+    assert Catalog(storage).scan().latest == 6, output

@@ -13,6 +13,8 @@ rollout servers and torchrun's agent included). At the point, the wrapper touche
 - `FINAL_EVALUATION`: `Run.eval_accuracy` of the final model (the cursor past step 0;
   the held-out evaluation before the first step runs at step 0). The evaluation itself
   runs once the stop is requested: it ends in the grace period the signal started.
+- `FINAL_CHECKPOINT`: rank 0's `Checkpointing.final`, before it waits for the save in
+  flight (the other ranks go on into that wait).
 - `WAIT_FOR_ROLLOUTS`: rank 0's wait for a batch (`RolloutPipeline._wait_for_batch`),
   once the test armed it (`arm`: the rollout server is stopped) and the wait has found
   no batch for its first second (its `stopping` is asked only then). Then no batch
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 FINAL_EVALUATION = "final-evaluation"
+FINAL_CHECKPOINT = "final-checkpoint"
 WAIT_FOR_ROLLOUTS = "wait-for-rollouts"
 LIMIT_S = 120
 """The longest a hold waits for the stop: a test that never signals fails, not hangs."""
@@ -46,6 +49,7 @@ ARMED = Path({armed!r})
 LIMIT_S = {limit}
 MODULE = {{
     "final-evaluation": "rlft.trainer.run.loop",
+    "final-checkpoint": "rlft.trainer.run.checkpointing",
     "wait-for-rollouts": "rlft.trainer.rollout.pipeline",
 }}[HOLD]
 
@@ -68,6 +72,15 @@ def patch(module):
             return evaluate(self)
 
         module.Run.eval_accuracy = eval_accuracy
+    elif HOLD == "final-checkpoint":
+        final = module.Checkpointing.final
+
+        def final_checkpoint(self, *args, **kwargs):
+            if self.dist.is_main:
+                hold(lambda: self.stop.requested)  # rank 0's own signal
+            return final(self, *args, **kwargs)
+
+        module.Checkpointing.final = final_checkpoint
     else:
         wait = module.RolloutPipeline._wait_for_batch
 

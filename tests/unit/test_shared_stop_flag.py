@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -38,3 +39,31 @@ def test_a_signal_to_a_blocked_main_thread_sets_its_groups_key_and_no_other():
         peer.close()
         signal.signal(signal.SIGUSR1, previous)
     assert signal.set_wakeup_fd(-1) == -1  # close gave the wakeup fd back
+
+
+def test_every_rank_reads_when_the_first_signal_came_and_a_later_one_keeps_it():
+    """What a rank stopping for another's signal gives up within: that signal's grace,
+    counted from when it came (the first one's: a later signal does not move it on)."""
+    store = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    came = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: came.set())
+    rank_0 = PeerStop(store, 0, f"{KEY}/group")
+    rank_1 = PeerStop(store, 1, f"{KEY}/group")
+    rank_0.watch((signal.SIGUSR1,))
+    try:
+        assert rank_1.seconds_since() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert came.wait(10)
+        deadline = time.monotonic() + 10
+        while rank_1.seconds_since() is None:
+            assert time.monotonic() < deadline, "the watcher never set the key"
+            time.sleep(0.01)
+        time.sleep(0.5)
+        first = store.get(f"{KEY}/group")
+        os.kill(os.getpid(), signal.SIGUSR1)  # a second signal, half a second on
+        time.sleep(0.3)
+        assert store.get(f"{KEY}/group") == first and first.startswith(b"0 ")
+        assert 0.5 <= rank_1.seconds_since() < 30
+    finally:
+        rank_0.close()
+        signal.signal(signal.SIGUSR1, previous)

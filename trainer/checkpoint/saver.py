@@ -142,6 +142,10 @@ class _Job:
                 self.moved.wait(left)
 
 
+IN_FLIGHT_SHARE = 0.5
+"""The share of the grace left that a save in flight at a stop signal may still retry."""
+
+
 class Checkpointer:
     """Saves checkpoints of one training run to one location. Create it on every rank
     (after the default process group, if any, was initialised): it makes collective
@@ -283,7 +287,7 @@ class Checkpointer:
         to their owner (the "pruned" event).
         Returns after staging (False) or, with `wait`, after the commit (True if it
         committed). A previous save still in flight is waited for first; for an
-        `emergency` one, only until `retry_seconds` from now (`hurry`).
+        `emergency` one, only within part of `retry_seconds` (`hurry`).
         """
         started = time.monotonic()
         if emergency and retry_seconds is not None:
@@ -363,12 +367,15 @@ class Checkpointer:
         return True
 
     def hurry(self, seconds: float) -> None:
-        """A stop signal: the checkpoint in flight stops retrying within `seconds` (the
-        grace period left). It waited out its own deadline (uploadRetryMinutes) during
-        an outage, the grace watchdog fired first, and the run exited 1 without the
-        verdict of its emergency checkpoint."""
+        """A stop signal with `seconds` of grace left: the checkpoint in flight stops
+        retrying within `IN_FLIGHT_SHARE` of them. It waited out its own deadline
+        (uploadRetryMinutes) during an outage, the grace watchdog fired first, and the
+        run exited 1 without the verdict of its emergency checkpoint. The rest is for
+        the newer checkpoint that follows it in the grace (the stop's emergency one, the
+        run's final one): given the whole, one shard stuck in the older save left the
+        newer one no time at all."""
         if self.busy and self._job is not None:
-            self._job.bound(seconds)
+            self._job.bound(seconds * IN_FLIGHT_SHARE)
 
     def close(self) -> None:
         """Wait for the last checkpoint and release the process groups."""

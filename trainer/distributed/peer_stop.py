@@ -11,6 +11,12 @@ CPython's C-level handler writes the signal's number to the wakeup fd at once, w
 the main thread is doing. A thread reading it here sets a key in the process group's
 store; rank 0's waits poll that key (`Checkpointing.stopping`), stop waiting, broadcast
 the stop, and every rank checkpoints the step it finished last.
+
+The other way round too: every rank watches, and the key holds when the first signal
+came. A rank waiting for its own save's retries (a rollback's or the final wait, where
+no step's collective shares the stop) learns of a signal that reached only rank 0, and
+gives up within that rank's grace: it retried for its whole uploadRetryMinutes while
+rank 0, waiting for its shards, ran out of grace and exited 1 without a verdict.
 """
 
 from __future__ import annotations
@@ -19,15 +25,17 @@ import contextlib
 import signal
 import socket
 import threading
+import time
 import uuid
 
 KEY = "rlft/stop-requested"
 """Set in the process group's store by the first rank that got a stop signal (with the
-group's own suffix: a store torchrun's agent shares keeps it past the group)."""
+group's own suffix: a store torchrun's agent shares keeps it past the group), to that
+rank and the signal's wall-clock time (`<rank> <time.time()>`)."""
 
 
 class PeerStop:
-    """The process group's shared stop flag: set by any rank's signal, read by rank 0."""
+    """The process group's shared stop flag: set by any rank's signal, read by all."""
 
     def __init__(self, store, rank: int, key: str = KEY):
         self._store, self._rank, self._key = store, rank, key
@@ -53,6 +61,17 @@ class PeerStop:
         except Exception:  # the store unreachable: the collectives will say why
             return False
 
+    def seconds_since(self) -> float | None:
+        """Seconds since the group's first stop signal (by the wall clock: the ranks'
+        monotonic clocks are their own machines'); None before any, or unreadable."""
+        try:
+            if not self._store.check([self._key]):
+                return None
+            at = float(self._store.get(self._key).decode().split()[1])
+        except Exception:  # unreachable, or a value of an older trainer: rank alone
+            return None
+        return max(0.0, time.time() - at)
+
     def watch(self, signals: tuple[int, ...]) -> None:
         """Set the flag as soon as one of `signals` (whose handlers are installed) reaches
         this process. From the main thread, as every signal call must be."""
@@ -68,8 +87,8 @@ class PeerStop:
         with reader:
             while data := _receive(reader):
                 if self._signals.intersection(data):
-                    with contextlib.suppress(Exception):
-                        self._store.set(self._key, str(self._rank))
+                    with contextlib.suppress(Exception):  # the first signal's time stays
+                        self._store.compare_set(self._key, "", f"{self._rank} {time.time()!r}")
 
     def close(self) -> None:
         """Stop watching (the reader ends at the writer's close); idempotent."""

@@ -86,8 +86,9 @@ class Checkpointing:
         """Steps this run committed since `timeline_base` (rank 0's saver reports them)."""
         self.stop = GracefulStop(spec.grace_period_seconds, rank=dist.rank).install()
         self.peers = PeerStop.of(dist)
-        """The group's shared stop flag: rank 0 polls it while it waits alone."""
-        if self.peers is not None and not dist.is_main:
+        """The group's shared stop flag: rank 0 polls it while it waits alone, every
+        rank while it waits for its save's retries."""
+        if self.peers is not None:
             self.peers.watch(self.stop.signals)
         self.retry_s = spec.upload_retry_minutes * 60
         """How long reads the store refuses are retried (resume, rollback, the scan)."""
@@ -192,11 +193,12 @@ class Checkpointing:
         return last if last is not None else self.resumed_step
 
     def stopping(self) -> bool:
-        """SIGTERM arrived: this rank's own, or on rank 0 (which alone waits for rollouts
-        while its peers wait for it in a collective, deaf to their own) any rank's."""
+        """SIGTERM arrived: this rank's own, or any rank's (rank 0 alone waits for
+        rollouts while its peers wait for it in a collective, deaf to their own; a rank
+        waiting for its save's retries has no step's collective to share one)."""
         if self.stop.requested:
             return True
-        return self.peers is not None and self.dist.is_main and self.peers.requested()
+        return self.peers is not None and self.peers.requested()
 
     def resume(self, which: str | int, learner) -> Cursor | None:
         """Restore the newest checkpoint `which` (from `choice`: the same on every rank)
@@ -351,9 +353,12 @@ class Checkpointing:
 
     def _grace_left(self) -> float:
         """Seconds a stopping rank's saves may still retry: its own signal's grace left,
-        and at most a whole grace period from now (a rank stopping because another was
-        signalled, whose own `remaining` is unbounded)."""
-        return min(self.stop.remaining(), self.stop.budget_seconds)
+        and the first signalled rank's (a rank stopping because another was signalled,
+        whose own `remaining` is unbounded); a whole grace period from now if that one's
+        time cannot be read."""
+        since = self.peers.seconds_since() if self.peers is not None else None
+        shared = self.stop.budget_seconds - (since or 0.0)
+        return max(0.0, min(self.stop.remaining(), shared))
 
     def _point_at(self, step: int) -> None:
         """Rank 0, after a rollback: `latest` names the restored checkpoint at once, so a
@@ -429,9 +434,10 @@ class Checkpointing:
                 raise SupersededError(self.checkpointer.superseded)
             # The run's model is still written (and published) as its output; what is
             # lost is the optimizer state to train on from this step.
+            newest = f"step {self.last_step}" if self.last_step is not None else "none"
             self.supervisor.log(
                 f"rlft: warning: the final checkpoint of step {cursor.step} failed; the "
-                f"newest committed checkpoint is step {self.last_step}"
+                f"newest committed checkpoint: {newest}"
             )
 
     def _save(
@@ -463,7 +469,7 @@ class Checkpointing:
             modules=_modules(learner),
             wait=wait,
             emergency=emergency,
-            retry_seconds=self._grace_left() if self.stop.requested or emergency else None,
+            retry_seconds=self._grace_left() if emergency or self.stopping() else None,
         )
 
     def close(self) -> None:
