@@ -95,19 +95,35 @@ class ScrubbedStream:
     Everything else (fileno, isatty, encoding, buffer) is the wrapped stream's."""
 
     def __init__(self, stream, secrets: list[str]):
-        self._stream, self._secrets = stream, secrets
-        self._pending = ""
+        self._stream = stream
+        # A secret of several lines (a PEM key, a service account's JSON) reaches `write`
+        # cut at its line ends: each of its lines is looked for as well.
+        lines = {line for value in secrets for line in value.splitlines()}
+        extra = [line for line in lines if len(line.strip()) >= SHORTEST]
+        self._secrets = sorted(set(secrets) | set(extra), key=len, reverse=True)
+        self._pending: list[str] = []
         # Reentrant: a signal handler that prints runs on the main thread, maybe inside
         # a write of its own (a plain lock would deadlock there).
         self._lock = threading.RLock()
 
+    def _locked(self) -> bool:
+        """Take the lock; at interpreter shutdown give up after a second (a daemon thread
+        frozen while holding it would hang the exit's flush), as CPython's streams do."""
+        return self._lock.acquire(timeout=1 if sys.is_finalizing() else -1)
+
     def write(self, text: str) -> int:
-        with self._lock:
-            self._pending += text
-            cut = max(self._pending.rfind("\n"), self._pending.rfind("\r")) + 1
-            if cut:
-                lines, self._pending = self._pending[:cut], self._pending[cut:]
+        if not self._locked():
+            return 0
+        try:
+            cut = max(text.rfind("\n"), text.rfind("\r")) + 1
+            if not cut:
+                self._pending.append(text)  # joined once its line ends: not quadratic
+            else:
+                lines = "".join(self._pending) + text[:cut]
+                self._pending = [text[cut:]] if cut < len(text) else []
                 self._stream.write(_without(lines, self._secrets))
+        finally:
+            self._lock.release()
         return len(text)
 
     def writelines(self, lines: Iterable[str]) -> None:
@@ -115,11 +131,15 @@ class ScrubbedStream:
             self.write(line)
 
     def flush(self) -> None:
-        with self._lock:
+        if not self._locked():
+            return
+        try:
             if self._pending:
-                self._stream.write(_without(self._pending, self._secrets))
-                self._pending = ""
+                pending, self._pending = "".join(self._pending), []
+                self._stream.write(_without(pending, self._secrets))
             self._stream.flush()
+        finally:
+            self._lock.release()
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)

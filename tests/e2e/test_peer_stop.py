@@ -75,6 +75,12 @@ def test_sigterm_to_rank_1_while_rank_0_waits_for_rollouts_checkpoints_at_once(t
     assert_last_checkpoint_is_an_emergency_one_of_the_last_step(tmp_path / "out")
 
 
+FINAL_GRACE = 60
+"""Rank 0's grace in the final wait: what ends the run (the final checkpoint, the final
+evaluation, the model written and copied) comes after rank 1 gave up, in what is left,
+on however slow a machine; far below rank 1's own 10 minutes of retries still."""
+
+
 def test_sigterm_to_rank_0_alone_ends_rank_1s_save_retries_within_its_grace(
     tmp_path, s3_env, bucket, store_proxy
 ):
@@ -95,7 +101,7 @@ def test_sigterm_to_rank_0_alone_ends_rank_1s_save_retries_within_its_grace(
         "addressingStyle": "path",
         "intervalSteps": 2,
         "uploadRetryMinutes": 10,
-        "gracePeriodSeconds": GRACE,
+        "gracePeriodSeconds": FINAL_GRACE,
     }
     job.write_text(yaml.safe_dump(spec))
     store_proxy.refuse("/step-000002/__1_")  # rank 1's step-2 shard: answered 503
@@ -107,13 +113,13 @@ def test_sigterm_to_rank_0_alone_ends_rank_1s_save_retries_within_its_grace(
         (rank_0,) = [pid for pid in workers if _rank(pid) == 0]
         sent = time.monotonic()
         os.kill(rank_0, signal.SIGTERM)
-        output = process.communicate(timeout=GRACE + 60)[0]
+        output = process.communicate(timeout=FINAL_GRACE + 60)[0]
         ended_after = time.monotonic() - sent
     finally:
         if process.poll() is None:
             kill_tree(process)
     assert process.returncode == 0, output
-    assert ended_after < GRACE, (ended_after, output)
+    assert ended_after < FINAL_GRACE, (ended_after, output)
     assert "checkpoint at step 2 failed and was not committed" in output, output
     storage = open_storage(f"s3://{bucket}/run", s3_options(s3_env))
     assert Catalog(storage).scan().latest == 6, output

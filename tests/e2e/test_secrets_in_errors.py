@@ -128,3 +128,15 @@ def test_output_is_scrubbed_a_line_at_a_time():
     stream.writelines(["\rbar 1/2 tok-0123456789", "\r"])
     assert under.getvalue().endswith("next\rbar 1/2 ***\r")
     assert stream.getvalue() == under.getvalue()  # what it does not do is the stream's
+
+
+def test_a_secret_of_several_lines_is_scrubbed_line_by_line():
+    """A PEM key or a service account's JSON reaches the stream cut at its line ends."""
+    key = "-----BEGIN KEY-----\nMIIEvQIBADANBgkq\nhkiG9w0BAQEFAASC\n-----END KEY-----"
+    under = io.StringIO()
+    stream = ScrubbedStream(under, secret_values({"GCP_SA_KEY": key}))
+    print("the key is", key, file=stream)
+    print("MIIEvQIBADANBgkq alone", file=stream)
+    stream.flush()
+    assert "MIIE" not in under.getvalue() and "hkiG" not in under.getvalue(), under.getvalue()
+    assert under.getvalue().endswith("*** alone\n"), under.getvalue()

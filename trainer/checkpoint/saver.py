@@ -143,7 +143,8 @@ class _Job:
 
 
 IN_FLIGHT_SHARE = 0.5
-"""The share of the grace left that a save in flight at a stop signal may still retry."""
+"""The share of the grace left that a save in flight at a stop signal may still retry
+when a newer checkpoint must follow it in that grace."""
 
 
 class Checkpointer:
@@ -366,16 +367,21 @@ class Checkpointer:
             self._thread = None
         return True
 
-    def hurry(self, seconds: float) -> None:
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step of the checkpoint in flight, if any."""
+        return self._job.step if self.busy and self._job is not None else None
+
+    def hurry(self, seconds: float, share: float = IN_FLIGHT_SHARE) -> None:
         """A stop signal with `seconds` of grace left: the checkpoint in flight stops
-        retrying within `IN_FLIGHT_SHARE` of them. It waited out its own deadline
+        retrying within `share` of them. It waited out its own deadline
         (uploadRetryMinutes) during an outage, the grace watchdog fired first, and the
-        run exited 1 without the verdict of its emergency checkpoint. The rest is for
-        the newer checkpoint that follows it in the grace (the stop's emergency one, the
-        run's final one): given the whole, one shard stuck in the older save left the
-        newer one no time at all."""
+        run exited 1 without the verdict of its emergency checkpoint. By default the
+        rest is for a newer checkpoint that follows it in the grace (the stop's
+        emergency one, the run's final one): given the whole, one shard stuck in the
+        older save left the newer one no time at all."""
         if self.busy and self._job is not None:
-            self._job.bound(seconds * IN_FLIGHT_SHARE)
+            self._job.bound(seconds * share)
 
     def close(self) -> None:
         """Wait for the last checkpoint and release the process groups."""

@@ -30,6 +30,7 @@ from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.checkpoint.fence import JOB_UID_ENV, SupersededError, claim_fence
 from rlft.trainer.checkpoint.history import MetricsHistory
 from rlft.trainer.checkpoint.manifest import FRESH_START, resume_order
+from rlft.trainer.checkpoint.saver import IN_FLIGHT_SHARE
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.peer_stop import PeerStop
@@ -295,7 +296,7 @@ class Checkpointing:
         window), or with `replay_data` from where the checkpoint had them (the window is
         trained on again). Returns the restored step; RunEnded-worthy NoCheckpointError
         if none."""
-        self._wait_for_save()
+        self._wait_for_save(cursor.step)  # the rollback's own is saved at its end
         candidates: list[int] = []
         if self.dist.is_main:
             scan = self._scan()
@@ -343,13 +344,21 @@ class Checkpointing:
         self.checkpointer.save_soon()
         return target
 
-    def _wait_for_save(self) -> None:
-        """Wait for the save in flight. A SIGTERM meanwhile bounds its retries (a store
-        outage: uploadRetryMinutes) by the grace period left, as a stop between steps
-        does: otherwise the grace watchdog ended the run first, without a verdict."""
+    def _wait_for_save(self, step: int) -> None:
+        """Wait for the save in flight, before `step`'s. A SIGTERM meanwhile bounds its
+        retries (a store outage: uploadRetryMinutes) by the grace period left, as a stop
+        between steps does: otherwise the grace watchdog ended the run first, without a
+        verdict."""
         while not self.checkpointer.wait(timeout=1.0):
             if self.stopping():
-                self.checkpointer.hurry(self._grace_left())
+                self._hurry(step)
+
+    def _hurry(self, step: int) -> None:
+        """A stop: the save in flight retries within the grace left; within part of it
+        when it is older than `step`, whose checkpoint must follow it in that grace."""
+        in_flight = self.checkpointer.in_flight_step
+        newer_follows = in_flight is not None and in_flight < step
+        self.checkpointer.hurry(self._grace_left(), IN_FLIGHT_SHARE if newer_follows else 1.0)
 
     def _grace_left(self) -> float:
         """Seconds a stopping rank's saves may still retry: its own signal's grace left,
@@ -413,7 +422,7 @@ class Checkpointing:
         it again would withdraw its manifest while the files are replaced), and raise
         StopRequested. Every rank calls this (the loop broadcast the stop)."""
         # A save in flight retries within the grace left, not its own whole deadline.
-        self.checkpointer.hurry(self._grace_left())
+        self._hurry(cursor.step if cursor.step not in (self.last_step, 0) else 0)
         self.checkpointer.wait()
         if cursor.step not in (self.last_step, 0):
             self._save(cursor, learner, wait=True, emergency=True)
@@ -426,7 +435,7 @@ class Checkpointing:
         when it is the one this run resumed from (a run killed after its last
         checkpoint): saving it again would withdraw the manifest `latest` names while
         its files are replaced."""
-        self._wait_for_save()
+        self._wait_for_save(cursor.step if cursor.step != self.last_step else 0)
         if cursor.step != self.last_step and not self._save(
             cursor, learner, wait=True, paused=paused
         ):
