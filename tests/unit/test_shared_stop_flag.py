@@ -51,11 +51,11 @@ def test_every_rank_reads_when_the_first_signal_came_and_a_later_one_keeps_it():
     rank_1 = PeerStop(store, 1, f"{KEY}/group")
     rank_0.watch((signal.SIGUSR1,))
     try:
-        assert rank_1.seconds_since() is None
+        assert rank_1.seconds_since(30) is None
         os.kill(os.getpid(), signal.SIGUSR1)
         assert came.wait(10)
         deadline = time.monotonic() + 10
-        while rank_1.seconds_since() is None:
+        while rank_1.seconds_since(30) is None:
             assert time.monotonic() < deadline, "the watcher never set the key"
             time.sleep(0.01)
         time.sleep(0.5)
@@ -63,7 +63,9 @@ def test_every_rank_reads_when_the_first_signal_came_and_a_later_one_keeps_it():
         os.kill(os.getpid(), signal.SIGUSR1)  # a second signal, half a second on
         time.sleep(0.3)
         assert store.get(f"{KEY}/group") == first and first.startswith(b"0 ")
-        assert 0.5 <= rank_1.seconds_since() < 30
+        assert 0.5 <= rank_1.seconds_since(30) < 30
+        # A time further back than the grace is a clock ahead of the signalled rank's.
+        assert rank_1.seconds_since(0.1) is None
     finally:
         rank_0.close()
         signal.signal(signal.SIGUSR1, previous)

@@ -61,16 +61,19 @@ class PeerStop:
         except Exception:  # the store unreachable: the collectives will say why
             return False
 
-    def seconds_since(self) -> float | None:
+    def seconds_since(self, longest: float) -> float | None:
         """Seconds since the group's first stop signal (by the wall clock: the ranks'
-        monotonic clocks are their own machines'); None before any, or unreadable."""
+        monotonic clocks are their own machines'); None before any, or unreadable, or
+        past `longest` (the grace period: its watchdog would have ended the signalled
+        rank by then, so this rank's clock is ahead of that one's, not the time short)."""
         try:
             if not self._store.check([self._key]):
                 return None
             at = float(self._store.get(self._key).decode().split()[1])
         except Exception:  # unreachable, or a value of an older trainer: rank alone
             return None
-        return max(0.0, time.time() - at)
+        since = max(0.0, time.time() - at)
+        return since if since <= longest else None
 
     def watch(self, signals: tuple[int, ...]) -> None:
         """Set the flag as soon as one of `signals` (whose handlers are installed) reaches

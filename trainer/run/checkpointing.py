@@ -365,7 +365,8 @@ class Checkpointing:
         and the first signalled rank's (a rank stopping because another was signalled,
         whose own `remaining` is unbounded); a whole grace period from now if that one's
         time cannot be read."""
-        since = self.peers.seconds_since() if self.peers is not None else None
+        grace = self.stop.grace_seconds
+        since = self.peers.seconds_since(grace) if self.peers is not None else None
         shared = self.stop.budget_seconds - (since or 0.0)
         return max(0.0, min(self.stop.remaining(), shared))
 
