@@ -8,7 +8,12 @@ What else the process prints (a reward's own prints and logging) is scrubbed too
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import yaml
 from test_resume import start, write_job
 
@@ -112,6 +117,25 @@ def test_scrubbing_leaves_what_is_not_a_secret():
     assert scrubbed(said, {}) == (
         "redis://***@h/0 https://***@h/x?author=me&design=a&X-Amz-Signature=***&api_key=***"
     )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        # What a pod runs (the console script's entry point)...
+        [str(Path(sys.executable).parent / "rlft"), "rollout"],
+        # ...and a local run's rollout servers, started as a module.
+        [sys.executable, "-m", "rlft.trainer.rollout.server"],
+    ],
+    ids=["rlft", "module"],
+)
+def test_a_rollout_servers_output_is_scrubbed_too(command: list[str]):
+    env = dict(os.environ, JUDGE_API_KEY=KEY)
+    ended = subprocess.run(
+        [*command, "--engine", KEY], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert ended.returncode == 2, ended.stderr
+    assert "invalid choice: '***'" in ended.stderr and KEY not in ended.stderr, ended.stderr
 
 
 def test_output_is_scrubbed_a_line_at_a_time():

@@ -643,5 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a local run's rollout servers (rollout/local.py)
+    from rlft.trainer.redaction import scrub_output
+
+    scrub_output()
     sys.exit(main())
