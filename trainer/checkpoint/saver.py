@@ -292,7 +292,7 @@ class Checkpointer:
         """
         started = time.monotonic()
         if emergency and retry_seconds is not None:
-            self.hurry(retry_seconds)
+            self.hurry(retry_seconds, step)
         self.wait()
         extra_text = _json_or_error(extra, "extra")
         mine = {"rng": rng.capture(), "state": rank_state or {}}
@@ -367,21 +367,18 @@ class Checkpointer:
             self._thread = None
         return True
 
-    @property
-    def in_flight_step(self) -> int | None:
-        """The step of the checkpoint in flight, if any."""
-        return self._job.step if self.busy and self._job is not None else None
-
-    def hurry(self, seconds: float, share: float = IN_FLIGHT_SHARE) -> None:
+    def hurry(self, seconds: float, then: int | None = None) -> None:
         """A stop signal with `seconds` of grace left: the checkpoint in flight stops
-        retrying within `share` of them. It waited out its own deadline
-        (uploadRetryMinutes) during an outage, the grace watchdog fired first, and the
-        run exited 1 without the verdict of its emergency checkpoint. By default the
-        rest is for a newer checkpoint that follows it in the grace (the stop's
-        emergency one, the run's final one): given the whole, one shard stuck in the
-        older save left the newer one no time at all."""
-        if self.busy and self._job is not None:
-            self._job.bound(seconds * share)
+        retrying within them. It waited out its own deadline (uploadRetryMinutes) during
+        an outage, the grace watchdog fired first, and the run exited 1 without the
+        verdict of its emergency checkpoint. When the checkpoint of step `then`, newer,
+        must follow it in the grace (the stop's emergency one, the run's final one), it
+        has only `IN_FLIGHT_SHARE` of them: given the whole, one shard stuck in the older
+        save left the newer one no time at all."""
+        job = self._job
+        if self.busy and job is not None:
+            newer_follows = then is not None and then > job.step
+            job.bound(seconds * (IN_FLIGHT_SHARE if newer_follows else 1.0))
 
     def close(self) -> None:
         """Wait for the last checkpoint and release the process groups."""

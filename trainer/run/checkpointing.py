@@ -30,7 +30,6 @@ from rlft.trainer.checkpoint.export import hf_files_of
 from rlft.trainer.checkpoint.fence import JOB_UID_ENV, SupersededError, claim_fence
 from rlft.trainer.checkpoint.history import MetricsHistory
 from rlft.trainer.checkpoint.manifest import FRESH_START, resume_order
-from rlft.trainer.checkpoint.saver import IN_FLIGHT_SHARE
 from rlft.trainer.config import RLFineTune, dump_job
 from rlft.trainer.distributed import Dist
 from rlft.trainer.distributed.peer_stop import PeerStop
@@ -351,22 +350,14 @@ class Checkpointing:
         verdict."""
         while not self.checkpointer.wait(timeout=1.0):
             if self.stopping():
-                self._hurry(step)
-
-    def _hurry(self, step: int) -> None:
-        """A stop: the save in flight retries within the grace left; within part of it
-        when it is older than `step`, whose checkpoint must follow it in that grace."""
-        in_flight = self.checkpointer.in_flight_step
-        newer_follows = in_flight is not None and in_flight < step
-        self.checkpointer.hurry(self._grace_left(), IN_FLIGHT_SHARE if newer_follows else 1.0)
+                self.checkpointer.hurry(self._grace_left(), step)
 
     def _grace_left(self) -> float:
         """Seconds a stopping rank's saves may still retry: its own signal's grace left,
         and the first signalled rank's (a rank stopping because another was signalled,
         whose own `remaining` is unbounded); a whole grace period from now if that one's
         time cannot be read."""
-        grace = self.stop.grace_seconds
-        since = self.peers.seconds_since(grace) if self.peers is not None else None
+        since = self.peers.seconds_since(self.stop.grace_seconds) if self.peers else None
         shared = self.stop.budget_seconds - (since or 0.0)
         return max(0.0, min(self.stop.remaining(), shared))
 
@@ -423,7 +414,7 @@ class Checkpointing:
         it again would withdraw its manifest while the files are replaced), and raise
         StopRequested. Every rank calls this (the loop broadcast the stop)."""
         # A save in flight retries within the grace left, not its own whole deadline.
-        self._hurry(cursor.step if cursor.step not in (self.last_step, 0) else 0)
+        self.checkpointer.hurry(self._grace_left(), cursor.step)
         self.checkpointer.wait()
         if cursor.step not in (self.last_step, 0):
             self._save(cursor, learner, wait=True, emergency=True)
@@ -436,7 +427,7 @@ class Checkpointing:
         when it is the one this run resumed from (a run killed after its last
         checkpoint): saving it again would withdraw the manifest `latest` names while
         its files are replaced."""
-        self._wait_for_save(cursor.step if cursor.step != self.last_step else 0)
+        self._wait_for_save(cursor.step)
         if cursor.step != self.last_step and not self._save(
             cursor, learner, wait=True, paused=paused
         ):
