@@ -4,8 +4,9 @@ instance on a background thread, so the trainer does not wait for instances busy
 generate request (their weight load waits for it: updates are atomic per request).
 
 Only the newest pending version is shipped: if the trainer is two versions ahead of a
-slow publication, the older one is skipped. `wait(version)` blocks until every live
-instance serves at least that version (the pipeline's start rule needs this).
+slow publication, the older one is skipped. `wait(version)` blocks until that version is
+published (the pipeline's start rule needs this): an instance took it, and every other
+one took it too or had the stragglers' wait (`loads.py`).
 
 A failed shipment (the object store down, every instance refusing the load) is retried
 with backoff until `timeout_s`, or until a newer version is pending, which replaces it:
@@ -28,12 +29,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 from safetensors.torch import save
 
 from rlft.trainer.rollout.client import Instance, RolloutClient
+from rlft.trainer.rollout.loads import InstanceLoads
 from rlft.trainer.rollout.protocol import SupersededGangError, WeightsRequest
 from rlft.trainer.storage.retry import backoff_delays
 from rlft.trainer.telemetry.liveness_server import pod_address
@@ -84,6 +86,7 @@ class WeightPublisher:
         """(version, URI) of the last store copy written, acknowledged or not."""
         self.catch_up_every_s = catch_up_every_s
         self.catch_up_backoff_max_s = catch_up_backoff_max_s
+        self._loads = InstanceLoads(client, timeout_s, self._superseded)
         self._held: dict[str, tuple[float, float]] = {}  # absent: (0, 0), not held
         """Instance URL → (when its next catch-up may be tried, the wait before it): one
         whose catch-up keeps failing (a 401, a store it cannot read) is tried less and
@@ -159,8 +162,8 @@ class WeightPublisher:
         while True:
             with self._cond:
                 self._cond.wait_for(self._woken, self.catch_up_every_s)
-                if self._closed:
-                    return
+                if self._closed or self._error is not None:
+                    return  # a background load's error ends the thread as its own would
                 pending, self._pending = self._pending, None
             if pending is None:
                 self._catch_up()
@@ -184,37 +187,43 @@ class WeightPublisher:
 
     def _catch_up(self) -> None:
         """Send the newest acknowledged version's store copy to the instances that answer
-        but serve an older version or none. On this thread, the one writer of the
-        instances' weights: a catch-up and a publication never land out of order."""
+        but serve an older version or none, and have no load in flight. Not waited for: a
+        wedged instance would hold up the next publication. A load in flight per instance
+        at most, and versions only grow at the instance, so none lands out of order."""
         if self._latest is None:
             return
         version, uri = self._latest
         now = time.monotonic()
-        behind = [i for i in self.client.behind(version) if self._hold(i.url)[0] <= now]
-        if not behind:
-            return
+        idle = self._loads.idle(self.client.behind(version))
+        behind = [i for i in idle if self._hold(i.url)[0] <= now]
         request = self._request(version, uri=uri)
+        for instance in behind:
+            self._loads.start(instance, request).add_done_callback(
+                lambda load, url=instance.url: self._caught_up(url, version, load)
+            )
 
-        def load(instance) -> None:
-            try:
-                loaded = self.client.load_weights(instance, request, self.timeout_s)
-            except SupersededGangError:
-                raise
-            except Exception as error:  # a refused load (400): the next publication may do
-                loaded = False
-                log.warning("weights of version %d: catch-up failed: %s", version, error)
-            if loaded:
-                self._held.pop(instance.url, None)
+    def _caught_up(self, url: str, version: int, load: Future[bool]) -> None:
+        error = load.exception()
+        if error is not None and not isinstance(error, SupersededGangError):
+            # a refused load (400): the next publication may do
+            log.warning("weights of version %d: catch-up failed: %s", version, error)
+        with self._cond:
+            if error is None and load.result():
+                self._held.pop(url, None)
                 return
-            wait = self._hold(instance.url)[1] * 2 or self.catch_up_every_s
-            wait = min(wait, self.catch_up_backoff_max_s)
-            self._held[instance.url] = (time.monotonic() + wait, wait)
+            delay = self._hold(url)[1] * 2 or self.catch_up_every_s
+            delay = min(delay, self.catch_up_backoff_max_s)
+            self._held[url] = (time.monotonic() + delay, delay)
 
-        with ThreadPoolExecutor(max_workers=len(behind)) as pool:
-            list(pool.map(load, behind))
+    def _superseded(self, error: SupersededGangError) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error  # this gang must stop: the trainer hears of it next call
+            self._cond.notify_all()
 
     def _hold(self, url: str) -> tuple[float, float]:
-        return self._held.get(url, (0.0, 0.0))
+        with self._cond:
+            return self._held.get(url, (0.0, 0.0))
 
     def _ship_retrying(self, version: int, snapshot, config: str) -> tuple[bool, str | None]:
         """Ship `version`, retried until `timeout_s`: (False if a newer version became
@@ -281,34 +290,30 @@ class WeightPublisher:
         # Every instance that answers, weights or not (a fresh one answers 503, and only
         # a load brings it up). One whose last load failed is marked down until the next
         # probe: ask now rather than count a version no instance loaded as published.
-        targets = self.client.loadable()
+        targets = self._loads.idle(self.client.loadable())
         if not targets:
             for instance in self.client.instances:
                 self.client.probe(instance)
-            targets = self.client.loadable()
+            targets = self._loads.idle(self.client.loadable())
         if not targets:
+            loading = self._loads.idle(self.client.instances) != self.client.instances
             raise RuntimeError(
-                f"no live rollout instance to load weights version {request.version} (none "
-                f"answers){self.client.failures()}"
+                f"no live rollout instance to load weights version {request.version} "
+                + ("(those that answer still load an earlier one)" if loading else "(none answers)")
+                + self.client.failures()
             )
-        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
-            results = list(
-                pool.map(lambda i: self.client.load_weights(i, request, self.timeout_s), targets)
-            )
-        if not any(results):
-            raise RuntimeError(
-                f"no rollout instance accepted weights version {request.version}"
-                f"{self.client.failures()}"
-            )
+        started = time.monotonic()
+        loads = [self._loads.start(i, request) for i in targets]
+        self._loads.awaited(request.version, loads, started)
 
     def _members_now(self) -> list[Instance]:
         """The live instances, each asked which server process answers at its URL: one
         restarted in its pod since the group formed is not in it (a broadcast over the
         old group would wait for it until the group's timeout)."""
-        live = self.client.live()
+        live = self._loads.idle(self.client.live())
         with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
             list(pool.map(self.client.probe, live))
-        return self.client.live()
+        return self._loads.idle(self.client.live())
 
     def _broadcast(self, version: int, state: dict[str, torch.Tensor], config: str) -> str | None:
         """Send over the group; (re)form it when the live instances changed. A store copy
@@ -348,32 +353,26 @@ class WeightPublisher:
             )
             for rank in range(1, len(live) + 1)
         ]
-        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
-            futures = [
-                pool.submit(self.client.load_weights, i, r, self.timeout_s)
-                for i, r in zip(live, requests, strict=True)
-            ]
-            try:
-                if self._group is None:
-                    self._group = BroadcastGroup(address, 0, min(self.timeout_s, 60.0), self.host)
-                    self._members = members
-                self._group.send(version, state)
-            except Exception:
-                # Members that refused this gang (409) never joined: the group timed out
-                # waiting for them. Ended here, not by falling back to the store, which
-                # would write this replaced gang's weights where the new gang's are.
-                for future in futures:
-                    if isinstance(future.exception(), SupersededGangError):
-                        raise future.exception() from None
-                raise
-            results = [f.result() for f in futures]
-        if not all(results):  # someone fell out: re-form the group next time
+        started = time.monotonic()
+        loads = [self._loads.start(i, r) for i, r in zip(live, requests, strict=True)]
+        try:
+            if self._group is None:
+                self._group = BroadcastGroup(address, 0, min(self.timeout_s, 60.0), self.host)
+                self._members = members
+            self._group.send(version, state)
+        except Exception:
+            # Members that refused this gang (409, at once) never joined: the group timed
+            # out waiting for them. Ended here, not by falling back to the store, which
+            # would write this replaced gang's weights where the new gang's are.
+            wait(loads, timeout=5.0)
+            for load in loads:
+                if load.done() and isinstance(load.exception(), SupersededGangError):
+                    raise load.exception() from None
+            raise
+        everyone = self._loads.awaited(version, loads, started)
+        if not everyone:  # someone fell out or still loads: re-form the group next time
             self._group, self._members = None, ()
-        if not any(results):  # published to nobody: by the store, and retried from there
-            raise RuntimeError(
-                f"no rollout instance accepted weights version {version}{self.client.failures()}"
-            )
-        if forming or not all(results):  # written once the members took it, not before:
+        if forming or not everyone:  # written once the members took it, not before:
             # a gang refused by them (a newer one replaced it) writes nothing there.
             return self._stored(version, lambda: save(state), config)
         return None

@@ -1,0 +1,112 @@
+"""The weight publisher's loads in flight: at most one per rollout instance, each on a
+thread of its own, and the wait for a publication's loads.
+
+A publication counts once an instance took the version and every other one took it too
+or had the stragglers' wait, `max(STRAGGLER_WAIT_FLOOR_S, STRAGGLER_WAIT_FACTOR` × the
+first one's time`)`, more. A load waits behind the generate call in the instance's
+engine, and an engine hung in one still answers /healthz until the stall limit: such an
+instance held each publication, and the trainer with it, for the whole request timeout.
+A straggler's load goes on in the background. It gets no generate requests until it
+serves the current version (the client's rule), and no other load until that one ends,
+so a wedged instance holds one connection, not one per step; versions only grow at the
+instance, so loads never land out of order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+from rlft.trainer.rollout.client import Instance, RolloutClient
+from rlft.trainer.rollout.protocol import SupersededGangError, WeightsRequest
+
+log = logging.getLogger(__name__)
+
+STRAGGLER_WAIT_FLOOR_S = 10.0
+"""Once an instance took a version, the others have at least this long more."""
+STRAGGLER_WAIT_FACTOR = 4.0
+"""... or this many times the first one's load time, when longer (large models)."""
+
+
+class InstanceLoads:
+    def __init__(
+        self,
+        client: RolloutClient,
+        timeout_s: float,
+        superseded: Callable[[SupersededGangError], None],
+    ):
+        """`superseded`: told when a load found this gang replaced (whoever started it)."""
+        self.client, self.timeout_s, self._superseded = client, timeout_s, superseded
+        self._lock = threading.Lock()
+        self._loading: dict[str, Future[bool]] = {}
+        """Instance URL → its load in flight."""
+
+    def idle(self, instances: list[Instance]) -> list[Instance]:
+        """Those of `instances` with no load in flight."""
+        with self._lock:
+            return [i for i in instances if i.url not in self._loading]
+
+    def start(self, instance: Instance, request: WeightsRequest) -> Future[bool]:
+        """POST `request` to `instance` on a daemon thread: an executor's threads are
+        joined at exit, and one waiting on a wedged instance would hold the trainer's exit
+        for the request timeout."""
+        load: Future[bool] = Future()
+
+        def run() -> None:
+            try:
+                load.set_result(self.client.load_weights(instance, request, self.timeout_s))
+            except BaseException as error:
+                load.set_exception(error)
+
+        with self._lock:
+            self._loading[instance.url] = load
+        load.add_done_callback(lambda _: self._ended(instance.url, load))
+        try:
+            threading.Thread(target=run, name="weight-load", daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self._loading.pop(instance.url, None)
+            raise
+        return load
+
+    def _ended(self, url: str, load: Future[bool]) -> None:
+        with self._lock:
+            if self._loading.get(url) is load:
+                del self._loading[url]
+        if isinstance(load.exception(), SupersededGangError):
+            self._superseded(load.exception())
+
+    def awaited(self, version: int, loads: list[Future[bool]], started: float) -> bool:
+        """Wait until every load ended, or one succeeded and the others had the
+        stragglers' wait; raise their errors (a SupersededGangError as it is), or that
+        none took `version`. Whether every instance took it."""
+        pending, until = set(loads), None
+        while pending:
+            timeout = None if until is None else max(0.0, until - time.monotonic())
+            done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+            if not done:
+                break
+            for load in done:
+                if load.exception() is not None:
+                    raise load.exception()
+                if load.result() and until is None:
+                    first = time.monotonic() - started
+                    until = time.monotonic() + max(
+                        STRAGGLER_WAIT_FLOOR_S, STRAGGLER_WAIT_FACTOR * first
+                    )
+        if until is None:
+            raise RuntimeError(
+                f"no rollout instance accepted weights version {version}{self.client.failures()}"
+            )
+        if pending:
+            log.warning(
+                "weights of version %d: published without %d instance(s) still loading it "
+                "%.0f s after the first took it; they get no requests until they serve it",
+                version,
+                len(pending),
+                time.monotonic() - started,
+            )
+        return not pending and all(load.result() for load in loads)
