@@ -1,15 +1,17 @@
 """The weight publisher's loads in flight: at most one per rollout instance, each on a
 thread of its own, and the wait for a publication's loads.
 
-A publication counts once an instance took the version and every other one took it too
-or had the stragglers' wait, `max(STRAGGLER_WAIT_FLOOR_S, STRAGGLER_WAIT_FACTOR` × the
-first one's time`)`, more. A load waits behind the generate call in the instance's
-engine, and an engine hung in one still answers /healthz until the stall limit: such an
-instance held each publication, and the trainer with it, for the whole request timeout.
-A straggler's load goes on in the background. It gets no generate requests until it
-serves the current version (the client's rule), and no other load until that one ends,
-so a wedged instance holds one connection, not one per step; versions only grow at the
-instance, so loads never land out of order.
+A store publication counts once an instance took the version and every other one it was
+sent to took it too or had the stragglers' wait: `STRAGGLER_WAIT_FACTOR` × the first
+one's time, at least `STRAGGLER_WAIT_FLOOR_S`. A load waits behind the generate call in
+the instance's engine, and an engine hung in one still answers /healthz until the stall
+limit: such an instance held each publication, and the trainer with it, for the whole
+request timeout. A straggler's load goes on in the background. It gets no generate
+requests until it serves the current version (the client's rule), and no other load
+until that one ends, so a wedged instance holds one connection, not one per step;
+versions only grow at the instance, so loads never land out of order. A broadcast waits
+for every member: its tensors arrived with the group's send, and one left behind would
+cost the group's re-forming and a store copy at the next publication.
 """
 
 from __future__ import annotations
@@ -76,12 +78,24 @@ class InstanceLoads:
         with self._lock:
             if self._loading.get(url) is load:
                 del self._loading[url]
-        if isinstance(load.exception(), SupersededGangError):
-            self._superseded(load.exception())
+        error = load.exception()
+        if isinstance(error, SupersededGangError):
+            self._superseded(error)
+        elif error is not None:  # raised to its publication, if still awaited; else only here
+            log.warning("a weight load at %s failed: %s: %s", url, type(error).__name__, error)
 
-    def awaited(self, version: int, loads: list[Future[bool]], started: float) -> bool:
-        """Wait until every load ended, or one succeeded and the others had the
-        stragglers' wait; raise their errors (a SupersededGangError as it is), or that
+    def wait_for_one(self, instances: list[Instance], timeout: float) -> None:
+        """Until one of `instances`' loads in flight ends (at once if none is)."""
+        with self._lock:
+            loads = [self._loading[i.url] for i in instances if i.url in self._loading]
+        if loads:
+            wait(loads, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def awaited(
+        self, version: int, loads: list[Future[bool]], started: float, stragglers: bool = True
+    ) -> bool:
+        """Wait until every load ended, or (`stragglers`) one succeeded and the others had
+        the stragglers' wait; raise their errors (a SupersededGangError as it is), or that
         none took `version`. Whether every instance took it."""
         pending, until = set(loads), None
         while pending:
@@ -92,12 +106,12 @@ class InstanceLoads:
             for load in done:
                 if load.exception() is not None:
                     raise load.exception()
-                if load.result() and until is None:
+                if load.result() and until is None and stragglers:
                     first = time.monotonic() - started
                     until = time.monotonic() + max(
                         STRAGGLER_WAIT_FLOOR_S, STRAGGLER_WAIT_FACTOR * first
                     )
-        if until is None:
+        if not any(load.done() and load.result() for load in loads):
             raise RuntimeError(
                 f"no rollout instance accepted weights version {version}{self.client.failures()}"
             )

@@ -6,7 +6,8 @@ generate request (their weight load waits for it: updates are atomic per request
 Only the newest pending version is shipped: if the trainer is two versions ahead of a
 slow publication, the older one is skipped. `wait(version)` blocks until that version is
 published (the pipeline's start rule needs this): an instance took it, and every other
-one took it too or had the stragglers' wait (`loads.py`).
+one it was sent to took it too or had the stragglers' wait (`loads.py`; an instance with
+a load still in flight is sent none).
 
 A failed shipment (the object store down, every instance refusing the load) is retried
 with backoff until `timeout_s`, or until a newer version is pending, which replaces it:
@@ -92,7 +93,8 @@ class WeightPublisher:
         whose catch-up keeps failing (a 401, a store it cannot read) is tried less and
         less often, not every `catch_up_every_s` with a warning each time, for ever."""
         self.last_publish_s = 0.0
-        """Seconds from snapshot to the last instance's acknowledgement (last publication)."""
+        """Seconds from snapshot to the last publication counting as done (the stragglers'
+        wait included, when one was left loading)."""
         self.published = 0
         self._thread = threading.Thread(target=self._run, name="weight-publisher", daemon=True)
         self._thread.start()
@@ -183,7 +185,7 @@ class WeightPublisher:
                 self._cond.notify_all()
 
     def _woken(self) -> bool:
-        return self._pending is not None or self._closed
+        return self._pending is not None or self._closed or self._error is not None
 
     def _catch_up(self) -> None:
         """Send the newest acknowledged version's store copy to the instances that answer
@@ -208,6 +210,8 @@ class WeightPublisher:
             # a refused load (400): the next publication may do
             log.warning("weights of version %d: catch-up failed: %s", version, error)
         with self._cond:
+            if self._latest is not None and self._latest[0] > version:
+                return  # a newer version cleared the holds: this result is of no account
             if error is None and load.result():
                 self._held.pop(url, None)
                 return
@@ -221,6 +225,13 @@ class WeightPublisher:
                 self._error = error  # this gang must stop: the trainer hears of it next call
             self._cond.notify_all()
 
+    def _raise_superseded(self) -> None:
+        """A load on another thread found this gang replaced: send and write nothing more
+        (a store copy would put this gang's weights where the new gang's are)."""
+        with self._cond:
+            if isinstance(self._error, SupersededGangError):
+                raise self._error
+
     def _hold(self, url: str) -> tuple[float, float]:
         with self._cond:
             return self._held.get(url, (0.0, 0.0))
@@ -233,6 +244,7 @@ class WeightPublisher:
         attempt = 0
         while True:
             attempt += 1
+            self._raise_superseded()
             try:
                 return True, self._ship(version, snapshot, config)
             except SupersededGangError:
@@ -250,6 +262,7 @@ class WeightPublisher:
                 )
             with self._cond:
                 if self._cond.wait_for(self._woken, delay):
+                    self._raise_superseded()
                     return False, None
 
     def _ship(self, version: int, snapshot, config: str) -> str | None:
@@ -282,6 +295,7 @@ class WeightPublisher:
         publication wrote it (each retry uploaded the whole model again)."""
         if self._written is not None and self._written[0] == version:
             return self._written[1]
+        self._raise_superseded()
         uri = self.store.write(version, weights(), config)
         self._written = (version, uri)
         return uri
@@ -291,16 +305,20 @@ class WeightPublisher:
         # a load brings it up). One whose last load failed is marked down until the next
         # probe: ask now rather than count a version no instance loaded as published.
         targets = self._loads.idle(self.client.loadable())
+        if not targets and self.client.loadable():
+            # Each still loads an earlier version (a catch-up, a straggler): its load ends
+            # within the timeout, then this one goes.
+            self._loads.wait_for_one(self.client.loadable(), self.timeout_s)
+            targets = self._loads.idle(self.client.loadable())
         if not targets:
             for instance in self.client.instances:
                 self.client.probe(instance)
             targets = self._loads.idle(self.client.loadable())
         if not targets:
-            loading = self._loads.idle(self.client.instances) != self.client.instances
+            busy = "still loading an earlier one" if self.client.loadable() else "none answers"
             raise RuntimeError(
                 f"no live rollout instance to load weights version {request.version} "
-                + ("(those that answer still load an earlier one)" if loading else "(none answers)")
-                + self.client.failures()
+                f"({busy}){self.client.failures()}"
             )
         started = time.monotonic()
         loads = [self._loads.start(i, request) for i in targets]
@@ -369,7 +387,9 @@ class WeightPublisher:
                 if load.done() and isinstance(load.exception(), SupersededGangError):
                     raise load.exception() from None
             raise
-        everyone = self._loads.awaited(version, loads, started)
+        # Every member: its tensors arrived, it waits only for the generate call in its
+        # engine, and one left behind would cost a re-formed group and a store copy.
+        everyone = self._loads.awaited(version, loads, started, stragglers=False)
         if not everyone:  # someone fell out or still loads: re-form the group next time
             self._group, self._members = None, ()
         if forming or not everyone:  # written once the members took it, not before:
