@@ -305,6 +305,27 @@ def test_a_planted_hang_is_for_one_rank_step_and_gang_attempt():
         faults.planted_from_env({faults.ENV: '[{"kind": "freeze"}]'})
 
 
+def test_a_planted_pause_comes_after_its_steps_at_its_world_size_and_beats(monkeypatch):
+    """The elastic cluster test's drill: it must beat (a rank that stops beating is
+    killed as stalled) and end at its limit if nothing ends the process."""
+    planted = faults.planted_from_env(
+        {faults.ENV: '[{"kind": "pause", "worldSize": 2, "after": 2, "limitSeconds": 1.5}]'}
+    )
+    assert planted == [faults.Pause(2, 2, 1.5)]
+    monkeypatch.setattr(faults, "_steps_run", 0)
+    beats: list[str] = []
+    monkeypatch.setattr(liveness, "beat", beats.append)
+    faults.pause_if_planted(planted, 3, 0, 1)  # another world size: never
+    faults.pause_if_planted(planted, 2, 0, 2)
+    assert beats == []
+    started = time.monotonic()
+    faults.pause_if_planted(planted, 2, 0, 3)  # the third step this process runs
+    assert 1.5 <= time.monotonic() - started < 30 and beats[0] == "planted pause at step 3"
+    paused = len(beats)
+    faults.pause_if_planted(planted, 2, 0, 4)  # once only
+    assert len(beats) == paused
+
+
 def test_a_rollout_server_is_started_before_it_has_weights():
     """Its startup probe asks /livez (serving at all), its readiness probe /healthz (503
     until weights are loaded: a job whose trainer builds the model has none before the

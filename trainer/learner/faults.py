@@ -14,7 +14,12 @@ Set `RLFT_PLANT_FAULTS` to a JSON list of faults:
   runs through however far back its checkpoint is;
 - `{"kind": "error", "rank": 0, "at": 5}`: rank `rank` raises a ValueError at step `at`
   of the job's algorithm (where a hang would stop), as a bug or a library's error on
-  some batch would, in every gang attempt.
+  some batch would, in every gang attempt;
+- `{"kind": "pause", "worldSize": 2, "after": 3}`: every rank of a gang of world size
+  `worldSize` pauses before the step after the `after` steps its process ran, beating
+  its liveness as a long step would, until the process is ended (torchrun restarts its
+  workers when an elastic gang grows) or `limitSeconds` (default 600) pass: a drill of an
+  elastic gang that grows back while it trains, whatever the machine's speed.
 
 Nothing is planted when it is unset; a malformed value is an error, not ignored.
 """
@@ -60,7 +65,14 @@ class Error:
     at: int
 
 
-Fault = GradScale | Hang | Error
+@dataclass(frozen=True)
+class Pause:
+    world_size: int
+    after: int
+    limit_s: float = 600.0
+
+
+Fault = GradScale | Hang | Error | Pause
 
 
 def _parse(item: dict) -> Fault:
@@ -70,6 +82,9 @@ def _parse(item: dict) -> Fault:
         return Hang(int(item["rank"]), int(item["at"]), int(item.get("attempt", 0)))
     if item["kind"] == "error":
         return Error(int(item["rank"]), int(item["at"]))
+    if item["kind"] == "pause":
+        limit = float(item.get("limitSeconds", 600))
+        return Pause(int(item["worldSize"]), int(item["after"]), limit)
     raise ValueError(f"unknown kind {item['kind']!r}")
 
 
@@ -81,7 +96,7 @@ def planted_from_env(environ: dict[str, str] | None = None) -> list[Fault]:
         return [_parse(item) for item in json.loads(text)]
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(
-            f"{ENV}: expected a JSON list of grad_scale, hang and error faults ({error})"
+            f"{ENV}: expected a JSON list of grad_scale, hang, error and pause faults ({error})"
         ) from None
 
 
@@ -137,3 +152,28 @@ def raise_if_planted(faults: list[Fault], rank: int, step: int) -> None:
     """Raise the ValueError planted for this rank and step, if any."""
     if any(isinstance(f, Error) and (f.rank, f.at) == (rank, step) for f in faults):
         raise ValueError(f"planted fault: rank {rank} fails at step {step}")
+
+
+_steps_run = 0
+"""Steps this process began (a pause counts its `after` from the process's start)."""
+
+
+def pause_if_planted(faults: list[Fault], world_size: int, rank: int, step: int) -> None:
+    """Pause here, beating, when a pause is planted for this world size and this process
+    has run its `after` steps; returns after the pause's limit."""
+    global _steps_run
+    _steps_run += 1
+    pause = next((f for f in faults if isinstance(f, Pause) and f.world_size == world_size), None)
+    if pause is None or _steps_run != pause.after + 1:
+        return
+    from rlft.trainer.telemetry import liveness
+
+    print(
+        f"rlft: planted fault: rank {rank} of world size {world_size} pauses at step {step}",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + pause.limit_s
+    while time.monotonic() < deadline:
+        liveness.beat(f"planted pause at step {step}")
+        time.sleep(1)
