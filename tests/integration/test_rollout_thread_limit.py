@@ -20,7 +20,9 @@ PIDS_ROOT = Path("/sys/fs/cgroup/pids")
 # trying the second, each try a thread of its own, also once the test limited them.
 PUBLISHER = textwrap.dedent(
     """
-    import sys, time
+    import sys
+    from pathlib import Path
+
     import torch
     torch.set_num_threads(1)  # no intra-op pool threads to start later
     from rollout_fixtures import store_at, tiny_model
@@ -30,7 +32,6 @@ PUBLISHER = textwrap.dedent(
     urls, folder = sys.argv[1].split(","), sys.argv[2]
     model = tiny_model()[0]
     client = RolloutClient(urls, timeout_s=10, probe_every_s=0.05)
-    from pathlib import Path
     publisher = WeightPublisher(
         client, store_at(Path(folder)), "store", 30, "127.0.0.1", 0.05, catch_up_backoff_max_s=0.5
     )

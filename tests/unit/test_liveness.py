@@ -307,7 +307,8 @@ def test_a_planted_hang_is_for_one_rank_step_and_gang_attempt():
 
 def test_a_planted_pause_comes_after_its_steps_at_its_world_size_and_beats(monkeypatch):
     """The elastic cluster test's drill: it must beat (a rank that stops beating is
-    killed as stalled) and end at its limit if nothing ends the process."""
+    killed as stalled), end when the rank is asked to stop (torchrun's SIGTERM as the
+    gang grows) and at its limit if nothing does."""
     planted = faults.planted_from_env(
         {faults.ENV: '[{"kind": "pause", "worldSize": 2, "after": 2, "limitSeconds": 1.5}]'}
     )
@@ -324,6 +325,11 @@ def test_a_planted_pause_comes_after_its_steps_at_its_world_size_and_beats(monke
     paused = len(beats)
     faults.pause_if_planted(planted, 2, 0, 4)  # once only
     assert len(beats) == paused
+    monkeypatch.setattr(faults, "_steps_run", 2)  # the next step pauses
+    asked = iter([False, True])
+    started = time.monotonic()
+    faults.pause_if_planted([faults.Pause(2, 2, 60)], 2, 0, 3, lambda: next(asked))
+    assert time.monotonic() - started < 30 and len(beats) == paused + 1  # asked to stop
 
 
 def test_a_rollout_server_is_started_before_it_has_weights():

@@ -17,9 +17,10 @@ Set `RLFT_PLANT_FAULTS` to a JSON list of faults:
   some batch would, in every gang attempt;
 - `{"kind": "pause", "worldSize": 2, "after": 3}`: every rank of a gang of world size
   `worldSize` pauses before the step after the `after` steps its process ran, beating
-  its liveness as a long step would, until the process is ended (torchrun restarts its
-  workers when an elastic gang grows) or `limitSeconds` (default 600) pass: a drill of an
-  elastic gang that grows back while it trains, whatever the machine's speed.
+  its liveness as a long step would, until it is asked to stop (torchrun sends SIGTERM
+  when an elastic gang grows: the rank then stops as from any step) or `limitSeconds`
+  (default 600) pass: a drill of an elastic gang that grows back while it trains,
+  whatever the machine's speed.
 
 Nothing is planted when it is unset; a malformed value is an error, not ignored.
 """
@@ -30,6 +31,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -158,9 +160,16 @@ _steps_run = 0
 """Steps this process began (a pause counts its `after` from the process's start)."""
 
 
-def pause_if_planted(faults: list[Fault], world_size: int, rank: int, step: int) -> None:
+def pause_if_planted(
+    faults: list[Fault],
+    world_size: int,
+    rank: int,
+    step: int,
+    stopping: Callable[[], bool] = lambda: False,
+) -> None:
     """Pause here, beating, when a pause is planted for this world size and this process
-    has run its `after` steps; returns after the pause's limit."""
+    has run its `after` steps; returns once `stopping()` or after the pause's limit (a
+    pause deaf to the SIGTERM was SIGKILLed at the end of torchrun's wait)."""
     global _steps_run
     _steps_run += 1
     pause = next((f for f in faults if isinstance(f, Pause) and f.world_size == world_size), None)
@@ -174,6 +183,6 @@ def pause_if_planted(faults: list[Fault], world_size: int, rank: int, step: int)
         flush=True,
     )
     deadline = time.monotonic() + pause.limit_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopping():
         liveness.beat(f"planted pause at step {step}")
         time.sleep(1)

@@ -204,7 +204,9 @@ def train_step(run: Run, phase: Phase, step: int) -> None:
         if phase.guarded and run.learner.planted:  # a drill: a rank hung or failing
             faults.hang_if_planted(run.learner.planted, run.dist.rank, step)
             faults.raise_if_planted(run.learner.planted, run.dist.rank, step)
-            faults.pause_if_planted(run.learner.planted, run.dist.world, run.dist.rank, step)
+            faults.pause_if_planted(
+                run.learner.planted, run.dist.world, run.dist.rank, step, run.checkpoints.stopping
+            )
         batch = run.dist.broadcast(STOPPED if drawn is None else drawn.batch)
         if isinstance(batch, str):
             run.checkpoints.stop_between_steps(run.cursor, run.learner)
