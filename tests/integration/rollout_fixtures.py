@@ -12,7 +12,7 @@ import torch
 
 from rlft.trainer.config import ModelInit, ModelSpec, TokenizerSpec
 from rlft.trainer.model.build import build_policy
-from rlft.trainer.rollout.client import RolloutClient
+from rlft.trainer.rollout.client import RolloutClient, http_json
 from rlft.trainer.rollout.local import LocalServers
 from rlft.trainer.rollout.publisher import WeightPublisher
 from rlft.trainer.rollout.server import start_server
@@ -73,6 +73,18 @@ class ThreadServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=10)
+
+
+def servers_at_version_0(tmp_path: Path, count: int = 2):
+    """(model, tokenizer, store, servers): `count` ThreadServers that loaded version 0 of
+    a store in `tmp_path`; the caller stops them."""
+    model, tokenizer = tiny_model()
+    store = store_at(tmp_path)
+    uri = publish(store, model, 0)
+    servers = [ThreadServer() for _ in range(count)]
+    for server in servers:
+        http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+    return model, tokenizer, store, servers
 
 
 def store_at(tmp_path: Path) -> WeightStore:

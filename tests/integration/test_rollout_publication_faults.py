@@ -21,7 +21,15 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_fixtures import s3_options
-from rollout_fixtures import PROMPTS, ThreadServer, publish, reading_through, store_at, tiny_model
+from rollout_fixtures import (
+    PROMPTS,
+    ThreadServer,
+    publish,
+    reading_through,
+    servers_at_version_0,
+    store_at,
+    tiny_model,
+)
 from s3_proxy import S3Proxy
 from safetensors.torch import save as save_safetensors
 from seaweedfs import SeaweedServer
@@ -76,12 +84,7 @@ def test_an_instance_damaged_before_the_first_publication_gets_no_requests(
     """A load failed part-way: the instance answers /healthz (ok, no version) so that the
     next load reaches it. Before the client knew any version it took generate requests,
     refused each, and was probed back, round and round."""
-    model, tokenizer = tiny_model()
-    store = store_at(tmp_path)
-    uri = publish(store, model, 0)
-    damaged, steady = ThreadServer(), ThreadServer()
-    for server in (damaged, steady):
-        http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+    model, tokenizer, store, (damaged, steady) = servers_at_version_0(tmp_path)
     # The fault: version 1 names the model's tensors but one has the wrong shape; the
     # load copies the others before it fails on that one (part old, part new weights).
     tensors = unique_tensors(model.state_dict())

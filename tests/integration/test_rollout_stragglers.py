@@ -12,11 +12,8 @@ from typing import Any
 import pytest
 from rollout_fixtures import (
     PROMPTS,
-    ThreadServer,
-    publish,
     redraw,
-    store_at,
-    tiny_model,
+    servers_at_version_0,
     wait_until,
 )
 
@@ -41,12 +38,7 @@ def test_an_instance_wedged_in_a_generate_call_does_not_hold_up_publications(
     one per version, gets no requests while behind, and catches up once its engine
     returns."""
     monkeypatch.setattr(loads_module, "STRAGGLER_WAIT_FLOOR_S", 2.0)
-    model, tokenizer = tiny_model()
-    store = store_at(tmp_path)
-    uri = publish(store, model, 0)
-    steady, wedged = ThreadServer(), ThreadServer()
-    for server in (steady, wedged):
-        http_json(f"{server.url}/weights", {"version": 0, "uri": uri}, 60)
+    model, tokenizer, store, (steady, wedged) = servers_at_version_0(tmp_path)
     host = wedged.server.host
     real_generate, real_load = host.engine.generate, host.load
     entered, release = threading.Event(), threading.Event()
