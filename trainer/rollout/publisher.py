@@ -205,10 +205,9 @@ class WeightPublisher:
             )
 
     def _caught_up(self, url: str, version: int, load: Future[bool]) -> None:
+        """Hold `url` back from catch-ups a while after a failed one (its error is logged
+        where every load's is, `InstanceLoads`)."""
         error = load.exception()
-        if error is not None and not isinstance(error, SupersededGangError):
-            # a refused load (400): the next publication may do
-            log.warning("weights of version %d: catch-up failed: %s", version, error)
         with self._cond:
             if self._latest is not None and self._latest[0] > version:
                 return  # a newer version cleared the holds: this result is of no account
