@@ -7,6 +7,7 @@ their version numbers ran past the new gang's."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,14 @@ from rollout_fixtures import (
     broadcasting,
     publish,
     redraw,
+    servers_at_version_0,
     store_at,
     tiny_model,
     wait_until,
 )
 
 from rlft.trainer.rollout import SamplingParams
-from rlft.trainer.rollout.client import http_json
+from rlft.trainer.rollout.client import RolloutClient, http_json
 from rlft.trainer.rollout.protocol import GenerateRequest, SupersededGangError, WeightsRequest
 from rlft.trainer.rollout.publisher import WeightPublisher
 
@@ -133,3 +135,39 @@ def test_an_old_gangs_load_waiting_behind_a_request_is_refused_once_a_new_gang_l
     finally:
         release.set()
         server.stop()
+
+
+def test_a_catch_up_refused_by_a_new_gang_stops_the_old_gangs_publications(tmp_path: Path):
+    """A catch-up is sent in the background and not waited for: its 409 (a new gang took
+    the instance, from its checkpoint's older version) used to be logged and nothing more,
+    and the replaced gang went on publishing, writing its weights into the store. Now the
+    trainer's next call raises the refusal, and no store copy is written after it."""
+    model, _, store, (kept, taken) = servers_at_version_0(tmp_path)
+    client = RolloutClient([kept.url, taken.url], timeout_s=60, probe_every_s=0.05)
+    publisher = WeightPublisher(client, store, "store", 60, "127.0.0.1", 0.05, gang=1)
+    try:
+        redraw(model, 1)
+        publisher.publish_now(model, 1)
+        new_gang = WeightsRequest(0, store.uri_of(0), gang=3).to_json()
+        http_json(f"{taken.url}/weights", new_gang, 60)  # the new gang resumed at version 0
+        client.probe(client.instances[1])  # as a generate answer's version would tell it
+
+        def refused() -> bool:  # version 1 is acknowledged: only the publisher's error raises
+            try:
+                publisher.wait(1, timeout=1)
+            except SupersededGangError:
+                return True
+            return False
+
+        wait_until(refused, 30, "the catch-up's refusal to reach the trainer")
+        redraw(model, 2)
+        with pytest.raises(SupersededGangError, match="gang attempt 1 refused"):
+            publisher.publish(model, 2)
+        time.sleep(0.5)  # what the publisher thread would write, it would have begun
+        assert store.numbers() == [0, 1]  # no store copy of the old gang's version 2
+        assert taken.server.host.served_gang == 3 and taken.server.host.policy_version == 0
+    finally:
+        publisher.close()
+        client.close()
+        kept.stop()
+        taken.stop()
