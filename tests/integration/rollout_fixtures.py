@@ -59,12 +59,17 @@ def publish(store: WeightStore, model, version: int) -> str:
 
 class ThreadServer:
     """A rollout server on a thread of this process (transformers engine); `s3`: how it
-    reaches published versions on S3 (as `rlft rollout` gets them from the job or flags)."""
+    reaches published versions on S3 (as `rlft rollout` gets them from the job or flags);
+    `port`: another's, to stand for it restarted (0: a free one)."""
 
     def __init__(
-        self, kind: str = "transformers", token: str | None = None, s3: S3Options | None = None
+        self,
+        kind: str = "transformers",
+        token: str | None = None,
+        s3: S3Options | None = None,
+        port: int = 0,
     ):
-        self.server = start_server(kind, token=token, s3=s3)
+        self.server = start_server(kind, port=port, token=token, s3=s3)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from rollout_fixtures import (
     PROMPTS,
+    ThreadServer,
     redraw,
     servers_at_version_0,
     wait_until,
@@ -93,3 +94,32 @@ def test_an_instance_wedged_in_a_generate_call_does_not_hold_up_publications(
         client.close()
         steady.stop()
         wedged.stop()
+
+
+def test_an_instance_restarted_without_weights_is_caught_up_without_a_publication(
+    tmp_path: Path,
+) -> None:
+    """A server restarted at an instance's URL whose store read failed answers /healthz
+    503 with no version. The client kept the version the old server had, so the instance
+    was not behind, no catch-up went to it, and it stayed idle until the next publication
+    (none comes at the end of a run, or while the trainer evaluates or checkpoints)."""
+    model, _, store, (steady, restarted) = servers_at_version_0(tmp_path)
+    client = RolloutClient([steady.url, restarted.url], timeout_s=60, probe_every_s=0.05)
+    publisher = WeightPublisher(client, store, "store", 60, "127.0.0.1", 0.05)
+    port = int(restarted.url.rsplit(":", 1)[1])
+    try:
+        redraw(model, 1)
+        publisher.publish_now(model, 1)
+        restarted.stop()  # fault injection: the server restarts, with no weights
+        restarted = ThreadServer(port=port)
+        host = restarted.server.host
+        client.probe(client.instances[1])  # as its next generate request's failure would
+        assert host.policy_version is None
+        wait_until(lambda: host.policy_version == 1, 30, "the restarted instance catches up")
+        wait_until(lambda: len(client.usable()) == 2, 30, "it takes requests again")
+        assert publisher.published == 1  # no publication brought it up
+    finally:
+        publisher.close()
+        client.close()
+        steady.stop()
+        restarted.stop()

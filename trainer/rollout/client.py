@@ -276,14 +276,18 @@ class RolloutClient:
                 # while its first load built the engine would put it out of `live()`).
                 return instance.healthy
             instance.answers = answered
+            if isinstance(answer, dict) and "policy_version" in answer:
+                # Also from a 503: a server restarted at its URL with no weights (its
+                # store read failed) serves none, and only a catch-up, which goes to
+                # the instances behind, brings it up before the next publication.
+                instance.server_id = answer.get("server_id")
+                instance.policy_version = answer["policy_version"]
             if not (isinstance(answer, dict) and answer.get("ok")):
                 # A live instance behind the current version (the ones probed while
                 # healthy) that stopped serving gets no generate requests nor broadcasts.
                 instance.healthy = False
                 return False
             instance.healthy = True
-            instance.server_id = answer.get("server_id")
-            instance.policy_version = answer.get("policy_version")
             return True
 
     def _probe_loop(self) -> None:
