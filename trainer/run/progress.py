@@ -19,7 +19,10 @@ class Reporter:
 
     def log(self, message: str) -> None:
         if self.interactive:
-            self.console.print(message)
+            # As written: a line rich wrapped at the terminal's width would cut a secret in
+            # it where the scrubbing of stdout (redaction.py) looks for it whole, and a
+            # reward's error text is no markup.
+            self.console.print(message, soft_wrap=True, markup=False)
         else:
             print(message, flush=True)
 
