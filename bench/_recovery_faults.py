@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster_jobs import ALGORITHMS, NS, one_trainer_per_node
-from faults import children, start_oom, worker_of
+from faults import start_oom, worker_of
 from node_lifecycle import NODE_GRACE_S
 from s3_proxy import S3Proxy
 from seaweedfs import SeaweedServer
@@ -75,7 +75,7 @@ class Fault:
 
 
 def _kill_worker(ctx: Context) -> float:
-    os.kill(children(ctx.cluster.container_pid(NS, ctx.trainer()))[0], signal.SIGKILL)
+    os.kill(worker_of(ctx.cluster, ctx.trainer()), signal.SIGKILL)
     return time.monotonic()
 
 

@@ -25,6 +25,9 @@ WORKSPACE = "/workspace"
 GPU_RESOURCE = "nvidia.com/gpu"
 TERMINATION_LOG = "/dev/termination-log"
 """Where each container writes its verdict (the Kubernetes default path)."""
+SCRUBBED = ["rlft", "scrubbed", "--"]
+"""What every container's command runs under: its output, whatever process writes it,
+reaches the pod's log without the secrets of its environment (trainer/cli/scrubbed.py)."""
 # Keys read from spec.checkpoint.credentialsSecret (the usual S3 environment variables).
 CREDENTIAL_KEYS = (
     ("AWS_ACCESS_KEY_ID", False),
@@ -291,7 +294,7 @@ def job_pod(
         "name": "main",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "command": command,
+        "command": [*SCRUBBED, *command],
         "env": operator_env(job, body, s, role)
         + thread_env(resources, job_env(job, role), ranks_per_pod(job, role)),
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],

@@ -10,6 +10,8 @@ by whoever may `kubectl logs`, and collected into log stores that keep it for mo
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
 import sys
@@ -87,24 +89,87 @@ def _without(text: str, values: Iterable[str]) -> str:
     return _SECRET_QUERY.sub(r"\1***", text)
 
 
-class ScrubbedStream:
-    """A text stream that passes on what is written to it `scrubbed`, a line at a time: a
-    secret printed in pieces (`print("key", key)` writes each argument on its own) is
-    whole when it is looked for. A partial line goes on at `flush` (a prompt, a progress
-    bar's `\r` update); a secret cut by a flush in its middle is the one case it misses.
-    Everything else (fileno, isatty, encoding, buffer) is the wrapped stream's."""
+LONGEST_HELD_WORD = 4096
+"""A partial line's last word waits for more text up to this length: a URL's credentials
+are looked for within one word (no pattern spans whitespace), and a word cut in two by a
+flush would hide them from both halves."""
+_LAST_WORD = re.compile(r"\S+$")
+_URL_MARKS = frozenset(":?&")
 
-    def __init__(self, stream, secrets: list[str]):
-        self._stream = stream
-        # A secret of several lines (a PEM key, a service account's JSON) reaches `write`
-        # cut at its line ends: each of its lines is looked for as well.
+
+def _unsafe_tail(text: str, secrets: Iterable[str], words: bool) -> int:
+    """How many characters at the end of a partial line wait for the rest of it: any end
+    that begins a secret and, with `words`, its last word if that has a `:`, `?` or `&`
+    (cut there, a URL's credentials would go unseen)."""
+    held = 0
+    word = _LAST_WORD.search(text[-(LONGEST_HELD_WORD + 1) :]) if words else None
+    if word and len(word.group()) <= LONGEST_HELD_WORD and _URL_MARKS.intersection(word.group()):
+        held = len(word.group())
+    for secret in secrets:
+        window = text[-(len(secret) - 1) :] if len(secret) > 1 else ""
+        start = window.find(secret[0]) if window else -1
+        while start != -1:  # from the left: the first match is the longest
+            if secret.startswith(window[start:]):
+                held = max(held, len(window) - start)
+                break
+            start = window.find(secret[0], start + 1)
+    return held
+
+
+class LineScrubber:
+    """Text in, `scrubbed` text out, a line at a time: a secret printed in pieces
+    (`print("key", key)` writes each argument on its own) is whole when it is looked for.
+    A partial line can go on before its end (`partial`: a prompt, a progress bar), less
+    any end of it that may be the start of a secret, which waits for the next text; with
+    `words`, so does its last word where a URL's credentials may be cut (a terminal's
+    progress bar would lose its last column: only for output nobody watches live)."""
+
+    def __init__(self, secrets: Iterable[str], words: bool = False):
+        self._words = words
+        secrets = list(secrets)
+        # A secret of several lines (a PEM key, a service account's JSON) arrives cut at
+        # its line ends: each of its lines is looked for as well.
         lines = {line for value in secrets for line in value.splitlines()}
         extra = [line for line in lines if len(line.strip()) >= SHORTEST]
         self._secrets = sorted(set(secrets) | set(extra), key=len, reverse=True)
         self._pending: list[str] = []
+
+    def lines(self, text: str) -> str:
+        """Takes `text`; returns the lines it ended, scrubbed ("" when it ended none)."""
+        cut = max(text.rfind("\n"), text.rfind("\r")) + 1
+        if not cut:
+            self._pending.append(text)  # joined once its line ends: not quadratic
+            return ""
+        lines = "".join(self._pending) + text[:cut]
+        self._pending = [text[cut:]] if cut < len(text) else []
+        return _without(lines, self._secrets)
+
+    def partial(self) -> str:
+        """The partial line so far, scrubbed, less an end that may begin a secret."""
+        pending = "".join(self._pending)
+        held = _unsafe_tail(pending, self._secrets, self._words)
+        self._pending = [pending[len(pending) - held :]] if held else []
+        return _without(pending[: len(pending) - held], self._secrets)
+
+    def rest(self) -> str:
+        """All that is left, scrubbed: the text has ended."""
+        pending, self._pending = "".join(self._pending), []
+        return _without(pending, self._secrets)
+
+
+class ScrubbedStream:
+    """A text stream that passes on what is written to it through a `LineScrubber`. A
+    partial line goes on at `flush`, less an end that may begin a secret, which goes at
+    the next write or at exit. Everything else (fileno, isatty, encoding, buffer) is the
+    wrapped stream's."""
+
+    def __init__(self, stream, secrets: list[str]):
+        self._stream = stream
+        self._scrubber = LineScrubber(secrets)
         # Reentrant: a signal handler that prints runs on the main thread, maybe inside
         # a write of its own (a plain lock would deadlock there).
         self._lock = threading.RLock()
+        atexit.register(self.finish)  # before Python's last flush of the std streams
 
     def _locked(self) -> bool:
         """Take the lock; at interpreter shutdown give up after a second (a daemon thread
@@ -115,13 +180,9 @@ class ScrubbedStream:
         if not self._locked():
             return 0
         try:
-            cut = max(text.rfind("\n"), text.rfind("\r")) + 1
-            if not cut:
-                self._pending.append(text)  # joined once its line ends: not quadratic
-            else:
-                lines = "".join(self._pending) + text[:cut]
-                self._pending = [text[cut:]] if cut < len(text) else []
-                self._stream.write(_without(lines, self._secrets))
+            lines = self._scrubber.lines(text)
+            if lines:
+                self._stream.write(lines)
         finally:
             self._lock.release()
         return len(text)
@@ -131,12 +192,20 @@ class ScrubbedStream:
             self.write(line)
 
     def flush(self) -> None:
+        self._pass_on(self._scrubber.partial)
+
+    def finish(self) -> None:
+        """Passes on all that is left (at exit; not to a stream closed by then)."""
+        with contextlib.suppress(ValueError, OSError):
+            self._pass_on(self._scrubber.rest)
+
+    def _pass_on(self, take) -> None:
         if not self._locked():
             return
         try:
-            if self._pending:
-                pending, self._pending = "".join(self._pending), []
-                self._stream.write(_without(pending, self._secrets))
+            text = take()
+            if text:
+                self._stream.write(text)
             self._stream.flush()
         finally:
             self._lock.release()

@@ -166,6 +166,9 @@ def test_the_trainer_image_installs_every_program_the_pods_run():
     for job, body in parsed_examples(multi_node_rollout=True):
         for pod in M.desired(job, body, M.Settings(), "auto").pods.values():
             command = pod["spec"]["containers"][0]["command"]
+            assert command[:3] == ["rlft", "scrubbed", "--"]  # every pod's first process
+            programs.add(command[0])
+            command = command[3:]
             programs.add(command[0])
             if command[:2] == ["sh", "-c"]:  # a Ray head: `ray start … && exec rlft …`
                 for part in command[2].split("&&"):
@@ -195,20 +198,23 @@ def test_the_trainer_image_installs_every_program_the_pods_run():
 
 
 def test_the_rlft_commands_of_the_pods_parse_with_the_real_cli():
-    """`rlft train …` (after torchrun's `--no-python`) and `rlft rollout …` (also behind a Ray
-    head's `exec`), exactly as the operator writes them, are accepted by `rlft`'s parser.
-    In a subprocess: building that parser imports the rollout engines (torch)."""
+    """`rlft scrubbed -- …`, `rlft train …` (after torchrun's `--no-python`) and `rlft
+    rollout …` (also behind a Ray head's `exec`), exactly as the operator writes them, are
+    accepted by `rlft`'s parser. In a subprocess: building that parser imports the rollout
+    engines (torch)."""
     argvs = []
     for job, body in parsed_examples(multi_node_rollout=True):
         for pod in M.desired(job, body, M.Settings(), "auto").pods.values():
             command = pod["spec"]["containers"][0]["command"]
+            argvs.append(command[1:4])  # `rlft scrubbed -- PROGRAM`, every pod's first
+            command = command[3:]
             if command[0] == "torchrun":
                 argvs.append(command[command.index("--no-python") + 2 :])
             elif command[0] == "rlft":
                 argvs.append(command[1:])
             elif command[:2] == ["sh", "-c"]:
                 argvs.append(shlex.split(command[2].split("exec rlft", 1)[1]))
-    assert {argv[0] for argv in argvs} == {"train", "rollout"}
+    assert {argv[0] for argv in argvs} == {"scrubbed", "train", "rollout"}
     code = (
         "import json, sys\n"
         "from rlft.trainer.cli.main import build_parser\n"

@@ -35,8 +35,10 @@ def children(pid: int) -> list[int]:
 
 
 def worker_of(cluster: ProcessCluster, pod: str) -> int:
-    """The `rlft train` worker torchrun (the container's process) started."""
-    agent = cluster.container_pid(NS, pod)
+    """The `rlft train` worker torchrun started (torchrun runs under `rlft scrubbed`, the
+    container's process)."""
+    first = cluster.container_pid(NS, pod)
+    agent = wait_for(lambda: children(first), f"{pod}'s torchrun agent", 60)[0]
     return wait_for(lambda: children(agent), f"a worker under {pod}'s agent", 60)[0]
 
 

@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,6 +53,25 @@ def post_without_the_token(cluster, pod_name: str) -> int | None:
         return None
 
 
+JUDGE_KEY = "judge-key-5e4d3c2b1a09"
+USER_CODE = Path(__file__).parent / "user_code"
+
+
+def with_a_leaky_judge(cluster, job: dict[str, Any]) -> None:
+    """A second reward term (weight 0: the run learns as before) from the user's code on
+    PYTHONPATH, whose key comes from a Secret, and which prints it (user_code/)."""
+    cluster.create_secret(NS, "judge", {"key": JUDGE_KEY})
+    spec = job["spec"]
+    spec["reward"]["functions"].append({"name": "leaky_judge:judge", "weight": 0})
+    key = {"secretKeyRef": {"name": "judge", "key": "key"}}
+    spec["trainer"].setdefault("env", []).extend(
+        [
+            {"name": "PYTHONPATH", "value": str(USER_CODE)},
+            {"name": "JUDGE_API_KEY", "valueFrom": key},
+        ]
+    )
+
+
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     cluster, seaweed, prometheus, algorithm, tmp_path
@@ -64,6 +84,7 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
         warm, at = warm_start_of_the_example(tmp_path / "warm"), "/assets/model"
         job = learnable_job(name, bucket, at)
         mount_a_claim(cluster, job, warm, "warm-start", at)
+        with_a_leaky_judge(cluster, job)
     else:
         job = tiny_job(name, bucket, ALGORITHMS[algorithm])
     cluster.apply(job)
@@ -105,6 +126,10 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     assert seen_checkpoint, "kubectl get rlft never showed a checkpoint"
     if learns:  # DPO steps have no reward; the tiny PPO job may end between two polls
         assert seen_rewards and all(0 <= r <= 1 for r in seen_rewards), seen_rewards
+        # What the judge's client and its write to the descriptor printed, less its key.
+        for said in ("judge client: key ***", "judge fd: key ***"):
+            assert said in logs["trainer-0"], logs["trainer-0"][-3000:]
+        assert not [pod for pod, text in logs.items() if JUDGE_KEY in text]
     client = seaweed.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{name}/")["Contents"]]
     shards = {k.rsplit("/", 1)[-1] for k in keys if k.endswith(".distcp")}

@@ -198,7 +198,7 @@ def test_apply_the_example_and_see_children_and_status(api, operator):
     for child in [*pods.values(), config, *services]:
         assert child["metadata"]["ownerReferences"][0]["uid"] == uid
     command = pods["tiny-grpo-trainer-0"]["spec"]["containers"][0]["command"]
-    assert command[0] == "torchrun" and "--resume=auto" in command
+    assert command[:4] == ["rlft", "scrubbed", "--", "torchrun"] and "--resume=auto" in command
     _run_all(api, ns, "tiny-grpo")
     job = _wait_phase(api, ns, "tiny-grpo", "Running")
     conditions = {c["type"]: c["status"] for c in job["status"]["conditions"]}

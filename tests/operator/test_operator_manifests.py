@@ -117,7 +117,7 @@ def test_trainer_pods_run_elastic_torchrun():
         spec = pod["spec"]
         main = spec["containers"][0]
         command = main["command"]
-        assert command[0] == "torchrun"
+        assert command[:4] == ["rlft", "scrubbed", "--", "torchrun"]  # its output scrubbed
         assert "--nnodes=2:4" in command and "--nproc-per-node=8" in command
         assert "--rdzv-endpoint=trainer-0.tiny-grpo-trainer.ml.svc:29400" in command
         assert "--rdzv-id=0f0e-uid-0" in command  # the first gang's rendezvous
@@ -274,7 +274,8 @@ def test_multi_node_rollout_instances_are_ray_clusters():
     for worker in workers:
         command = worker["spec"]["containers"][0]["command"]
         k = worker["metadata"]["labels"][N.LABEL_INDEX]
-        assert command[:2] == ["ray", "start"] and "--block" in command
+        assert command[:5] == ["rlft", "scrubbed", "--", "ray", "start"]
+        assert "--block" in command
         assert f"--address=rollout-{k}.tiny-grpo-rollout.ml.svc:6379" in command
     urls = d.pods["tiny-grpo-trainer-0"]["spec"]["containers"][0]["env"]
     urls = next(e["value"] for e in urls if e["name"] == "RLFT_ROLLOUT_URLS").split(",")

@@ -218,7 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_rollout_arguments(rollout)
     rollout.set_defaults(handler=cmd_rollout)
+
+    scrubbed = commands.add_parser(
+        "scrubbed",
+        help="run a command with its output scrubbed of the environment's secrets "
+        "(what every pod runs first)",
+    )
+    scrubbed.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND [ARGUMENT...]")
+    scrubbed.set_defaults(handler=cmd_scrubbed)
     return parser
+
+
+def cmd_scrubbed(args: argparse.Namespace) -> int:
+    from rlft.trainer.cli.scrubbed import main as run_scrubbed
+
+    return run_scrubbed(args.argv)
 
 
 def main(argv: list[str] | None = None) -> int:
