@@ -44,7 +44,9 @@ SHORTEST = 8
 """Values shorter than this are not hidden: a variable set to `main` or `true` would
 blank that word out of every message."""
 
-_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+# A scheme starts where a run of scheme characters does (not at each `\b` inside one:
+# a long run such as `a-a-a-…` made the search quadratic).
+_USERINFO = re.compile(r"((?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
 # A query parameter whose name is, or ends in, one of these words (`api_key`,
 # `X-Amz-Signature`), not one that merely contains it (`author`, `design`).
 _SECRET_QUERY = re.compile(
@@ -92,19 +94,25 @@ def _without(text: str, values: Iterable[str]) -> str:
 LONGEST_HELD_WORD = 4096
 """A partial line's last word waits for more text up to this length: a URL's credentials
 are looked for within one word (no pattern spans whitespace), and a word cut in two by a
-flush would hide them from both halves."""
+flush (`https` | `://me:pw@host`) would hide them from both halves."""
 _LAST_WORD = re.compile(r"\S+$")
 _URL_MARKS = frozenset(":?&")
+_SCHEME_SO_FAR = re.compile(r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*$")
 
 
 def _unsafe_tail(text: str, secrets: Iterable[str], words: bool) -> int:
-    """How many characters at the end of a partial line wait for the rest of it: any end
-    that begins a secret and, with `words`, its last word if that has a `:`, `?` or `&`
-    (cut there, a URL's credentials would go unseen)."""
+    """How many characters at the end of a partial line (its whole secrets already
+    hidden) wait for the rest of it: any end that begins a secret and, with `words`, the
+    end of its last word that may still become a URL's credentials or a secret query
+    parameter: all of a word with a `:`, `?` or `&`, or what may be a scheme so far (a
+    line of dots goes on)."""
     held = 0
     word = _LAST_WORD.search(text[-(LONGEST_HELD_WORD + 1) :]) if words else None
-    if word and len(word.group()) <= LONGEST_HELD_WORD and _URL_MARKS.intersection(word.group()):
-        held = len(word.group())
+    if word and len(word.group()) <= LONGEST_HELD_WORD:
+        if _URL_MARKS.intersection(word.group()):
+            held = len(word.group())
+        elif scheme := _SCHEME_SO_FAR.search(word.group()):
+            held = len(scheme.group())
     for secret in secrets:
         window = text[-(len(secret) - 1) :] if len(secret) > 1 else ""
         start = window.find(secret[0]) if window else -1
@@ -121,7 +129,7 @@ class LineScrubber:
     (`print("key", key)` writes each argument on its own) is whole when it is looked for.
     A partial line can go on before its end (`partial`: a prompt, a progress bar), less
     any end of it that may be the start of a secret, which waits for the next text; with
-    `words`, so does its last word where a URL's credentials may be cut (a terminal's
+    `words`, so does its last word, where a URL's credentials may be cut (a terminal's
     progress bar would lose its last column: only for output nobody watches live)."""
 
     def __init__(self, secrets: Iterable[str], words: bool = False):
@@ -144,12 +152,20 @@ class LineScrubber:
         self._pending = [text[cut:]] if cut < len(text) else []
         return _without(lines, self._secrets)
 
+    @property
+    def waiting(self) -> int:
+        """How many characters of a partial line wait for its end."""
+        return sum(map(len, self._pending))
+
     def partial(self) -> str:
-        """The partial line so far, scrubbed, less an end that may begin a secret."""
-        pending = "".join(self._pending)
+        """The partial line so far, scrubbed, less an end that may begin a secret (or,
+        with `words`, its last word), which stays for the text to come."""
+        # Whole secrets first: a cut inside one (a secret ending as it begins) would
+        # hide it from both halves. Hidden again with what follows, `***` stays.
+        pending = _without("".join(self._pending), self._secrets)
         held = _unsafe_tail(pending, self._secrets, self._words)
         self._pending = [pending[len(pending) - held :]] if held else []
-        return _without(pending[: len(pending) - held], self._secrets)
+        return pending[: len(pending) - held]
 
     def rest(self) -> str:
         """All that is left, scrubbed: the text has ended."""
@@ -159,9 +175,9 @@ class LineScrubber:
 
 class ScrubbedStream:
     """A text stream that passes on what is written to it through a `LineScrubber`. A
-    partial line goes on at `flush`, less an end that may begin a secret, which goes at
-    the next write or at exit. Everything else (fileno, isatty, encoding, buffer) is the
-    wrapped stream's."""
+    partial line goes on at `flush`, less an end that may begin a secret, which goes with
+    the next line end, flush or `finish` (at exit). Everything else (fileno, isatty,
+    encoding, buffer) is the wrapped stream's."""
 
     def __init__(self, stream, secrets: list[str]):
         self._stream = stream
@@ -171,10 +187,10 @@ class ScrubbedStream:
         self._lock = threading.RLock()
         atexit.register(self.finish)  # before Python's last flush of the std streams
 
-    def _locked(self) -> bool:
-        """Take the lock; at interpreter shutdown give up after a second (a daemon thread
+    def _locked(self, ending: bool = False) -> bool:
+        """Take the lock; while the process ends give up after a second (a daemon thread
         frozen while holding it would hang the exit's flush), as CPython's streams do."""
-        return self._lock.acquire(timeout=1 if sys.is_finalizing() else -1)
+        return self._lock.acquire(timeout=1 if ending or sys.is_finalizing() else -1)
 
     def write(self, text: str) -> int:
         if not self._locked():
@@ -197,10 +213,10 @@ class ScrubbedStream:
     def finish(self) -> None:
         """Passes on all that is left (at exit; not to a stream closed by then)."""
         with contextlib.suppress(ValueError, OSError):
-            self._pass_on(self._scrubber.rest)
+            self._pass_on(self._scrubber.rest, ending=True)
 
-    def _pass_on(self, take) -> None:
-        if not self._locked():
+    def _pass_on(self, take, ending: bool = False) -> None:
+        if not self._locked(ending):
             return
         try:
             text = take()
@@ -212,6 +228,14 @@ class ScrubbedStream:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+def finish_output() -> None:
+    """Passes on what `ScrubbedStream`s of stdout and stderr hold back: before `os._exit`,
+    which runs no atexit."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, ScrubbedStream):
+            stream.finish()
 
 
 def scrub_output(environ: Mapping[str, str] | None = None) -> None:

@@ -6,8 +6,11 @@ grandchild."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import pty
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +114,86 @@ def test_the_output_of_a_command_that_leaves_processes_behind_ends_with_it():
             os.kill(left, signal.SIGKILL)
 
 
+def test_a_line_that_never_ends_still_flows():
+    """A partial line goes on once it has waited a moment, also while more of it keeps
+    coming (a dot a tenth of a second: never quiet long enough)."""
+    dots = (
+        "import sys, time\n"
+        "for _ in range(40):\n"
+        "    sys.stdout.write('.'); sys.stdout.flush(); time.sleep(0.1)\n"
+        "print('end')\n"
+    )
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [RLFT, "scrubbed", "--", sys.executable, "-c", dots],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        bufsize=0,  # read(1) reads one byte, none ahead that communicate() would miss
+    )
+    try:
+        first = process.stdout.read(1)
+        seen_after = time.monotonic() - started
+        rest = process.communicate(timeout=60)[0]
+    finally:
+        process.kill()
+        process.wait()
+    assert first == b"." and rest == b"." * 39 + b"end\n", rest
+    assert seen_after < 3.5, f"the first dot came {seen_after:.1f} s after the start"
+
+
+def _on_a_terminal(argv: list[str], ctrl_c_after: bytes | None = None) -> bytes:
+    """What `argv` prints run in a pseudo-terminal's foreground process group (as from a
+    shell), with Ctrl-C typed once `ctrl_c_after` was printed."""
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: a session of its own, the pty its controlling terminal
+        os.execve(argv[0], argv, ENV)
+    seen = b""
+    try:
+        while ctrl_c_after is not None and ctrl_c_after not in seen:
+            seen += os.read(terminal, 1024)
+        if ctrl_c_after is not None:
+            os.write(terminal, b"\x03")
+        with contextlib.suppress(OSError):  # EIO once the child has ended
+            while chunk := os.read(terminal, 1024):
+                seen += chunk
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(terminal)
+    return seen
+
+
+def test_ctrl_c_on_a_terminal_reaches_the_command_once():
+    """The terminal sends Ctrl-C to its whole foreground process group, the command
+    included: passed on as well, it could come twice (a second Ctrl-C stops `rlft train`
+    at once, without its checkpoint). A runtime's signals, with no terminal, go on."""
+    counts = (
+        "import signal, time\n"
+        "seen = []\n"
+        "signal.signal(signal.SIGINT, lambda *_: seen.append(1))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(2)\n"
+        "print('SIGINTs', len(seen), flush=True)\n"
+    )
+    seen = _on_a_terminal([RLFT, "scrubbed", "--", sys.executable, "-c", counts], b"ready")
+    assert re.search(rb"SIGINTs (\d)", seen).group(1) == b"1", seen
+    asks = (
+        "import signal\n"
+        "from rlft.trainer.cli.scrubbed import _from_the_terminal as sent\n"
+        "print('sent by the terminal:', sent(signal.SIGINT), sent(signal.SIGTERM))\n"
+    )
+    assert b"sent by the terminal: True False" in _on_a_terminal([sys.executable, "-c", asks])
+    alone = subprocess.run(
+        [sys.executable, "-c", asks],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        start_new_session=True,
+        timeout=60,
+    )
+    assert b"sent by the terminal: False False" in alone.stdout, alone.stderr
+
+
 def test_a_partial_line_waits_where_a_secret_may_be_cut():
     scrubber = LineScrubber(secret_values({"JUDGE_TOKEN": "tok-0123456789"}), words=True)
     assert scrubber.lines("key tok-01") == ""
@@ -120,6 +203,17 @@ def test_a_partial_line_waits_where_a_secret_may_be_cut():
     assert scrubber.lines("@host/x\n") == "https://***@host/x\n"
     assert scrubber.lines("a prompt: ") == "" and scrubber.partial() == "a prompt: "
     assert scrubber.lines("done") == "" and scrubber.rest() == "done"
+    # A cut anywhere in a URL's scheme, or inside a secret that ends as it begins, or
+    # in one with a space: each is found whole.
+    assert scrubber.lines("see https") == "" and scrubber.partial() == "see "
+    assert scrubber.lines("://me:pw@host/x\n") == "https://***@host/x\n"
+    secrets = secret_values({"A_TOKEN": "a1b2c3d4e5a", "B_PASSWORD": "correct horse"})
+    ends_as_it_begins = LineScrubber(secrets)
+    assert ends_as_it_begins.lines("key a1b2c3d4e5a") == ""
+    assert ends_as_it_begins.partial() == "key ***"
+    with_a_space = LineScrubber(secrets, words=True)
+    assert with_a_space.lines("token a1b2c3d4e5a pw correct horse") == ""
+    assert with_a_space.partial() == "token *** pw ***"
     # Without `words` (a terminal's stream: a progress bar keeps its last column)...
     stream_scrubber = LineScrubber(secret_values({"JUDGE_TOKEN": "tok-0123456789"}))
     stream_scrubber.lines("0:00:05 https://me:pw")

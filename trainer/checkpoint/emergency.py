@@ -25,6 +25,7 @@ from types import FrameType
 
 from rlft.trainer import stop_while_starting, termination
 from rlft.trainer.exit_codes import ExitCode
+from rlft.trainer.redaction import finish_output
 from rlft.trainer.telemetry import liveness
 
 log = logging.getLogger("rlft.checkpoint")
@@ -109,4 +110,5 @@ class GracefulStop:
         # operator had no cause for the pod's end but its log tail.
         liveness.report(termination.Verdict(ExitCode.FAILURE, message, self.rank))
         logging.shutdown()
+        finish_output()
         os._exit(ExitCode.FAILURE)

@@ -13,11 +13,11 @@ STOPPED_STARTING = "rlft: stopped: SIGINT while starting; nothing had run"
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["scrubbed"]:  # every pod's first process: nothing more to import
-        from rlft.trainer.cli.scrubbed import main as run_scrubbed
-
-        return run_scrubbed(sys.argv[2:])
     try:
+        if sys.argv[1:2] == ["scrubbed"]:  # every pod's first process: nothing more to import
+            from rlft.trainer.cli.scrubbed import main as run_scrubbed
+
+            return run_scrubbed(sys.argv[2:])
         from rlft.trainer.redaction import scrub_output
 
         scrub_output()

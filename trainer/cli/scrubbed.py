@@ -37,7 +37,11 @@ be asked things with). SIGKILL and SIGSTOP cannot be caught: a runtime sends SIG
 every process of the container."""
 
 IDLE_SECONDS = 0.2
-"""A partial line (no line end yet) goes on once its output has been quiet this long."""
+"""A partial line (no line end yet) goes on once it has waited this long."""
+
+LONGEST_PARTIAL = 1 << 16
+"""A partial line goes on at once when it is longer than this (a line of dots, a long
+dump): not kept whole in memory, and looked through in pieces."""
 
 DRAIN_SECONDS = 5.0
 """After COMMAND ends, how long its output is still read: processes it left behind (Ray's
@@ -50,6 +54,8 @@ def _write_all(fd: int, data: bytes) -> None:
     while data:
         try:
             data = data[os.write(fd, data) :]
+        except BlockingIOError:  # a non-blocking descriptor: wait until it takes more
+            select.select([], [fd], [], 1.0)
         except InterruptedError:
             continue
         except OSError:  # the log's reader is gone: nothing left to keep output for
@@ -65,6 +71,9 @@ class _Pump(threading.Thread):
         self._source, self._target = source, target
         self._scrubber = LineScrubber(secrets, words=True)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+        self.command_ended = threading.Event()
+        """Set once COMMAND has ended: from then on nothing is held back (no rest of a
+        line may come, and what a leftover process keeps open is not waited for)."""
 
     def _emit(self, text: str) -> None:
         if text:
@@ -72,19 +81,53 @@ class _Pump(threading.Thread):
 
     def run(self) -> None:
         try:
-            while True:
-                ready, _, _ = select.select([self._source], [], [], IDLE_SECONDS)
-                if not ready:
-                    self._emit(self._scrubber.partial())
-                    continue
+            self._copy()
+        except Exception as error:  # not the command's death: its next write would
+            # meet a closed pipe (SIGPIPE). Its output is lost instead, never let through.
+            self._emit(f"\nrlft scrubbed: output lost from here ({type(error).__name__})\n")
+            while os.read(self._source, 1 << 16):
+                pass
+        finally:
+            os.close(self._source)
+
+    def _copy(self) -> None:
+        waiting_since = 0.0
+        while True:
+            ready, _, _ = select.select([self._source], [], [], IDLE_SECONDS)
+            if ready:
                 chunk = os.read(self._source, 1 << 16)
                 if not chunk:
                     break
                 self._emit(self._scrubber.lines(self._decoder.decode(chunk)))
-        finally:
-            self._scrubber.lines(self._decoder.decode(b"", final=True))
-            self._emit(self._scrubber.rest())
-            os.close(self._source)
+            if not self._scrubber.waiting:
+                waiting_since = 0.0
+                continue
+            now = time.monotonic()
+            waiting_since = waiting_since or now
+            if self.command_ended.is_set() and not ready:
+                self._emit(self._scrubber.rest())
+            elif (
+                not ready
+                or now - waiting_since >= IDLE_SECONDS
+                or self._scrubber.waiting > LONGEST_PARTIAL
+            ):
+                self._emit(self._scrubber.partial())
+                waiting_since = now
+        self._emit(self._scrubber.lines(self._decoder.decode(b"", final=True)))
+        self._emit(self._scrubber.rest())
+
+
+def _from_the_terminal(signum: int) -> bool:
+    """Whether the terminal sent `signum` to the whole foreground process group (Ctrl-C,
+    Ctrl-\\), COMMAND included: passed on, it would get it twice (a second Ctrl-C is
+    `rlft train`'s "stop now, without a checkpoint")."""
+    if signum not in (signal.SIGINT, signal.SIGQUIT):
+        return False
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
+                return True
+    return False
 
 
 def run_scrubbed(command: list[str]) -> int:
@@ -94,6 +137,8 @@ def run_scrubbed(command: list[str]) -> int:
     early: list[int] = []  # signals that came before the child was there to take them
 
     def forward(signum: int, _frame) -> None:
+        if _from_the_terminal(signum):
+            return
         if child is None:
             early.append(signum)
             return
@@ -121,6 +166,8 @@ def run_scrubbed(command: list[str]) -> int:
     for signum in early:
         forward(signum, None)
     code = child.wait()
+    for pump in pumps:
+        pump.command_ended.set()
     drained_by = time.monotonic() + DRAIN_SECONDS
     for pump in pumps:
         pump.join(max(0.0, drained_by - time.monotonic()))

@@ -19,7 +19,7 @@ from rlft.trainer.cli import entry
 from rlft.trainer.cli.interrupts import InterruptedWhileStarting, deferred_interrupt
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.exit_codes import ExitCode
-from rlft.trainer.redaction import scrubbed
+from rlft.trainer.redaction import finish_output, scrubbed
 from rlft.trainer.telemetry import liveness
 
 INTERRUPTED = entry.INTERRUPTED
@@ -348,6 +348,7 @@ def _stopped_while_starting(rank: int) -> NoReturn:
     tells a pod it deleted or one preempted from the pod, not from this verdict."""
     print(f"rlft: {STOPPED_WHILE_STARTING}", file=sys.stderr, flush=True)
     liveness.report(termination.Verdict(ExitCode.FAILURE, STOPPED_WHILE_STARTING, rank))
+    finish_output()
     sys.stdout.flush()
     # Not exit_worker: its module imports torch, which the main thread may be importing.
     os._exit(ExitCode.FAILURE)
@@ -365,6 +366,7 @@ def _stopped_while_ending(rank: int) -> NoReturn:
     thread): a retryable failure, unless the rank had written its verdict already."""
     message = "stopped (SIGTERM) while ending, before it had written its verdict"
     liveness.report_unless_written(termination.Verdict(ExitCode.FAILURE, message, rank))
+    finish_output()
     sys.stdout.flush()
     os._exit(ExitCode.FAILURE)
 

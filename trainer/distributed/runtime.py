@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from rlft.trainer.redaction import finish_output
 from rlft.trainer.telemetry import liveness
 
 
@@ -113,6 +114,7 @@ def exit_worker(code: int) -> NoReturn:
     ("terminate called without an active exception", SIGABRT) in a few runs out of a
     hundred. Everything a rank writes is closed and flushed before it ends."""
     logging.shutdown()
+    finish_output()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
