@@ -92,6 +92,8 @@ def test_a_command_that_cannot_run_is_named():
     assert "cannot run 'no-such-program-here'" in ended.stderr, ended.stderr
     ended = subprocess.run([RLFT, "scrubbed"], capture_output=True, text=True)
     assert ended.returncode == 2 and "usage: rlft scrubbed -- COMMAND" in ended.stderr
+    helped = subprocess.run([RLFT, "scrubbed", "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "without the secrets" in helped.stdout, helped.stdout
 
 
 def test_the_output_of_a_command_that_leaves_processes_behind_ends_with_it():

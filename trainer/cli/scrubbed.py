@@ -176,6 +176,9 @@ def run_scrubbed(command: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     """`argv`: what follows `rlft scrubbed` (a leading `--` is dropped)."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__.split(chr(10) + chr(10))[0]}")
+        return 0
     command = argv[1:] if argv[:1] == ["--"] else argv
     if not command:
         print(USAGE, file=sys.stderr)
