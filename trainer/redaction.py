@@ -160,6 +160,8 @@ class LineScrubber:
     def partial(self) -> str:
         """The partial line so far, scrubbed, less an end that may begin a secret (or,
         with `words`, its last word), which stays for the text to come."""
+        if not self._pending:  # the usual flush, after a whole line (logging's, each record)
+            return ""
         # Whole secrets first: a cut inside one (a secret ending as it begins) would
         # hide it from both halves. Hidden again with what follows, `***` stays.
         pending = _without("".join(self._pending), self._secrets)
