@@ -48,9 +48,10 @@ blank that word out of every message."""
 # a long run such as `a-a-a-…` made the search quadratic).
 _USERINFO = re.compile(r"((?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
 # A query parameter whose name is, or ends in, one of these words (`api_key`,
-# `X-Amz-Signature`), not one that merely contains it (`author`, `design`).
+# `X-Amz-Signature`), not one that merely contains it (`author`, `design`). A name
+# stops at the next `?` too: a run of `?` made every one of them rescan the rest.
 _SECRET_QUERY = re.compile(
-    r"([?&](?:[^=&\s]*[_.-])?(?:api[_-]?key|key|token|secret|signature|sig|password|passwd|"
+    r"([?&](?:[^=&?\s]*[_.-])?(?:api[_-]?key|key|token|secret|signature|sig|password|passwd|"
     r"credentials?|auth)=)[^&\s#'\"]+",
     re.IGNORECASE,
 )

@@ -119,6 +119,20 @@ def test_scrubbing_leaves_what_is_not_a_secret():
     )
 
 
+def test_scrubbing_a_long_line_of_question_marks_ends():
+    """A line of `?` (a reward printing a model's stuck output) made each `?` rescan the
+    rest of the line for a secret query name: quadratic, minutes for a few hundred KB."""
+    code = "from rlft.trainer.redaction import scrubbed; print(scrubbed(input(), {})[-16:])"
+    ended = subprocess.run(
+        [sys.executable, "-c", code],
+        input="?" * 200_000 + "?a?token=tok-0123456789&x=1\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ended.stdout == "?a?token=***&x=1\n", ended.stderr
+
+
 @pytest.mark.parametrize(
     "command",
     [
