@@ -16,6 +16,7 @@ import sys
 from rlft.operator.manifests import Settings
 from rlft.operator.options import build_parser
 from rlft.trainer.addresses import ALL as ALL_ADDRESSES
+from rlft.trainer.redaction import scrub_output
 
 
 def _own_namespace() -> str:
@@ -41,6 +42,9 @@ def pod_settings(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The image's entry point is `python -m rlft.operator`, not the `rlft` command that
+    # scrubs its output: its log is read and kept as a pod's is (idempotent).
+    scrub_output()
     # Imported here: `rlft crd` and `rlft --help` must not need kopf.
     import kopf
 

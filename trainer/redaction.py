@@ -179,12 +179,16 @@ class LineScrubber:
 class ScrubbedStream:
     """A text stream that passes on what is written to it through a `LineScrubber`. A
     partial line goes on at `flush`, less an end that may begin a secret, which goes with
-    the next line end, flush or `finish` (at exit). Everything else (fileno, isatty,
+    the next line end, flush or `finish` (at exit). Unless the stream is a terminal, so
+    does a last word that may still become a URL's credentials (`words`: a file or a
+    pipe is read later, a terminal's prompt now). Everything else (fileno, isatty,
     encoding, buffer) is the wrapped stream's."""
 
-    def __init__(self, stream, secrets: list[str]):
+    def __init__(self, stream, secrets: list[str], words: bool | None = None):
         self._stream = stream
-        self._scrubber = LineScrubber(secrets)
+        if words is None:
+            words = not _is_terminal(stream)
+        self._scrubber = LineScrubber(secrets, words=words)
         # Reentrant: a signal handler that prints runs on the main thread, maybe inside
         # a write of its own (a plain lock would deadlock there).
         self._lock = threading.RLock()
@@ -231,6 +235,13 @@ class ScrubbedStream:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no such method, or closed
+        return False
 
 
 def finish_output() -> None:

@@ -152,11 +152,20 @@ def test_a_rollout_servers_output_is_scrubbed_too(command: list[str]):
     assert "invalid choice: '***'" in ended.stderr and KEY not in ended.stderr, ended.stderr
 
 
+def test_the_operators_output_is_scrubbed_too():
+    """Its image runs `python -m rlft.operator`, not the `rlft` command."""
+    env = dict(os.environ, JUDGE_API_KEY=KEY)
+    command = [sys.executable, "-m", "rlft.operator", "--metrics-bind", KEY]
+    ended = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 2, ended.stderr
+    assert "--metrics-bind '***'" in ended.stderr and KEY not in ended.stderr, ended.stderr
+
+
 def test_output_is_scrubbed_a_line_at_a_time():
     """A secret written in pieces is whole when looked for; a partial line (a progress
     bar's update) still goes on at a flush; the rest is the wrapped stream's."""
     under = io.StringIO()
-    stream = ScrubbedStream(under, secret_values({"JUDGE_TOKEN": "tok-0123456789"}))
+    stream = ScrubbedStream(under, secret_values({"JUDGE_TOKEN": "tok-0123456789"}), words=False)
     stream.write("key tok-01")
     assert under.getvalue() == ""
     stream.write("23456789 and https://me:pw@host/x\nmore")
@@ -166,6 +175,26 @@ def test_output_is_scrubbed_a_line_at_a_time():
     stream.writelines(["\rbar 1/2 tok-0123456789", "\r"])
     assert under.getvalue().endswith("more\rbar 1/2 ***\r")
     assert stream.getvalue() == under.getvalue()  # what it does not do is the stream's
+
+
+def test_a_url_cut_by_a_flush_waits_for_its_end_unless_a_terminal_shows_it():
+    """Written to a file or a pipe, the last word of a partial line may be a URL whose
+    credentials come after the flush; on a terminal, a prompt's last word shows now."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    piped, terminal = io.StringIO(), Terminal()
+    streams = [ScrubbedStream(under, []) for under in (piped, terminal)]
+    for stream in streams:
+        stream.write("fetching https://me")
+        stream.flush()
+    assert piped.getvalue() == "fetching "
+    assert terminal.getvalue() == "fetching https://me"
+    for stream in streams:
+        stream.write(":pw@host/x and more\n")
+    assert piped.getvalue() == "fetching https://***@host/x and more\n"
 
 
 def test_a_secret_of_several_lines_is_scrubbed_line_by_line():
