@@ -26,6 +26,11 @@ SECRET_ENV = (
     "RAY_AUTH_TOKEN",
     "HF_TOKEN",
     "HUGGING_FACE_HUB_TOKEN",
+    # Where OpenTelemetry exporters take a collector's auth header (`Authorization=…`).
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
+    "OTEL_EXPORTER_OTLP_LOGS_HEADERS",
 )
 """Variables that hold secrets wherever they are set."""
 SECRET_NAMES_ENV = "RLFT_SECRET_ENV"
@@ -33,12 +38,17 @@ SECRET_NAMES_ENV = "RLFT_SECRET_ENV"
 from Secrets (`valueFrom.secretKeyRef` in spec.trainer.env / spec.rollout.env)."""
 
 SECRET_WORDS = frozenset(
-    {"TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIAL", "CREDENTIALS"}
+    {
+        *("TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASSPHRASE", "APIKEY"),
+        *("CREDENTIAL", "CREDENTIALS", "PAT", "DSN", "WEBHOOK", "COOKIE"),
+    }
 )
 """A variable whose name has one of these words (split at `_`), or ends in `_KEY`, is
 taken for a secret whoever set it: values from `envFrom` Secrets reach the environment
 under their keys' names, which neither the operator (it never reads Secrets) nor the
-trainer can list. `TOKENIZERS_PARALLELISM` is no secret: whole words only."""
+trainer can list. `TOKENIZERS_PARALLELISM` is no secret, nor is `LD_LIBRARY_PATH`: whole
+words only. A personal access token (`GITHUB_PAT`), a Sentry DSN and a chat webhook's URL
+carry their key in the value."""
 
 SHORTEST = 8
 """Values shorter than this are not hidden: a variable set to `main` or `true` would

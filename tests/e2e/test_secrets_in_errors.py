@@ -94,6 +94,12 @@ def test_variables_named_as_secrets_are_scrubbed_whoever_set_them():
         "TOKENIZERS_PARALLELISM": "false-but-long",
         "KEYCLOAK_REALM": "realm-0123456789",
         "MONKEY": "banana-0123456789",
+        "GITHUB_PAT": "ghp-0123456789",
+        "SENTRY_DSN": "https://k0123456789@o1.ingest/1",
+        "SLACK_WEBHOOK_URL": "https://hooks/T0/B0/x0123456789",
+        "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%200123456789",
+        "LD_LIBRARY_PATH": "/usr/local/lib/x",
+        "PATCH_LEVEL": "patch-0123456789",
         # Where secrets are, or which variables hold them: naming them is no leak.
         "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/eks/token",
         "SECRETS_DIR": "/var/run/secrets",
@@ -102,7 +108,8 @@ def test_variables_named_as_secrets_are_scrubbed_whoever_set_them():
     }
     text = " ".join(environ.values())
     assert scrubbed(text, environ) == (
-        "*** *** *** *** false-but-long realm-0123456789 banana-0123456789 "
+        "*** *** *** *** false-but-long realm-0123456789 banana-0123456789 *** *** *** *** "
+        "/usr/local/lib/x patch-0123456789 "
         "/var/run/secrets/eks/token /var/run/secrets JUDGE_TOKEN,OTHER_ONE ssh-ed25519 AAAAC3Nz"
     )
 
