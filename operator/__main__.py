@@ -42,9 +42,6 @@ def pod_settings(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The image's entry point is `python -m rlft.operator`, not the `rlft` command that
-    # scrubs its output: its log is read and kept as a pod's is (idempotent).
-    scrub_output()
     # Imported here: `rlft crd` and `rlft --help` must not need kopf.
     import kopf
 
@@ -90,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The image's entry point is `python -m rlft.operator`, not the `rlft` command that
+    # scrubs its output: its log is read and kept as a pod's is. Before parsing: an
+    # option's error quotes its value.
+    scrub_output()
     return run(build_parser().parse_args(argv))
 
 

@@ -106,7 +106,9 @@ LONGEST_HELD_WORD = 4096
 """A partial line's last word waits for more text up to this length: a URL's credentials
 are looked for within one word (no pattern spans whitespace), and a word cut in two by a
 flush (`https` | `://me:pw@host`) would hide them from both halves."""
-_LAST_WORD = re.compile(r"\S+$")
+# From a word's start only: `\S+$` ran from each character of a long word that a space
+# ended, on every flush.
+_LAST_WORD = re.compile(r"(?<!\S)\S+$")
 _URL_MARKS = frozenset(":?&")
 _SCHEME_SO_FAR = re.compile(r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*$")
 
@@ -180,6 +182,10 @@ class LineScrubber:
         self._pending = [pending[len(pending) - held :]] if held else []
         return pending[: len(pending) - held]
 
+    def forget(self) -> None:
+        """Drops what waits: in a forked child, it is the parent's to pass on."""
+        self._pending = []
+
     def rest(self) -> str:
         """All that is left, scrubbed: the text has ended."""
         pending, self._pending = "".join(self._pending), []
@@ -203,6 +209,14 @@ class ScrubbedStream:
         # a write of its own (a plain lock would deadlock there).
         self._lock = threading.RLock()
         atexit.register(self.finish)  # before Python's last flush of the std streams
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child (a reward's multiprocessing pool): a new lock, as another
+        thread may have held the parent's at the fork, and none of the parent's text (the
+        parent passes it on; the child printed it again inside its own output)."""
+        self._lock = threading.RLock()
+        self._scrubber.forget()
 
     def _locked(self, ending: bool = False) -> bool:
         """Take the lock; while the process ends give up after a second (a daemon thread

@@ -140,6 +140,37 @@ def test_scrubbing_a_long_line_of_question_marks_ends():
     assert ended.stdout == "?a?token=***&x=1\n", ended.stderr
 
 
+def run_scrubbed_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`code` run with its output scrubbed and piped, as a pod's is."""
+    prelude = "import os, sys\nfrom rlft.trainer.redaction import scrub_output\nscrub_output({})\n"
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_flushing_long_words_to_a_pipe_ends():
+    """Looking for a partial line's last word ran from each character of a long word
+    that a space ended: 2000 flushes of a 4 KB word took minutes."""
+    code = 'for _ in range(2000):\n    sys.stdout.write("x" * 4096 + " "); sys.stdout.flush()\n'
+    ended = run_scrubbed_python(code + 'print("end")')
+    assert ended.stdout.endswith("x end\n") and len(ended.stdout) == 2000 * 4097 + 4, ended.stderr
+
+
+def test_a_forked_child_does_not_print_what_its_parent_holds_back():
+    """A word the parent holds (it may become a URL's credentials) is the parent's to pass
+    on: a forked child (a reward's multiprocessing pool) printed it inside its own output."""
+    code = """
+sys.stdout.write("parent: loading https://me"); sys.stdout.flush()
+child = os.fork()
+if child == 0:
+    sys.stdout.write("child: done\\n"); sys.stdout.flush(); os._exit(0)
+os.waitpid(child, 0)
+sys.stdout.write(":pw@host/x\\n")
+"""
+    ended = run_scrubbed_python(code)
+    assert ended.stdout == "parent: loading child: done\nhttps://***@host/x\n", ended.stderr
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -162,10 +193,13 @@ def test_a_rollout_servers_output_is_scrubbed_too(command: list[str]):
 def test_the_operators_output_is_scrubbed_too():
     """Its image runs `python -m rlft.operator`, not the `rlft` command."""
     env = dict(os.environ, JUDGE_API_KEY=KEY)
-    command = [sys.executable, "-m", "rlft.operator", "--metrics-bind", KEY]
-    ended = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert ended.returncode == 2, ended.stderr
-    assert "--metrics-bind '***'" in ended.stderr and KEY not in ended.stderr, ended.stderr
+    operator = [sys.executable, "-m", "rlft.operator"]
+    for option, error in [("--metrics-bind", "'***': expected"), ("--priority", "value: '***'")]:
+        ended = subprocess.run(
+            [*operator, option, KEY], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert ended.returncode == 2, ended.stderr
+        assert error in ended.stderr and KEY not in ended.stderr, ended.stderr
 
 
 def test_output_is_scrubbed_a_line_at_a_time():
