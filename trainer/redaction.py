@@ -39,8 +39,19 @@ from Secrets (`valueFrom.secretKeyRef` in spec.trainer.env / spec.rollout.env)."
 
 SECRET_WORDS = frozenset(
     {
-        *("TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASSPHRASE", "APIKEY"),
-        *("CREDENTIAL", "CREDENTIALS", "PAT", "DSN", "WEBHOOK", "COOKIE"),
+        "TOKEN",
+        "SECRET",
+        "SECRETS",
+        "PASSWORD",
+        "PASSWD",
+        "PASSPHRASE",
+        "APIKEY",
+        "CREDENTIAL",
+        "CREDENTIALS",
+        "PAT",
+        "DSN",
+        "WEBHOOK",
+        "COOKIE",
     }
 )
 """A variable whose name has one of these words (split at `_`), or ends in `_KEY`, is
@@ -56,7 +67,8 @@ blank that word out of every message."""
 
 # A scheme starts where a run of scheme characters does (not at each `\b` inside one:
 # a long run such as `a-a-a-…` made the search quadratic).
-_USERINFO = re.compile(r"((?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+_SCHEME = r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*"
+_USERINFO = re.compile(rf"({_SCHEME}://)[^/\s@]+@")
 # A query parameter whose name is, or ends in, one of these words (`api_key`,
 # `X-Amz-Signature`), not one that merely contains it (`author`, `design`). A name
 # stops at the next `?` too: a run of `?` made every one of them rescan the rest.
@@ -110,7 +122,7 @@ flush (`https` | `://me:pw@host`) would hide them from both halves."""
 # ended, on every flush.
 _LAST_WORD = re.compile(r"(?<!\S)\S+$")
 _URL_MARKS = frozenset(":?&")
-_SCHEME_SO_FAR = re.compile(r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*$")
+_SCHEME_SO_FAR = re.compile(_SCHEME + "$")
 
 
 def _unsafe_tail(text: str, secrets: Iterable[str], words: bool) -> int:

@@ -140,11 +140,11 @@ def test_scrubbing_a_long_line_of_question_marks_ends():
     assert ended.stdout == "?a?token=***&x=1\n", ended.stderr
 
 
-def run_scrubbed_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_scrubbed_python(code: str) -> subprocess.CompletedProcess:
     """`code` run with its output scrubbed and piped, as a pod's is."""
     prelude = "import os, sys\nfrom rlft.trainer.redaction import scrub_output\nscrub_output({})\n"
     return subprocess.run(
-        [sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=60
     )
 
 

@@ -99,18 +99,15 @@ class _Pump(threading.Thread):
                 if not chunk:
                     break
                 self._emit(self._scrubber.lines(self._decoder.decode(chunk)))
-            if not self._scrubber.waiting:
+            waiting = self._scrubber.waiting
+            if not waiting:
                 waiting_since = 0.0
                 continue
             now = time.monotonic()
             waiting_since = waiting_since or now
             if self.command_ended.is_set() and not ready:
                 self._emit(self._scrubber.rest())
-            elif (
-                not ready
-                or now - waiting_since >= IDLE_SECONDS
-                or self._scrubber.waiting > LONGEST_PARTIAL
-            ):
+            elif not ready or now - waiting_since >= IDLE_SECONDS or waiting > LONGEST_PARTIAL:
                 self._emit(self._scrubber.partial())
                 waiting_since = now
         self._emit(self._scrubber.lines(self._decoder.decode(b"", final=True)))
