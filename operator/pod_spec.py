@@ -6,6 +6,7 @@ builds each role's pods from `job_pod`."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,8 @@ from rlft.trainer.api_token import TOKEN_ENV as ROLLOUT_TOKEN_ENV
 from rlft.trainer.config import RLFineTune
 from rlft.trainer.config.algorithm import SOURCES
 from rlft.trainer.config.model import vllm_cpu_head_problem
-from rlft.trainer.redaction import SECRET_NAMES_ENV
+from rlft.trainer.config.pods import PodCustomisation
+from rlft.trainer.redaction import SECRET_NAMES_ENV, SECRET_PATH_ENV
 
 CONFIG_DIR = "/etc/rlft"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
@@ -216,9 +218,20 @@ def job_env(job: RLFineTune, role: str) -> list[dict[str, Any]]:
     latter for Ray head and worker pods too), after the operator's."""
     env = job.spec.trainer.env if role == N.ROLE_TRAINER else job.spec.rollout.env
     own = [e.model_dump(by_alias=True, exclude_none=True) for e in env]
-    # Their values from Secrets are kept out of the pod's error texts (redaction.py).
+    # Their values from Secrets, and the files of the Secrets the role mounts, are kept
+    # out of the pod's log and error texts (redaction.py).
     hidden = [e["name"] for e in own if "secretKeyRef" in (e.get("valueFrom") or {})]
-    return own + ([{"name": SECRET_NAMES_ENV, "value": ",".join(hidden)}] if hidden else [])
+    if hidden:
+        own.append({"name": SECRET_NAMES_ENV, "value": ",".join(hidden)})
+    if mounts := secret_mounts(pod_options.of_role(job, role)):
+        own.append({"name": SECRET_PATH_ENV, "value": json.dumps(mounts)})
+    return own
+
+
+def secret_mounts(options: PodCustomisation) -> list[str]:
+    """Where the role's containers mount its Secret volumes."""
+    secrets = {v.name for v in options.volumes if v.secret is not None}
+    return [m.mount_path for m in options.volume_mounts if m.name in secrets]
 
 
 def thread_env(

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import json
 import os
 import re
 import sys
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 
 SECRET_ENV = (
     "AWS_ACCESS_KEY_ID",
@@ -36,6 +40,24 @@ SECRET_ENV = (
 SECRET_NAMES_ENV = "RLFT_SECRET_ENV"
 """Set by the operator: the names (comma-separated) of the job's own variables it fills
 from Secrets (`valueFrom.secretKeyRef` in spec.trainer.env / spec.rollout.env)."""
+
+SECRET_PATH_ENV = "RLFT_SECRET_PATH"
+"""Set by the operator: where the container's Secret volumes are mounted, as a JSON list
+of absolute paths (a mount path may hold any character but `/`). Each file there, in
+subfolders too, holds a secret: a judge's key read from a mounted Secret (how Kubernetes
+advises handing over keys) is as secret as one in a variable."""
+
+LARGEST_SECRET_FILE = 1 << 20
+"""Bigger files under a Secret's mount are not read: a Secret holds at most 1 MiB."""
+
+MOST_SECRET_FILES = 256
+"""At most this many files under all the mounts together are read."""
+
+REFRESH_SECONDS = 10.0
+"""How often a long-lived scrubber (a pod's `rlft scrubbed`, a process's streams) looks
+at the environment and the Secret files again: the kubelet rewrites a mounted Secret
+when it changes (credentials rotated under `spec.checkpoint.credentialsDir`), and the new
+value is as secret as the old one, which stays hidden too."""
 
 SECRET_WORDS = frozenset(
     {
@@ -93,11 +115,49 @@ def named_as_secret(name: str) -> bool:
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The secrets a process holds: its environment's (by name) and the files under its
+    Secret mounts (`RLFT_SECRET_PATH`), longest first."""
     environ = os.environ if environ is None else environ
     names = [*SECRET_ENV, *(environ.get(SECRET_NAMES_ENV) or "").split(",")]
     names += [name for name in environ if named_as_secret(name)]
-    values = (environ.get(name.strip(), "").strip() for name in names if name.strip())
+    values = [environ.get(name.strip(), "").strip() for name in names if name.strip()]
+    values += secret_file_values(environ.get(SECRET_PATH_ENV) or "")
     return sorted({v for v in values if len(v) >= SHORTEST}, key=len, reverse=True)
+
+
+def secret_file_values(mounts: str) -> list[str]:
+    """The contents of the files under `mounts` (`RLFT_SECRET_PATH`'s JSON list), each
+    stripped. A kubelet writes a Secret's keys into a hidden folder (`..2026_12_07_…`)
+    that `..data` points at, with a link per key beside it: names starting with `..` are
+    its bookkeeping, not keys (a key may start with one `.`). What cannot be read, or is
+    not a JSON list of paths, is passed over: scrubbing never stops a process."""
+    try:
+        roots = json.loads(mounts) if mounts.strip() else []
+    except ValueError:
+        return []
+    if not isinstance(roots, list):
+        return []
+    values: list[str] = []
+    for path in _files_under([r for r in roots if isinstance(r, str)]):
+        with contextlib.suppress(OSError):
+            if path.stat().st_size <= LARGEST_SECRET_FILE:
+                values.append(path.read_bytes().decode("utf-8", "surrogateescape").strip())
+    return values
+
+
+def _files_under(roots: list[str]) -> list[Path]:
+    found: list[Path] = []
+    for root in roots:
+        if os.path.isfile(root):
+            found.append(Path(root))
+            continue
+        # Following links: the keys are links (into `..data`), a key `a/b` a linked folder.
+        for folder, subfolders, files in os.walk(root, followlinks=True):
+            subfolders[:] = sorted(d for d in subfolders if not d.startswith(".."))
+            found += [Path(folder, f) for f in sorted(files) if not f.startswith("..")]
+            if len(found) >= MOST_SECRET_FILES:
+                return found[:MOST_SECRET_FILES]
+    return found[:MOST_SECRET_FILES]
 
 
 def scrubbed(text: str, environ: Mapping[str, str] | None = None) -> str:
@@ -157,18 +217,42 @@ class LineScrubber:
     `words`, so does its last word, where a URL's credentials may be cut (a terminal's
     progress bar would lose its last column: only for output nobody watches live)."""
 
-    def __init__(self, secrets: Iterable[str], words: bool = False):
+    def __init__(
+        self,
+        secrets: Iterable[str],
+        words: bool = False,
+        refresh: Callable[[], Iterable[str]] | None = None,
+    ):
         self._words = words
-        secrets = list(secrets)
+        self._known: set[str] = set()
+        self._secrets: list[str] = []
+        self._learn(secrets)
+        self._refresh = refresh
+        """Where the secrets come from (`secret_values`), asked again every
+        REFRESH_SECONDS: what it adds is hidden from then on, and nothing is forgotten."""
+        self._refreshed = time.monotonic()
+        self._pending: list[str] = []
+
+    def _learn(self, secrets: Iterable[str]) -> None:
+        new = set(secrets) - self._known
+        if not new:
+            return
+        self._known |= new
         # A secret of several lines (a PEM key, a service account's JSON) arrives cut at
         # its line ends: each of its lines is looked for as well.
-        lines = {line for value in secrets for line in value.splitlines()}
-        extra = [line for line in lines if len(line.strip()) >= SHORTEST]
-        self._secrets = sorted(set(secrets) | set(extra), key=len, reverse=True)
-        self._pending: list[str] = []
+        lines = {line for value in new for line in value.splitlines()}
+        extra = {line for line in lines if len(line.strip()) >= SHORTEST}
+        self._secrets = sorted({*self._secrets, *new, *extra}, key=len, reverse=True)
+
+    def _look_again(self) -> None:
+        if self._refresh is None or time.monotonic() - self._refreshed < REFRESH_SECONDS:
+            return
+        self._refreshed = time.monotonic()
+        self._learn(self._refresh())
 
     def lines(self, text: str) -> str:
         """Takes `text`; returns the lines it ended, scrubbed ("" when it ended none)."""
+        self._look_again()
         cut = max(text.rfind("\n"), text.rfind("\r")) + 1
         if not cut:
             self._pending.append(text)  # joined once its line ends: not quadratic
@@ -187,6 +271,7 @@ class LineScrubber:
         with `words`, its last word), which stays for the text to come."""
         if not self._pending:  # the usual flush, after a whole line (logging's, each record)
             return ""
+        self._look_again()
         # Whole secrets first: a cut inside one (a secret ending as it begins) would
         # hide it from both halves. Hidden again with what follows, `***` stays.
         pending = _without("".join(self._pending), self._secrets)
@@ -200,6 +285,7 @@ class LineScrubber:
 
     def rest(self) -> str:
         """All that is left, scrubbed: the text has ended."""
+        self._look_again()
         pending, self._pending = "".join(self._pending), []
         return _without(pending, self._secrets)
 
@@ -212,11 +298,17 @@ class ScrubbedStream:
     pipe is read later, a terminal's prompt now). Everything else (fileno, isatty,
     encoding, buffer) is the wrapped stream's."""
 
-    def __init__(self, stream, secrets: list[str], words: bool | None = None):
+    def __init__(
+        self,
+        stream,
+        secrets: list[str],
+        words: bool | None = None,
+        refresh: Callable[[], Iterable[str]] | None = None,
+    ):
         self._stream = stream
         if words is None:
             words = not _is_terminal(stream)
-        self._scrubber = LineScrubber(secrets, words=words)
+        self._scrubber = LineScrubber(secrets, words=words, refresh=refresh)
         # Reentrant: a signal handler that prints runs on the main thread, maybe inside
         # a write of its own (a plain lock would deadlock there).
         self._lock = threading.RLock()
@@ -290,10 +382,12 @@ def finish_output() -> None:
 
 def scrub_output(environ: Mapping[str, str] | None = None) -> None:
     """From now on this process's `sys.stdout` and `sys.stderr` are `ScrubbedStream`s of
-    the secrets its environment holds now. Output written to the file descriptors
-    directly (C libraries, child processes that are not `rlft`) does not pass here."""
+    the secrets its environment and Secret mounts hold (looked at again every
+    REFRESH_SECONDS). Output written to the file descriptors directly (C libraries,
+    child processes that are not `rlft`) does not pass here."""
     secrets = secret_values(environ)
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, ScrubbedStream):
-            setattr(sys, name, ScrubbedStream(stream, secrets))
+            refresh = functools.partial(secret_values, environ)
+            setattr(sys, name, ScrubbedStream(stream, secrets, refresh=refresh))

@@ -55,6 +55,28 @@ READ_ONLY_SOURCES = ("configMap", "secret", "downwardAPI", "projected")
 """Volume sources a kubelet always mounts read-only."""
 
 
+def write_atomically(folder: Path, files: dict[str, bytes]) -> None:
+    """A ConfigMap's or Secret's keys as a kubelet's atomic writer lays them out: the
+    files in a hidden timestamped folder, `..data` a link to it (swapped by a rename when
+    the object changes), and a link `key -> ..data/key` per key. Whatever reads such a
+    volume meets links and `..` entries here as on a node."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = folder / f"..{time.strftime('%Y_%m_%d_%H_%M_%S', time.gmtime())}.{time.time_ns()}"
+    stamp.mkdir()
+    for name, content in files.items():
+        (stamp / name).write_bytes(content)
+    data, swap = folder / "..data", folder / "..data_tmp"
+    previous = os.readlink(data) if data.is_symlink() else None
+    swap.unlink(missing_ok=True)
+    swap.symlink_to(stamp.name)
+    os.rename(swap, data)
+    for name in files:
+        if not (folder / name).is_symlink():
+            (folder / name).symlink_to(f"..data/{name}")
+    if previous is not None:
+        shutil.rmtree(folder / previous, ignore_errors=True)
+
+
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -511,10 +533,9 @@ class Kubelet:
                     folder.mkdir(parents=True, exist_ok=True)
                     return folder
                 raise ConfigError(f'{key.lower()} "{name}" not found')
-            folder.mkdir(parents=True, exist_ok=True)
-            for item, value in (obj.get("data") or {}).items():
-                content = base64.b64decode(value) if kind == "secrets" else value.encode()
-                (folder / item).write_bytes(content)
+            data = obj.get("data") or {}
+            decode = base64.b64decode if kind == "secrets" else str.encode
+            write_atomically(folder, {item: decode(value) for item, value in data.items()})
             return folder
         kinds = sorted(k for k in volume if k != "name")
         raise ConfigError(f"volume {volume['name']!r}: {kinds} volumes are not supported here")

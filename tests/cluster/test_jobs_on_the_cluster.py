@@ -5,6 +5,7 @@ cluster's object store with credentials from a Secret. Nothing plays the trainer
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import time
 import urllib.error
@@ -54,13 +55,15 @@ def post_without_the_token(cluster, pod_name: str) -> int | None:
 
 
 JUDGE_KEY = "judge-key-5e4d3c2b1a09"
+JUDGE_FILE_KEY = "judge-file-key-a1b2c3d4e5"
 USER_CODE = Path(__file__).parent / "user_code"
 
 
 def with_a_leaky_judge(cluster, job: dict[str, Any]) -> None:
     """A second reward term (weight 0: the run learns as before) from the user's code on
-    PYTHONPATH, whose key comes from a Secret, and which prints it (user_code/)."""
-    cluster.create_secret(NS, "judge", {"key": JUDGE_KEY})
+    PYTHONPATH, with two keys from a Secret, one as a variable and one as a file of the
+    Secret mounted as a volume, which prints both (user_code/)."""
+    cluster.create_secret(NS, "judge", {"key": JUDGE_KEY, "file-key": JUDGE_FILE_KEY})
     spec = job["spec"]
     spec["reward"]["functions"].append({"name": "leaky_judge:judge", "weight": 0})
     key = {"secretKeyRef": {"name": "judge", "key": "key"}}
@@ -68,8 +71,13 @@ def with_a_leaky_judge(cluster, job: dict[str, Any]) -> None:
         [
             {"name": "PYTHONPATH", "value": str(USER_CODE)},
             {"name": "JUDGE_API_KEY", "valueFrom": key},
+            {"name": "JUDGE_KEY_FILE", "value": "/etc/judge/file-key"},
         ]
     )
+    pod = copy.deepcopy(spec["trainer"].get("pod") or {})
+    pod.setdefault("volumes", []).append({"name": "judge", "secret": {"secretName": "judge"}})
+    pod.setdefault("volumeMounts", []).append({"name": "judge", "mountPath": "/etc/judge"})
+    spec["trainer"]["pod"] = pod
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -126,10 +134,13 @@ def test_a_job_with_two_trainer_pods_trains_and_succeeds(
     assert seen_checkpoint, "kubectl get rlft never showed a checkpoint"
     if learns:  # DPO steps have no reward; the tiny PPO job may end between two polls
         assert seen_rewards and all(0 <= r <= 1 for r in seen_rewards), seen_rewards
-        # What the judge's client and its write to the descriptor printed, less its key.
-        for said in ("judge client: key ***", "judge fd: key ***"):
-            assert said in logs["trainer-0"], logs["trainer-0"][-3000:]
+        # What the judge's client, its write to the descriptor and its print said, less
+        # its keys: the one from a variable and the one from the Secret's mounted file.
+        said = ("judge client: key ***", "judge fd: key ***", "judge file: key ***")
+        for line in (*said, "judge print: key ***"):
+            assert line in logs["trainer-0"], logs["trainer-0"][-3000:]
         assert not [pod for pod, text in logs.items() if JUDGE_KEY in text]
+        assert not [pod for pod, text in logs.items() if JUDGE_FILE_KEY in text]
     client = seaweed.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{name}/")["Contents"]]
     shards = {k.rsplit("/", 1)[-1] for k in keys if k.endswith(".distcp")}

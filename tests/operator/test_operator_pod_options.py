@@ -6,6 +6,7 @@ stay as they were, and the result is a valid Kubernetes object."""
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from rlft.trainer.config.pods import (
     OPERATOR_PREFIX,
     OPERATOR_VOLUMES,
 )
+from rlft.trainer.redaction import SECRET_PATH_ENV
 
 SETTINGS = M.Settings()
 OWN = {N.ROLE_TRAINER: TRAINER_POD}  # every other role is a rollout pod
@@ -126,8 +128,10 @@ def test_env_from_pull_secrets_account_runtime_class_labels_and_annotations():
                 if ref in entry:
                     entry[ref].setdefault("optional", False)
         assert main["envFrom"] == expected
-        # The operator's variables are unchanged (explicit env wins over envFrom).
-        assert main["env"] == plain[pod["metadata"]["name"]]["spec"]["containers"][0]["env"]
+        # The operator's variables are unchanged (explicit env wins over envFrom), but
+        # for where the role's Secret volumes are mounted (their files are scrubbed).
+        env = [e for e in main["env"] if e["name"] != SECRET_PATH_ENV]
+        assert env == plain[pod["metadata"]["name"]]["spec"]["containers"][0]["env"]
         assert spec["imagePullSecrets"] == own["imagePullSecrets"]
         assert spec["serviceAccountName"] == own["serviceAccountName"]
         assert spec["automountServiceAccountToken"] is own.get(
@@ -139,6 +143,25 @@ def test_env_from_pull_secrets_account_runtime_class_labels_and_annotations():
         operator_labels = plain[pod["metadata"]["name"]]["metadata"]["labels"]
         assert operator_labels.items() <= labels.items()  # every selector still matches
         assert pod["metadata"]["annotations"] == own["annotations"]
+
+
+def test_pods_say_where_their_secret_volumes_are_mounted_and_nothing_else():
+    """`rlft scrubbed` and `rlft`'s own streams hide what the files there hold."""
+    for pod in _pods(every_pod_setting()):
+        (main,) = pod["spec"]["containers"]
+        said = [json.loads(e["value"]) for e in main["env"] if e["name"] == SECRET_PATH_ENV]
+        # The trainer's hf-token Secret, not its claims, emptyDirs or ConfigMap.
+        assert said == ([["/var/run/hf"]] if _role(pod) == N.ROLE_TRAINER else []), said
+    doc = every_pod_setting(multi_node=False)
+    mounts = doc["spec"]["trainer"]["pod"]["volumeMounts"]
+    mounts.append({"name": "hf-token", "mountPath": "/etc/hf token:x", "subPath": "token"})
+    doc["spec"]["rollout"]["pod"]["volumes"].append({"name": "s3", "secret": {"secretName": "s3"}})
+    doc["spec"]["rollout"]["pod"]["volumeMounts"].append({"name": "s3", "mountPath": "/s3"})
+    for pod in _pods(doc):
+        (main,) = pod["spec"]["containers"]
+        (value,) = [e["value"] for e in main["env"] if e["name"] == SECRET_PATH_ENV]
+        trainer = ["/var/run/hf", "/etc/hf token:x"]  # any character but `/` in a path
+        assert json.loads(value) == (trainer if _role(pod) == N.ROLE_TRAINER else ["/s3"])
 
 
 def test_extended_resources_are_requested_and_limited_beside_gpus_and_cpu():

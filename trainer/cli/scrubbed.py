@@ -1,9 +1,10 @@
 """`rlft scrubbed -- COMMAND...`: runs COMMAND with its standard output and error read
-through pipes and passed on without the secrets of the environment (redaction.py). Every
-container the operator makes runs its command so: what `rlft`'s own streams scrub misses
-reaches the file descriptors directly (torchrun's agent, vLLM's engine process, a reward's
-subprocess, C libraries' messages, a secret cut in two by a flush), and the pod's log is
-read by whoever may `kubectl logs` and kept by log stores for months.
+through pipes and passed on without the secrets of the environment and of the mounted
+Secrets' files (redaction.py). Every container the operator makes runs its command so:
+what `rlft`'s own streams scrub misses reaches the file descriptors directly (torchrun's
+agent, vLLM's engine process, a reward's subprocess, C libraries' messages, a secret cut
+in two by a flush), and the pod's log is read by whoever may `kubectl logs` and kept by
+log stores for months.
 
 It stands between the container runtime and COMMAND: the signals a runtime sends (SIGTERM
 at a pod's deletion) go on to COMMAND, and it ends with COMMAND's exit code (128 + the
@@ -69,7 +70,7 @@ class _Pump(threading.Thread):
     def __init__(self, source: int, target: int, secrets: list[str]):
         super().__init__(daemon=True, name=f"scrub-fd{target}")
         self._source, self._target = source, target
-        self._scrubber = LineScrubber(secrets, words=True)
+        self._scrubber = LineScrubber(secrets, words=True, refresh=secret_values)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
         self.command_ended = threading.Event()
         """Set once COMMAND has ended: from then on nothing is held back (no rest of a

@@ -156,7 +156,8 @@ class ConfigMapVolume(Section):
 
 class SecretVolume(Section):
     """A Secret's keys as files (read-only), e.g. for `spec.checkpoint.credentialsDir`;
-    referenced by name, never read by the operator."""
+    referenced by name, never read by the operator. What the files hold is scrubbed from
+    the pods' logs and error texts, as secret variables are."""
 
     secret_name: DnsSubdomain
     """Name of the Secret."""

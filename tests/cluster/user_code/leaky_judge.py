@@ -1,7 +1,9 @@
-"""A user's reward that leaks its judge's key where `rlft`'s own streams cannot scrub it:
-a subprocess (a judge's command-line client) prints it, and a write straight to the file
-descriptor (what a C library does). On the test cluster the pod's log shows neither: the
-container's command runs under `rlft scrubbed` (trainer/cli/scrubbed.py)."""
+"""A user's reward that leaks its judge's keys: the one from a variable where `rlft`'s own
+streams cannot scrub it (a subprocess, a judge's command-line client, prints it, and a
+write goes straight to the file descriptor, as a C library's does), and one read from a
+Secret mounted as files, printed by a subprocess and by `print`. On the test cluster the
+pod's log shows none of them: the container's command runs under `rlft scrubbed`
+(trainer/cli/scrubbed.py), and the operator names the Secret's mount to it."""
 
 from __future__ import annotations
 
@@ -17,4 +19,7 @@ def judge(completion: str, answer: str) -> float:
         _told = True
         subprocess.run(["sh", "-c", 'echo "judge client: key $JUDGE_API_KEY" >&2'], check=False)
         os.write(1, f"judge fd: key {os.environ['JUDGE_API_KEY']}\n".encode())
+        subprocess.run(["sh", "-c", 'echo "judge file: key $(cat $JUDGE_KEY_FILE)" >&2'])
+        with open(os.environ["JUDGE_KEY_FILE"]) as file:
+            print(f"judge print: key {file.read()}", flush=True)
     return 0.0
