@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from urllib.parse import unquote
 
 SECRET_ENV = (
     "AWS_ACCESS_KEY_ID",
@@ -37,6 +38,9 @@ SECRET_ENV = (
     "OTEL_EXPORTER_OTLP_LOGS_HEADERS",
 )
 """Variables that hold secrets wherever they are set."""
+HEADER_LIST_ENV = tuple(name for name in SECRET_ENV if name.endswith("_HEADERS"))
+"""Of those, the ones holding OTLP's header list (`k=v,k2=v2`, values URL-encoded): an
+exporter's error or debug log shows one header, decoded (`'Authorization': 'Bearer …'`)."""
 SECRET_NAMES_ENV = "RLFT_SECRET_ENV"
 """Set by the operator: the names (comma-separated) of the job's own variables it fills
 from Secrets (`valueFrom.secretKeyRef` in spec.trainer.env / spec.rollout.env)."""
@@ -121,8 +125,25 @@ def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     names = [*SECRET_ENV, *(environ.get(SECRET_NAMES_ENV) or "").split(",")]
     names += [name for name in environ if named_as_secret(name)]
     values = [environ.get(name.strip(), "").strip() for name in names if name.strip()]
+    values += [v for name in HEADER_LIST_ENV for v in header_values(environ.get(name) or "")]
     values += secret_file_values(environ.get(SECRET_PATH_ENV) or "")
     return sorted({v for v in values if len(v) >= SHORTEST}, key=len, reverse=True)
+
+
+def header_values(headers: str) -> list[str]:
+    """Each value of a `k=v,k2=v2` header list, as written and URL-decoded, and the
+    credentials after an auth scheme's name (`Bearer x` → `x`)."""
+    values: list[str] = []
+    for pair in headers.split(","):
+        _, equals, written = pair.partition("=")
+        if not equals:
+            continue
+        for value in {written.strip(), unquote(written).strip()}:
+            values.append(value)
+            _, space, credentials = value.partition(" ")
+            if space:
+                values.append(credentials.strip())
+    return values
 
 
 def secret_file_values(mounts: str) -> list[str]:

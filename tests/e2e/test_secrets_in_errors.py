@@ -97,7 +97,7 @@ def test_variables_named_as_secrets_are_scrubbed_whoever_set_them():
         "GITHUB_PAT": "ghp-0123456789",
         "SENTRY_DSN": "https://k0123456789@o1.ingest/1",
         "SLACK_WEBHOOK_URL": "https://hooks/T0/B0/x0123456789",
-        "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%200123456789",
+        "OTEL_EXPORTER_OTLP_HEADERS": "Authorization=Bearer%20otel-9876543210",
         "LD_LIBRARY_PATH": "/usr/local/lib/x",
         "PATCH_LEVEL": "patch-0123456789",
         # Where secrets are, or which variables hold them: naming them is no leak.
@@ -111,6 +111,24 @@ def test_variables_named_as_secrets_are_scrubbed_whoever_set_them():
         "*** *** *** *** false-but-long realm-0123456789 banana-0123456789 *** *** *** *** "
         "/usr/local/lib/x patch-0123456789 "
         "/var/run/secrets/eks/token /var/run/secrets JUDGE_TOKEN,OTHER_ONE ssh-ed25519 AAAAC3Nz"
+    )
+
+
+def test_each_header_of_an_otlp_header_list_is_scrubbed_as_an_exporter_shows_it():
+    """OTLP exporters take `k=v,k2=v2` with URL-encoded values; their errors and debug
+    logs show one header at a time, decoded."""
+    environ = {
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS": (
+            "Authorization=Bearer%20otlp-0123456789, x-api-key=key-0123456789abc,x-tenant=acme"
+        )
+    }
+    said = (
+        "export failed: {'Authorization': 'Bearer otlp-0123456789', "
+        "'x-api-key': 'key-0123456789abc', 'x-tenant': 'acme'} (token otlp-0123456789)"
+    )
+    assert scrubbed(said, environ) == (
+        "export failed: {'Authorization': '***', 'x-api-key': '***', 'x-tenant': 'acme'} "
+        "(token ***)"
     )
 
 
