@@ -93,6 +93,19 @@ def test_eval_problems_are_deterministic_for_a_seed() -> None:
     assert problems.eval_problems() == first
 
 
+def test_runs_of_several_seeds_can_share_their_held_out_problems() -> None:
+    spec = ArithmeticTask(digits=3, eval_size=200, held_out_seed=7)
+    runs = [ArithmeticProblems(spec, seed) for seed in (0, 1, 2)]
+    shared = runs[0].eval_problems()
+    assert all(run.eval_problems() == shared for run in runs)
+    assert shared == task(digits=3, eval_size=200, seed=7).eval_problems()  # the split's seed
+    assert shared != task(digits=3, eval_size=200, seed=0).eval_problems()
+    held = {p.prompt for p in shared}
+    for seed, run in enumerate(runs):
+        rng = random.Random(seed)
+        assert not held & {run.train_problem(rng).prompt for _ in range(3000)}
+
+
 def test_train_draws_are_deterministic_for_an_rng_seed() -> None:
     problems = task(digits=3, eval_size=100)
     rng_a, rng_b, rng_c = random.Random(9), random.Random(9), random.Random(10)

@@ -25,6 +25,10 @@ class ArithmeticTask(Section):
     eval_size: int = Field(500, ge=1, le=1_000_000)
     """Held-out problems for evaluation (never seen in training): at most half of the
     distinct problems `digits`, `exactDigits` and `operations` allow."""
+    held_out_seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    """Seed of the held-out draw. Unset: the run's seed (`trainer.seed`). Set it to
+    compare runs of several seeds on the same held-out problems (their accuracies
+    otherwise differ by the split as well as by the run)."""
 
     def operand_range(self) -> tuple[int, int]:
         """The smallest and the largest operand."""

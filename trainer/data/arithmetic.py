@@ -38,7 +38,8 @@ class ArithmeticProblems:
         self.low, self.high = spec.operand_range()
         if problem := spec.room_problem():
             raise ValueError(f"spec.data.{problem}")
-        rng = random.Random(seed + _EVAL_SEED_OFFSET)
+        split = seed if spec.held_out_seed is None else spec.held_out_seed
+        rng = random.Random(split + _EVAL_SEED_OFFSET)
         held_out: dict[tuple[int, str, int], Problem] = {}
         while len(held_out) < spec.eval_size:
             key = self._draw(rng)
