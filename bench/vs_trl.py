@@ -1,7 +1,8 @@
 """rlft against TRL's GRPOTrainer and a bare PyTorch loop, side by side in one run: the
 same GRPO job, the same starting weights, the same wall-clock budget each.
 
-    .venv/bin/python bench/vs_trl.py [--seconds 90] [--work DIR] [--only bare,rlft,trl]
+    .venv/bin/python bench/vs_trl.py [--seconds 90] [--seeds 1] [--work DIR]
+                                     [--only bare,rlft,trl]
 
 The job: 3-digit addition (rlft's built-in arithmetic task, `123+456=` → `579`), a
 0.56M-parameter Llama (hidden 128, 2 layers, 4 heads, MLP 512, tied embeddings, rlft's
@@ -100,6 +101,15 @@ evaluations ten steps apart (500 problems: the binomial noise alone is ±0.02), 
 single snapshot ranks runs whose curves are within ±0.04 by luck. Both the window mean
 (`accuracy_at_equal_wall_time`) and the last snapshot (`accuracy_last_snapshot`) are
 printed.
+
+Several seeds (`--seeds N`): after the one warm start, all three run N times, with seeds
+0…N-1 for their sampling and their order of training problems (rlft's `trainer.seed`;
+its held-out split stays seed 0's, `data.arithmetic.heldOutSeed`, so every run is
+evaluated on the same 500 problems). A run's accuracy at equal wall time moves by a few
+points from seed to seed while the policy hovers near what this model can reach, so one
+run per framework ranks them by luck there. Each seed prints its table and JSON line;
+the last line is then the JSON over the seeds: each figure's mean, rlft's accuracy
+minus TRL's per seed with its mean and standard error, and `goals_met` on the means.
 """
 
 from __future__ import annotations
@@ -298,8 +308,8 @@ def make_task():
     return ArithmeticProblems(arithmetic_spec(), SEED)
 
 
-def train_problems(task, count: int) -> list[tuple[str, str]]:
-    rng = random.Random(SEED + 7)
+def train_problems(task, count: int, seed: int = SEED) -> list[tuple[str, str]]:
+    rng = random.Random(seed + 7)
     return [(p.prompt, p.answer) for p in (task.train_problem(rng) for _ in range(count))]
 
 
@@ -410,7 +420,7 @@ class BareLoop:
     """The recipe in plain PyTorch on the same folder: KV-cached sampling, exact-match
     rewards, group-normalised advantages, the clipped surrogate, one AdamW step."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, seed: int):
         import torch
 
         self.torch = torch
@@ -422,7 +432,7 @@ class BareLoop:
 
         self.stops = torch.tensor(stop_token_ids(tokenizer))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
-        self.generator = torch.Generator().manual_seed(SEED)
+        self.generator = torch.Generator().manual_seed(seed)
 
     def prompts(self, texts: list[str]):
         """Left-padded prompt ids and mask, each prompt repeated GROUP times."""
@@ -507,11 +517,13 @@ class BareLoop:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def run_bare(folder: Path, problems: list[tuple[str, str]], seconds: float, held_out) -> Result:
+def run_bare(
+    folder: Path, problems: list[tuple[str, str]], seconds: float, held_out, seed: int
+) -> Result:
     import copy
 
     set_threads()
-    bare = BareLoop(folder)
+    bare = BareLoop(folder, seed)
     result = Result("bare")
     marks = [m for m in MARKS if m > 0]
     states: list[tuple[float, float, int, dict]] = []
@@ -544,7 +556,7 @@ def run_bare(folder: Path, problems: list[tuple[str, str]], seconds: float, held
 # ------------------------------------------------------------------- rlft
 
 
-def rlft_job(model: Path, every: int) -> dict:
+def rlft_job(model: Path, every: int, seed: int = SEED) -> dict:
     """The recipe as an rlft job on the shared warm start (see the module docstring)."""
     return {
         "apiVersion": "rlft.dev/v1alpha1",
@@ -554,7 +566,12 @@ def rlft_job(model: Path, every: int) -> dict:
             "model": {"path": str(model)},
             "data": {
                 "source": "arithmetic",
-                "arithmetic": {"digits": DIGITS, "operations": ["+"], "evalSize": EVAL_SIZE},
+                "arithmetic": {
+                    "digits": DIGITS,
+                    "operations": ["+"],
+                    "evalSize": EVAL_SIZE,
+                    "heldOutSeed": SEED,  # the same held-out problems whatever the seed
+                },
             },
             "reward": {"functions": [{"name": "exact_match"}]},
             "algorithm": {
@@ -573,7 +590,7 @@ def rlft_job(model: Path, every: int) -> dict:
                 "warmupSteps": 0,
                 "weightDecay": 0.0,
                 "gradClip": GRAD_CLIP,
-                "seed": SEED,
+                "seed": seed,
             },
             "rollout": {
                 "engine": "transformers",
@@ -640,7 +657,7 @@ class RlftClock:
 
 
 def run_rlft(
-    folder: Path, work: Path, seconds: float, every: int, eval_s: float, held_out
+    folder: Path, work: Path, seconds: float, every: int, eval_s: float, held_out, seed: int
 ) -> Result:
     """`rlft train` on the job; SIGTERM when its training wall time reaches the budget
     (it finishes the step, checkpoints and exits), then `rlft export` of that checkpoint."""
@@ -649,7 +666,7 @@ def run_rlft(
     out = work / "rlft-run"
     shutil.rmtree(out, ignore_errors=True)  # an older metrics.jsonl would be read as this run's
     job = work / "rlft-job.yaml"
-    job.write_text(yaml.safe_dump(rlft_job(folder, every), sort_keys=False))
+    job.write_text(yaml.safe_dump(rlft_job(folder, every, seed), sort_keys=False))
     stdout = (work / "rlft-stdout.log").open("w")
     rlft = str(ROOT / ".venv" / "bin" / "rlft")
     command = [rlft, "train", str(job), "--out", str(out), "--overwrite"]
@@ -746,7 +763,12 @@ def ensure_trl_venv(venv: Path) -> Path:
 
 
 def run_trl(
-    folder: Path, work: Path, seconds: float, problems: list[tuple[str, str]], held_out
+    folder: Path,
+    work: Path,
+    seconds: float,
+    problems: list[tuple[str, str]],
+    held_out,
+    seed: int,
 ) -> Result:
     """GRPOTrainer in TRL's environment (bench/_vs_trl_trl.py), then the shared evaluation
     of its snapshots here."""
@@ -763,7 +785,7 @@ def run_trl(
         "marks": list(MARKS),
         "recipe": {
             "threads": THREADS,
-            "seed": SEED,
+            "seed": seed,
             "prompts": PROMPTS,
             "group": GROUP,
             "max_new_tokens": MAX_NEW,
@@ -806,16 +828,21 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=90.0, help="training wall time each")
     parser.add_argument("--work", type=Path, help="keep the warm start and runs here")
     parser.add_argument("--only", default=",".join(FRAMEWORKS), help="comma-separated subset")
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="runs of each framework, seeds 0…N-1 (≥ 1)"
+    )
     args = parser.parse_args()
     only = [name.strip() for name in args.only.split(",") if name.strip()]
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, not {args.seeds}")
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
-        return bench(args.work, args.seconds, only)
+        return bench(args.work, args.seconds, only, args.seeds)
     with tempfile.TemporaryDirectory(prefix="rlft-bench-vs-trl-") as tmp:
-        return bench(Path(tmp), args.seconds, only)
+        return bench(Path(tmp), args.seconds, only, args.seeds)
 
 
-def bench(work: Path, seconds: float, only: list[str]) -> int:
+def bench(work: Path, seconds: float, only: list[str], seeds: int = 1) -> int:
     set_threads()
     task = make_task()
     held_out = task.eval_problems()
@@ -835,35 +862,123 @@ def bench(work: Path, seconds: float, only: list[str]) -> int:
         f"training problems {info['probe_accuracy']:.3f}; held-out {start_accuracy:.3f} "
         f"({len(held_out)} problems, {eval_s:.2f} s per evaluation)"
     )
-    problems = train_problems(task, TRAIN_PROBLEMS)
-    load_before = os.getloadavg()[0]
+    summaries = []
+    for seed in range(SEED, SEED + seeds):
+        if seeds > 1:
+            log(f"\n=== seed {seed} ({seed - SEED + 1} of {seeds})")
+        problems = train_problems(task, TRAIN_PROBLEMS, seed)
+        load_before = os.getloadavg()[0]
+        results = run_each(folder, work, seconds, only, problems, held_out, eval_s, seed)
+        for result in results.values():
+            result.snapshots.insert(0, Snapshot(0.0, 0.0, 0, start_accuracy))
+        summaries.append(report(results, seconds, start_accuracy, load_before, seed))
+    if seeds > 1:
+        print(json.dumps(over_seeds(summaries)), flush=True)
+    return 0
+
+
+def run_each(
+    folder: Path,
+    work: Path,
+    seconds: float,
+    only: list[str],
+    problems: list[tuple[str, str]],
+    held_out,
+    eval_s: float,
+    seed: int,
+) -> dict[str, Result]:
+    """One run of each framework in `only`, one after the other, with `seed`."""
     results: dict[str, Result] = {}
     if "bare" in only:
         log(f"bare PyTorch loop: {seconds:.0f} s")
         before = cpu_marks()
-        results["bare"] = run_bare(folder, problems, seconds, held_out)
+        results["bare"] = run_bare(folder, problems, seconds, held_out, seed)
         results["bare"].extra["other_cores"] = other_cores(before, cpu_marks())
     step_s = results["bare"].median(results["bare"].wall) if "bare" in results else 0.3
     if "rlft" in only:
         every = max(1, round(seconds / EVALS_PER_BUDGET / step_s))
         log(f"rlft train: {seconds:.0f} s (in-run evaluation every {every} steps)")
         before = cpu_marks()
-        results["rlft"] = run_rlft(folder, work, seconds, every, eval_s, held_out)
+        results["rlft"] = run_rlft(folder, work, seconds, every, eval_s, held_out, seed)
         results["rlft"].extra["other_cores"] = other_cores(before, cpu_marks())
     if "trl" in only:
         log(f"TRL GRPOTrainer: {seconds:.0f} s")
         before = cpu_marks()
-        results["trl"] = run_trl(folder, work, seconds, problems, held_out)
+        results["trl"] = run_trl(folder, work, seconds, problems, held_out, seed)
         results["trl"].extra["other_cores"] = other_cores(before, cpu_marks())
-    for result in results.values():
-        result.snapshots.insert(0, Snapshot(0.0, 0.0, 0, start_accuracy))
-    report(results, seconds, start_accuracy, load_before)
-    return 0
+    return results
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.mean(known), 4) if len(known) == len(values) and known else None
+
+
+def over_seeds(summaries: list[dict]) -> dict:
+    """The seeds' JSON lines in one: each figure's mean over the seeds, rlft's accuracy
+    minus TRL's per seed (mean and standard error), and the goals on the means."""
+    names = list(summaries[0]["steps"])
+    accuracy = {
+        n: _mean([s["accuracy_at_equal_wall_time"].get(n) for s in summaries]) for n in names
+    }
+    gaps = [
+        s["accuracy_at_equal_wall_time"]["rlft"] - s["accuracy_at_equal_wall_time"]["trl"]
+        for s in summaries
+        if None not in (s["accuracy_at_equal_wall_time"].get(n) for n in ("rlft", "trl"))
+    ]
+    error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None
+    speedup = _mean([s["speedup_vs_trl"] for s in summaries])
+    overhead = _mean([s["overhead_vs_bare"] for s in summaries])
+    log(f"\nover {len(summaries)} seeds (means):")
+    for n in names:
+        shown = "-" if accuracy[n] is None else f"{accuracy[n]:.3f}"
+        per_seed = " ".join(
+            f"{v:.3f}" if (v := s["accuracy_at_equal_wall_time"].get(n)) is not None else "-"
+            for s in summaries
+        )
+        log(f"  {n:6} accuracy at equal wall time {shown} (per seed: {per_seed})")
+    if gaps:
+        log(
+            f"  rlft − TRL per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean "
+            f"{statistics.mean(gaps):+.3f}"
+            + ("" if error is None else f" ± {error:.3f} (standard error)")
+        )
+    return {
+        "seeds": [s["seed"] for s in summaries],
+        "seconds": summaries[0]["seconds"],
+        "speedup_vs_trl": speedup,
+        "speedup_vs_trl_median": _mean([s["speedup_vs_trl_median"] for s in summaries]),
+        "overhead_vs_bare": overhead,
+        "steps_per_s": {n: _mean([s["steps_per_s"][n] for s in summaries]) for n in names},
+        "disturbed": sorted({f"{n} (seed {s['seed']})" for s in summaries for n in s["disturbed"]}),
+        "accuracy_start": summaries[0]["accuracy_start"],
+        "accuracy_at_equal_wall_time": accuracy,
+        "accuracy_rlft_minus_trl": {
+            "per_seed": [round(g, 4) for g in gaps],
+            "mean": round(statistics.mean(gaps), 4) if gaps else None,
+            "standard_error": None if error is None else round(error, 4),
+        },
+        "per_seed": summaries,
+        "goals_met": {
+            "speedup_vs_trl_ge_1.5": None if speedup is None else speedup >= 1.5,
+            "overhead_vs_bare_le_1.05": None if overhead is None else overhead <= 1.05,
+            "rlft_accuracy_ge_trl": (
+                None
+                if accuracy.get("rlft") is None or accuracy.get("trl") is None
+                else accuracy["rlft"] >= accuracy["trl"]
+            ),
+        },
+    }
 
 
 def report(
-    results: dict[str, Result], seconds: float, start_accuracy: float, load_before: float
-) -> None:
+    results: dict[str, Result],
+    seconds: float,
+    start_accuracy: float,
+    load_before: float,
+    seed: int = SEED,
+) -> dict:
+    """Prints the run's table and its JSON line, and returns that JSON."""
     load_after = os.getloadavg()[0]
     log("")
     log(
@@ -944,6 +1059,7 @@ def report(
     )
     accuracy = {n: rounded(r.window_accuracy()) for n, r in results.items()}
     summary = {
+        "seed": seed,
         "seconds": seconds,
         "load_average": [round(load_before, 2), round(load_after, 2)],
         "speedup_vs_trl": None if speedup is None else round(speedup, 3),
@@ -976,6 +1092,7 @@ def report(
         },
     }
     print(json.dumps(summary), flush=True)
+    return summary
 
 
 if __name__ == "__main__":
