@@ -19,7 +19,7 @@ from rlft.trainer.config import RLFineTune
 from rlft.trainer.config.algorithm import SOURCES
 from rlft.trainer.config.model import vllm_cpu_head_problem
 from rlft.trainer.config.pods import PodCustomisation
-from rlft.trainer.redaction import SECRET_NAMES_ENV, SECRET_PATH_ENV
+from rlft.trainer.secret_sources import SECRET_NAMES_ENV, SECRET_PATH_ENV
 
 CONFIG_DIR = "/etc/rlft"
 JOB_FILE = f"{CONFIG_DIR}/job.yaml"
@@ -219,7 +219,7 @@ def job_env(job: RLFineTune, role: str) -> list[dict[str, Any]]:
     env = job.spec.trainer.env if role == N.ROLE_TRAINER else job.spec.rollout.env
     own = [e.model_dump(by_alias=True, exclude_none=True) for e in env]
     # Their values from Secrets, and the files of the Secrets the role mounts, are kept
-    # out of the pod's log and error texts (redaction.py).
+    # out of the pod's log and error texts (secret_sources.py).
     hidden = [e["name"] for e in own if "secretKeyRef" in (e.get("valueFrom") or {})]
     if hidden:
         own.append({"name": SECRET_NAMES_ENV, "value": ",".join(hidden)})

@@ -1,8 +1,9 @@
 """What a process's own text loses before it is printed or becomes its verdict (the
 termination message the operator copies into the job's status, conditions and Events):
-the values of the secrets in its environment, and credentials in URLs. A reward that
-calls a judge with its key in the URL, a library error quoting a request: their text
-reached the job's status as it was.
+the values of its secrets (those of its environment and of its mounted Secrets' files:
+`secret_sources.py`), and credentials in URLs. A reward that calls a judge with its key
+in the URL, a library error quoting a request: their text reached the job's status as
+it was.
 
 `scrub_output` puts every line the `rlft` process prints through the same filter (its
 own log lines, a reward's prints, libraries' logging and warnings): the pod's log is read
@@ -13,83 +14,20 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import os
 import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
-from urllib.parse import unquote
 
-SECRET_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "RLFT_ROLLOUT_TOKEN",
-    "RAY_AUTH_TOKEN",
-    "HF_TOKEN",
-    "HUGGING_FACE_HUB_TOKEN",
-    # Where OpenTelemetry exporters take a collector's auth header (`Authorization=…`).
-    "OTEL_EXPORTER_OTLP_HEADERS",
-    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
-    "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
-    "OTEL_EXPORTER_OTLP_LOGS_HEADERS",
-)
-"""Variables that hold secrets wherever they are set."""
-HEADER_LIST_ENV = tuple(name for name in SECRET_ENV if name.endswith("_HEADERS"))
-"""Of those, the ones holding OTLP's header list (`k=v,k2=v2`, values URL-encoded): an
-exporter's error or debug log shows one header, decoded (`'Authorization': 'Bearer …'`)."""
-SECRET_NAMES_ENV = "RLFT_SECRET_ENV"
-"""Set by the operator: the names (comma-separated) of the job's own variables it fills
-from Secrets (`valueFrom.secretKeyRef` in spec.trainer.env / spec.rollout.env)."""
-
-SECRET_PATH_ENV = "RLFT_SECRET_PATH"
-"""Set by the operator: where the container's Secret volumes are mounted, as a JSON list
-of absolute paths (a mount path may hold any character but `/`). Each file there, in
-subfolders too, holds a secret: a judge's key read from a mounted Secret (how Kubernetes
-advises handing over keys) is as secret as one in a variable."""
-
-LARGEST_SECRET_FILE = 1 << 20
-"""Bigger files under a Secret's mount are not read: a Secret holds at most 1 MiB."""
-
-MOST_SECRET_FILES = 256
-"""At most this many files under all the mounts together are read."""
+from rlft.trainer.secret_sources import looked_for, secret_values
 
 REFRESH_SECONDS = 10.0
 """How often a long-lived scrubber (a pod's `rlft scrubbed`, a process's streams) looks
 at the environment and the Secret files again: the kubelet rewrites a mounted Secret
 when it changes (credentials rotated under `spec.checkpoint.credentialsDir`), and the new
 value is as secret as the old one, which stays hidden too."""
-
-SECRET_WORDS = frozenset(
-    {
-        "TOKEN",
-        "SECRET",
-        "SECRETS",
-        "PASSWORD",
-        "PASSWD",
-        "PASSPHRASE",
-        "APIKEY",
-        "CREDENTIAL",
-        "CREDENTIALS",
-        "PAT",
-        "DSN",
-        "WEBHOOK",
-        "COOKIE",
-    }
-)
-"""A variable whose name has one of these words (split at `_`), or ends in `_KEY`, is
-taken for a secret whoever set it: values from `envFrom` Secrets reach the environment
-under their keys' names, which neither the operator (it never reads Secrets) nor the
-trainer can list. `TOKENIZERS_PARALLELISM` is no secret, nor is `LD_LIBRARY_PATH`: whole
-words only. A personal access token (`GITHUB_PAT`), a Sentry DSN and a chat webhook's URL
-carry their key in the value."""
-
-SHORTEST = 8
-"""Values shorter than this are not hidden: a variable set to `main` or `true` would
-blank that word out of every message."""
 
 # A scheme starts where a run of scheme characters does (not at each `\b` inside one:
 # a long run such as `a-a-a-…` made the search quadratic).
@@ -105,87 +43,12 @@ _SECRET_QUERY = re.compile(
 )
 
 
-NOT_SECRET_ENDINGS = frozenset({"FILE", "PATH", "DIR", "DIRECTORY", "ENV"})
-"""Names ending so hold where a secret is (`AWS_WEB_IDENTITY_TOKEN_FILE`, on every IRSA
-pod) or which variables hold one (`RLFT_SECRET_ENV`), not a secret: hidden, every error
-naming that file or variable lost what it needed to say."""
-
-
-def named_as_secret(name: str) -> bool:
-    words = name.upper().split("_")
-    if words[-1] in NOT_SECRET_ENDINGS or "PUBLIC" in words:
-        return False
-    return bool(SECRET_WORDS.intersection(words)) or (len(words) > 1 and words[-1] == "KEY")
-
-
-def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The secrets a process holds: its environment's (by name) and the files under its
-    Secret mounts (`RLFT_SECRET_PATH`), longest first."""
-    environ = os.environ if environ is None else environ
-    names = [*SECRET_ENV, *(environ.get(SECRET_NAMES_ENV) or "").split(",")]
-    names += [name for name in environ if named_as_secret(name)]
-    values = [environ.get(name.strip(), "").strip() for name in names if name.strip()]
-    values += [v for name in HEADER_LIST_ENV for v in header_values(environ.get(name) or "")]
-    values += secret_file_values(environ.get(SECRET_PATH_ENV) or "")
-    return sorted({v for v in values if len(v) >= SHORTEST}, key=len, reverse=True)
-
-
-def header_values(headers: str) -> list[str]:
-    """Each value of a `k=v,k2=v2` header list, as written and URL-decoded, and the
-    credentials after an auth scheme's name (`Bearer x` → `x`)."""
-    values: list[str] = []
-    for pair in headers.split(","):
-        _, equals, written = pair.partition("=")
-        if not equals:
-            continue
-        for value in {written.strip(), unquote(written).strip()}:
-            values.append(value)
-            _, space, credentials = value.partition(" ")
-            if space:
-                values.append(credentials.strip())
-    return values
-
-
-def secret_file_values(mounts: str) -> list[str]:
-    """The contents of the files under `mounts` (`RLFT_SECRET_PATH`'s JSON list), each
-    stripped. A kubelet writes a Secret's keys into a hidden folder (`..2026_12_07_…`)
-    that `..data` points at, with a link per key beside it: names starting with `..` are
-    its bookkeeping, not keys (a key may start with one `.`). What cannot be read, or is
-    not a JSON list of paths, is passed over: scrubbing never stops a process."""
-    try:
-        roots = json.loads(mounts) if mounts.strip() else []
-    except ValueError:
-        return []
-    if not isinstance(roots, list):
-        return []
-    values: list[str] = []
-    for path in _files_under([r for r in roots if isinstance(r, str)]):
-        with contextlib.suppress(OSError):
-            if path.stat().st_size <= LARGEST_SECRET_FILE:
-                values.append(path.read_bytes().decode("utf-8", "surrogateescape").strip())
-    return values
-
-
-def _files_under(roots: list[str]) -> list[Path]:
-    found: list[Path] = []
-    for root in roots:
-        if os.path.isfile(root):
-            found.append(Path(root))
-            continue
-        # Following links: the keys are links (into `..data`), a key `a/b` a linked folder.
-        for folder, subfolders, files in os.walk(root, followlinks=True):
-            subfolders[:] = sorted(d for d in subfolders if not d.startswith(".."))
-            found += [Path(folder, f) for f in sorted(files) if not f.startswith("..")]
-            if len(found) >= MOST_SECRET_FILES:
-                return found[:MOST_SECRET_FILES]
-    return found[:MOST_SECRET_FILES]
-
-
 def scrubbed(text: str, environ: Mapping[str, str] | None = None) -> str:
-    """`text` without the environment's secret values, URL user-info parts (`user:pw@`,
-    `token@`) and the values of URL query parameters named as a key, token, secret or
-    signature."""
-    return _without(text, secret_values(environ))
+    """`text` without the secrets of the environment and the mounted Secrets (this
+    process's own, past values included, without `environ`), URL user-info parts
+    (`user:pw@`, `token@`) and the values of URL query parameters named as a key, token,
+    secret or signature."""
+    return _without(text, looked_for(secret_values(environ)))
 
 
 def _without(text: str, values: Iterable[str]) -> str:
@@ -259,17 +122,17 @@ class LineScrubber:
         if not new:
             return
         self._known |= new
-        # A secret of several lines (a PEM key, a service account's JSON) arrives cut at
-        # its line ends: each of its lines is looked for as well.
-        lines = {line for value in new for line in value.splitlines()}
-        extra = {line for line in lines if len(line.strip()) >= SHORTEST}
-        self._secrets = sorted({*self._secrets, *new, *extra}, key=len, reverse=True)
+        self._secrets = sorted({*self._secrets, *looked_for(new)}, key=len, reverse=True)
 
     def _look_again(self) -> None:
         if self._refresh is None or time.monotonic() - self._refreshed < REFRESH_SECONDS:
             return
         self._refreshed = time.monotonic()
-        self._learn(self._refresh())
+        try:
+            fresh = list(self._refresh())
+        except Exception:  # what is known stays hidden: scrubbing never stops output
+            return
+        self._learn(fresh)
 
     def lines(self, text: str) -> str:
         """Takes `text`; returns the lines it ended, scrubbed ("" when it ended none)."""

@@ -73,6 +73,9 @@ def write_atomically(folder: Path, files: dict[str, bytes]) -> None:
     for name in files:
         if not (folder / name).is_symlink():
             (folder / name).symlink_to(f"..data/{name}")
+    for gone in folder.iterdir():  # the links of keys the object no longer has
+        if gone.is_symlink() and not gone.name.startswith("..") and gone.name not in files:
+            gone.unlink()
     if previous is not None:
         shutil.rmtree(folder / previous, ignore_errors=True)
 

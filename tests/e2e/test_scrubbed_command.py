@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlft.trainer.redaction import LineScrubber, ScrubbedStream, secret_values
+from rlft.trainer.redaction import LineScrubber, ScrubbedStream
+from rlft.trainer.secret_sources import secret_values
 
 RLFT = str(Path(sys.executable).parent / "rlft")
 KEY = "judge-key-0f1e2d3c4b5a"

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from rlft.trainer import redaction
-from rlft.trainer.redaction import (
+from rlft.trainer.redaction import LineScrubber, ScrubbedStream, scrubbed
+from rlft.trainer.secret_sources import (
+    LARGEST_SECRET_FILE,
+    MOST_SECRET_FILES,
     SECRET_PATH_ENV,
-    LineScrubber,
-    ScrubbedStream,
-    scrubbed,
+    files_under,
     secret_values,
 )
 
@@ -49,7 +50,7 @@ def test_the_files_of_mounted_secrets_are_secrets(tmp_path):
     mount_secret(s3, {"AWS_SECRET_ACCESS_KEY": "s3-secret-0123456789", "region": "eu-west"})
     single.parent.mkdir()
     single.write_text("single-file-token-0123")  # a subPath mount of one key
-    (s3 / "..data" / "huge").write_bytes(b"x" * (redaction.LARGEST_SECRET_FILE + 1))
+    (s3 / "..data" / "huge").write_bytes(b"x" * (LARGEST_SECRET_FILE + 1))
     (s3 / "huge").symlink_to("..data/huge")
     mounts = [str(judge), str(s3), str(single), str(tmp_path / "not-mounted")]
     environ = {SECRET_PATH_ENV: json.dumps(mounts)}
@@ -57,13 +58,30 @@ def test_the_files_of_mounted_secrets_are_secrets(tmp_path):
         "judge-file-key-0123 dotted-0123456789 s3-secret-0123456789 single-file-token-0123 "
         f"eu-west {judge}/key"
     )
-    # Each file once, whatever links lead to it; short values (a region) are not hidden,
-    # and neither is where the files are.
+    # Short values (a region) are not hidden, and neither is where the files are.
     assert scrubbed(text, environ) == f"*** *** *** *** eu-west {judge}/key"
-    assert len(secret_values(environ)) == 4
+    # Each key once, through its link, not again inside `..data` or its timestamped folder.
+    assert files_under(str(judge)) == [judge / ".hidden-key", judge / "key"]
+    assert files_under(str(single)) == [single]
     # What is not a JSON list of paths is passed over: scrubbing never stops a process.
-    for broken in ("/a:/b", '{"a": 1}', "[1, 2]"):
+    nested = "[" * 100_000 + "]" * 100_000  # past the JSON parser's depth
+    for broken in ("/a:/b", '{"a": 1}', "[1, 2]", nested, json.dumps(["/a\0b"])):
         assert scrubbed("x-0123456789", {SECRET_PATH_ENV: broken}) == "x-0123456789"
+
+
+def test_strings_inside_a_json_secret_are_hidden_as_a_program_prints_them(tmp_path):
+    """A service account's key file: its `private_key` is stored with `\\n` escapes and
+    printed decoded, cut at its line ends."""
+    key = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG\nw0BAQEFAASCBKcwggSj\n-----END"
+    account = {"type": "service_account", "private_key": key, "private_key_id": "0a1b2c3d4e5f"}
+    mount_secret(tmp_path / "gcp", {"key.json": json.dumps(account)})
+    environ = {SECRET_PATH_ENV: json.dumps([str(tmp_path / "gcp")])}
+    said = f"loaded {account['private_key_id']} with key\n{key}\n"
+    assert scrubbed(said, environ) == "loaded *** with key\n***\n"
+    under = io.StringIO()
+    stream = ScrubbedStream(under, secret_values(environ), words=False)
+    print("line:", key.splitlines()[1], file=stream)
+    assert under.getvalue() == "line: ***\n"
 
 
 def test_a_rewritten_secret_is_hidden_once_looked_at_again_and_the_old_value_too(
@@ -81,9 +99,48 @@ def test_a_rewritten_secret_is_hidden_once_looked_at_again_and_the_old_value_too
     monkeypatch.setattr(redaction, "REFRESH_SECONDS", 0.0)
     print("after: new-token-0123456789 old-token-0123456789", file=stream)
     assert under.getvalue() == "before a look: new-token-0123456789\nafter: *** ***\n"
-    # Without a source to ask, nothing is learnt.
+    # Without a source to ask, nothing is learnt; a source that fails keeps what is known.
     fixed = LineScrubber(["old-token-0123456789"])
     assert fixed.lines("new-token-0123456789\n") == "new-token-0123456789\n"
+
+    def broken() -> list[str]:
+        raise RecursionError("a source that fails")
+
+    failing = LineScrubber(["old-token-0123456789"], refresh=broken)
+    assert failing.lines("old-token-0123456789 still\n") == "*** still\n"
+
+
+AWKWARD = """
+import json, os, sys, time
+from rlft.trainer.secret_sources import secret_values
+start = time.monotonic()
+values = secret_values({"RLFT_SECRET_PATH": sys.argv[1]})
+print(json.dumps({"values": values, "seconds": time.monotonic() - start}))
+"""
+
+
+def test_a_mount_that_is_large_looped_or_holds_a_fifo_does_not_hide_the_next_one(tmp_path):
+    """Each mount's own MOST_SECRET_FILES; a FIFO (its read would block) and a folder
+    linked into itself (each walk of it doubled) are passed over. In a subprocess with a
+    timeout: without the first rule it hangs."""
+    bundle, judge = tmp_path / "bundle", tmp_path / "judge"
+    mount_secret(bundle, {f"cert-{i:03d}.pem": f"certificate-{i:03d}" for i in range(300)})
+    os.mkfifo(bundle / "..data" / "a-fifo")
+    (bundle / "a-fifo").symlink_to("..data/a-fifo")
+    mount_secret(judge, {"key": "judge-file-key-0123"})
+    for name in ("loop-a", "loop-b"):
+        (judge / name).symlink_to(".")
+    assert files_under(str(judge)) == [judge / "key"]  # once, however many ways lead to it
+    mounts = json.dumps([str(bundle), str(judge)])
+    ended = subprocess.run(
+        [sys.executable, "-c", AWKWARD, mounts], capture_output=True, text=True, timeout=60
+    )
+    assert ended.returncode == 0, ended.stderr
+    values = json.loads(ended.stdout)["values"]
+    assert "judge-file-key-0123" in values
+    # The bundle's first MOST_SECRET_FILES files, its FIFO (`a-fifo`, first) among them.
+    certificates = [v for v in values if v.startswith("certificate-")]
+    assert len(certificates) == MOST_SECRET_FILES - 1, len(certificates)
 
 
 ROTATES = """
@@ -128,21 +185,44 @@ def test_rlft_scrubbed_hides_what_a_command_reads_from_a_mounted_secret(tmp_path
     assert shown.returncode == 0 and shown.stderr == b"***", shown
 
 
+OWN_OUTPUT = """
+import os, sys
+from rlft.trainer import redaction
+redaction.scrub_output()
+folder = sys.argv[1]
+print("key", open(folder + "/key").read())
+redaction.REFRESH_SECONDS = 0.0
+os.symlink("..2026_12_07_20_00_00.2", folder + "/..data_tmp")
+os.replace(folder + "/..data_tmp", folder + "/..data")  # the kubelet's rotation
+print("new", open(folder + "/key").read(), flush=True)
+# Its verdict (the job's status) is scrubbed by `scrubbed`, past values included.
+os.write(1, redaction.scrubbed("verdict: old-token-0123456789").encode() + b"\\n")
+"""
+
+
 @pytest.mark.parametrize("mounted", [True, False], ids=["secret-mounted", "no-secret"])
 def test_a_process_that_scrubs_its_own_output_reads_the_mounts(tmp_path, mounted):
-    """`rlft` installs its stream filter with the files' values (a local run's output)."""
+    """`rlft` installs its stream filter with the files' values (a local run's output),
+    and looks at them again; its verdict's scrubbing remembers a rotated value."""
     folder = tmp_path / "judge"
-    mount_secret(folder, {"key": "judge-file-key-0123"})
+    mount_secret(folder, {"key": "old-token-0123456789"})
+    (folder / "..2026_12_07_20_00_00.2").mkdir()
+    (folder / "..2026_12_07_20_00_00.2" / "key").write_text("new-token-0123456789")
     env = dict(os.environ)
     env.pop(SECRET_PATH_ENV, None)
     if mounted:
         env[SECRET_PATH_ENV] = json.dumps([str(folder)])
-    code = (
-        "from rlft.trainer.redaction import scrub_output; scrub_output(); "
-        f"print('key', open({str(folder / 'key')!r}).read())"
-    )
     ended = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", OWN_OUTPUT, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert ended.returncode == 0, ended.stderr
-    assert ended.stdout == ("key ***\n" if mounted else "key judge-file-key-0123\n")
+    if mounted:
+        assert ended.stdout == "key ***\nnew ***\nverdict: ***\n"
+    else:
+        assert ended.stdout == (
+            "key old-token-0123456789\nnew new-token-0123456789\nverdict: old-token-0123456789\n"
+        )

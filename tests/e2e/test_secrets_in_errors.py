@@ -20,7 +20,8 @@ from test_resume import start, write_job
 from rlft.operator import failures
 from rlft.operator import names as N
 from rlft.operator.observe import pod_view
-from rlft.trainer.redaction import ScrubbedStream, scrubbed, secret_values
+from rlft.trainer.redaction import ScrubbedStream, scrubbed
+from rlft.trainer.secret_sources import secret_values
 
 KEY = "judge-key-0f1e2d3c4b5a"
 SESSION = "aws-session-9a8b7c6d5e"

@@ -26,7 +26,7 @@ from rlft.trainer.config.pods import (
     OPERATOR_PREFIX,
     OPERATOR_VOLUMES,
 )
-from rlft.trainer.redaction import SECRET_PATH_ENV
+from rlft.trainer.secret_sources import SECRET_PATH_ENV
 
 SETTINGS = M.Settings()
 OWN = {N.ROLE_TRAINER: TRAINER_POD}  # every other role is a rollout pod

@@ -7,8 +7,9 @@ import io
 
 from rich.console import Console
 
-from rlft.trainer.redaction import ScrubbedStream, secret_values
+from rlft.trainer.redaction import ScrubbedStream
 from rlft.trainer.run.progress import Reporter
+from rlft.trainer.secret_sources import secret_values
 
 KEY = "judge-key-0f1e2d3c4b5a6978"
 

@@ -221,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     scrubbed = commands.add_parser(
         "scrubbed",
-        help="run a command with its output scrubbed of the environment's secrets "
-        "(what every pod runs first)",
+        help="run a command with its output scrubbed of the secrets of the environment and "
+        "the mounted Secrets (what every pod runs first)",
     )
     scrubbed.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND [ARGUMENT...]")
     scrubbed.set_defaults(handler=cmd_scrubbed)

@@ -9,7 +9,8 @@ log stores for months.
 It stands between the container runtime and COMMAND: the signals a runtime sends (SIGTERM
 at a pod's deletion) go on to COMMAND, and it ends with COMMAND's exit code (128 + the
 signal's number for a COMMAND killed by one, as a runtime reports that). Only the standard
-library and redaction.py are imported: it starts in a fraction of a second."""
+library, redaction.py and secret_sources.py are imported: it starts in a fraction of a
+second."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import sys
 import threading
 import time
 
-from rlft.trainer.redaction import LineScrubber, secret_values
+from rlft.trainer.redaction import LineScrubber
+from rlft.trainer.secret_sources import secret_values
 
 FORWARDED = (
     signal.SIGTERM,
