@@ -108,7 +108,8 @@ its held-out split stays seed 0's, `data.arithmetic.heldOutSeed`, so every run i
 evaluated on the same 500 problems). A run's accuracy at equal wall time moves by a few
 points from seed to seed while the policy hovers near what this model can reach, so one
 run per framework ranks them by luck there. Each seed prints its table and JSON line;
-the last line is then the JSON over the seeds: each figure's mean, rlft's accuracy
+the last line is then the JSON over the seeds: each figure's mean (geometric for the
+ratios `speedup_vs_trl`, `speedup_vs_trl_median` and `overhead_vs_bare`), rlft's accuracy
 minus TRL's per seed with its mean and standard error, and `goals_met` on the means.
 """
 
@@ -914,9 +915,17 @@ def _mean(values: list[float | None]) -> float | None:
     return round(statistics.mean(known), 4) if len(known) == len(values) and known else None
 
 
+def _geometric_mean(values: list[float | None]) -> float | None:
+    """For ratios (a speedup of 2 and one of 0.5 average to 1, not 1.25)."""
+    known = [v for v in values if v is not None]
+    ok = len(known) == len(values) and known and min(known) > 0
+    return round(statistics.geometric_mean(known), 4) if ok else None
+
+
 def over_seeds(summaries: list[dict]) -> dict:
-    """The seeds' JSON lines in one: each figure's mean over the seeds, rlft's accuracy
-    minus TRL's per seed (mean and standard error), and the goals on the means."""
+    """The seeds' JSON lines in one: each figure's mean over the seeds (geometric for
+    the ratios), rlft's accuracy minus TRL's per seed (mean and standard error), and the
+    goals on the means."""
     names = list(summaries[0]["steps"])
     accuracy = {
         n: _mean([s["accuracy_at_equal_wall_time"].get(n) for s in summaries]) for n in names
@@ -927,8 +936,8 @@ def over_seeds(summaries: list[dict]) -> dict:
         if None not in (s["accuracy_at_equal_wall_time"].get(n) for n in ("rlft", "trl"))
     ]
     error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None
-    speedup = _mean([s["speedup_vs_trl"] for s in summaries])
-    overhead = _mean([s["overhead_vs_bare"] for s in summaries])
+    speedup = _geometric_mean([s["speedup_vs_trl"] for s in summaries])
+    overhead = _geometric_mean([s["overhead_vs_bare"] for s in summaries])
     log(f"\nover {len(summaries)} seeds (means):")
     for n in names:
         shown = "-" if accuracy[n] is None else f"{accuracy[n]:.3f}"
@@ -947,7 +956,7 @@ def over_seeds(summaries: list[dict]) -> dict:
         "seeds": [s["seed"] for s in summaries],
         "seconds": summaries[0]["seconds"],
         "speedup_vs_trl": speedup,
-        "speedup_vs_trl_median": _mean([s["speedup_vs_trl_median"] for s in summaries]),
+        "speedup_vs_trl_median": _geometric_mean([s["speedup_vs_trl_median"] for s in summaries]),
         "overhead_vs_bare": overhead,
         "steps_per_s": {n: _mean([s["steps_per_s"][n] for s in summaries]) for n in names},
         "disturbed": sorted({f"{n} (seed {s['seed']})" for s in summaries for n in s["disturbed"]}),
