@@ -915,6 +915,18 @@ def _mean(values: list[float | None]) -> float | None:
     return round(statistics.mean(known), 4) if len(known) == len(values) and known else None
 
 
+def goals(
+    speedup: float | None, overhead: float | None, accuracy: dict[str, float | None]
+) -> dict[str, bool | None]:
+    """The issue's three goals (None where a figure is missing)."""
+    rlft, trl = accuracy.get("rlft"), accuracy.get("trl")
+    return {
+        "speedup_vs_trl_ge_1.5": None if speedup is None else speedup >= 1.5,
+        "overhead_vs_bare_le_1.05": None if overhead is None else overhead <= 1.05,
+        "rlft_accuracy_ge_trl": None if rlft is None or trl is None else rlft >= trl,
+    }
+
+
 def _geometric_mean(values: list[float | None]) -> float | None:
     """For ratios (a speedup of 2 and one of 0.5 average to 1, not 1.25)."""
     known = [v for v in values if v is not None]
@@ -968,15 +980,7 @@ def over_seeds(summaries: list[dict]) -> dict:
             "standard_error": None if error is None else round(error, 4),
         },
         "per_seed": summaries,
-        "goals_met": {
-            "speedup_vs_trl_ge_1.5": None if speedup is None else speedup >= 1.5,
-            "overhead_vs_bare_le_1.05": None if overhead is None else overhead <= 1.05,
-            "rlft_accuracy_ge_trl": (
-                None
-                if accuracy.get("rlft") is None or accuracy.get("trl") is None
-                else accuracy["rlft"] >= accuracy["trl"]
-            ),
-        },
+        "goals_met": goals(speedup, overhead, accuracy),
     }
 
 
@@ -1090,15 +1094,7 @@ def report(
         "accuracy_start": round(start_accuracy, 4),
         "accuracy_at_equal_wall_time": accuracy,
         "accuracy_last_snapshot": {n: rounded(r.last_accuracy()) for n, r in results.items()},
-        "goals_met": {
-            "speedup_vs_trl_ge_1.5": None if speedup is None else speedup >= 1.5,
-            "overhead_vs_bare_le_1.05": None if overhead is None else overhead <= 1.05,
-            "rlft_accuracy_ge_trl": (
-                None
-                if accuracy.get("rlft") is None or accuracy.get("trl") is None
-                else accuracy["rlft"] >= accuracy["trl"]
-            ),
-        },
+        "goals_met": goals(speedup, overhead, accuracy),
     }
     print(json.dumps(summary), flush=True)
     return summary
