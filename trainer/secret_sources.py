@@ -79,7 +79,12 @@ blank that word out of every message."""
 NOT_SECRET_ENDINGS = frozenset({"FILE", "PATH", "DIR", "DIRECTORY", "ENV"})
 """Names ending so hold where a secret is (`AWS_WEB_IDENTITY_TOKEN_FILE`, on every IRSA
 pod) or which variables hold one (`RLFT_SECRET_ENV`), not a secret: hidden, every error
-naming that file or variable lost what it needed to say."""
+naming that file or variable lost what it needed to say. The file itself is read (one
+named by a `…_FILE` or `…_PATH` variable, see `named_files`)."""
+
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+"""Where Kubernetes mounts a pod's service account token (`automountServiceAccountToken`):
+a bearer token for the API server, read like the Secrets' files."""
 
 
 def named_as_secret(name: str) -> bool:
@@ -94,10 +99,10 @@ _SEEN_LOCK = threading.Lock()
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The secrets a process holds: its environment's (by name) and the files under its
-    Secret mounts (`RLFT_SECRET_PATH`), longest first. Without `environ`, this process's
-    own, and every value they held when asked before: a rotated credential's old value
-    may still show in an error."""
+    """The secrets a process holds: its environment's (by name), the files under its
+    Secret mounts (`RLFT_SECRET_PATH`) and those its variables name, longest first.
+    Without `environ`, this process's own, and every value they held when asked before:
+    a rotated credential's old value may still show in an error."""
     own = environ is None
     environ = os.environ if environ is None else environ
     names = [*SECRET_ENV, *(environ.get(SECRET_NAMES_ENV) or "").split(",")]
@@ -105,12 +110,37 @@ def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     values = [environ.get(name.strip(), "").strip() for name in names if name.strip()]
     values += [v for name in HEADER_LIST_ENV for v in header_values(environ.get(name) or "")]
     values += secret_file_values(environ.get(SECRET_PATH_ENV) or "")
+    values += [v for path in named_files(environ) if (v := read_secret_file(Path(path)))]
     found = {v for v in values if len(v) >= SHORTEST}
     if own:
         with _SEEN_LOCK:
             _SEEN.update(found)
             found = set(_SEEN)
     return sorted(found, key=len, reverse=True)
+
+
+def named_files(environ: Mapping[str, str]) -> list[str]:
+    """The files that variables named for a secret point at, and the service account
+    token: `AWS_WEB_IDENTITY_TOKEN_FILE` (IRSA's token), `POSTGRES_PASSWORD_FILE`,
+    `HF_TOKEN_PATH`, `GOOGLE_APPLICATION_CREDENTIALS` (a key file's path). Absolute
+    paths only: a secret's own value is no file to look for."""
+    paths = [SERVICE_ACCOUNT_TOKEN]
+    for name, value in environ.items():
+        words = name.upper().split("_")
+        stem = "_".join(words[:-1]) if words[-1] in ("FILE", "PATH") else name
+        if value.startswith("/") and stem and named_as_secret(stem):
+            paths.append(value)
+    return paths
+
+
+def read_secret_file(path: Path) -> str | None:
+    """A regular file's text, stripped (None for anything else, over LARGEST_SECRET_FILE
+    or unreadable): a FIFO or a device would block the read, or never end."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: a NUL in the path
+        info = path.stat()
+        if stat.S_ISREG(info.st_mode) and info.st_size <= LARGEST_SECRET_FILE:
+            return path.read_bytes().decode("utf-8", "surrogateescape").strip()
+    return None
 
 
 def looked_for(secrets: Iterable[str]) -> list[str]:
@@ -180,12 +210,7 @@ def secret_file_values(mounts: str) -> list[str]:
     for root in roots:
         if not isinstance(root, str):
             continue
-        for path in files_under(root):
-            # Only regular files: a FIFO or a device would block the read, or never end.
-            with contextlib.suppress(OSError, ValueError):
-                info = path.stat()
-                if stat.S_ISREG(info.st_mode) and info.st_size <= LARGEST_SECRET_FILE:
-                    values.append(path.read_bytes().decode("utf-8", "surrogateescape").strip())
+        values += [v for path in files_under(root) if (v := read_secret_file(path)) is not None]
     return values
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlft.trainer import redaction
+from rlft.trainer import redaction, secret_sources
 from rlft.trainer.redaction import LineScrubber, ScrubbedStream, scrubbed
 from rlft.trainer.secret_sources import (
     LARGEST_SECRET_FILE,
@@ -67,6 +67,33 @@ def test_the_files_of_mounted_secrets_are_secrets(tmp_path):
     nested = "[" * 100_000 + "]" * 100_000  # past the JSON parser's depth
     for broken in ("/a:/b", '{"a": 1}', "[1, 2]", nested, json.dumps(["/a\0b"])):
         assert scrubbed("x-0123456789", {SECRET_PATH_ENV: broken}) == "x-0123456789"
+
+
+def test_files_that_secret_variables_name_are_secrets(tmp_path, monkeypatch):
+    """IRSA's web identity token, a `*_PASSWORD_FILE`, a token path, a Google key file's
+    path, the service account token: the variable names a file, whose content is the
+    secret. Other paths' files are not read."""
+    files = {
+        "AWS_WEB_IDENTITY_TOKEN_FILE": "irsa-token-0123456789",
+        "POSTGRES_PASSWORD_FILE": "pg-password-0123456789",
+        "HF_TOKEN_PATH": "hf_file_token_0123456789",
+        "GOOGLE_APPLICATION_CREDENTIALS": '{"private_key": "gcp-private-0123456789"}',
+        "MODEL_PATH": "just-a-model-0123456789",
+        "RELATIVE_TOKEN_FILE": "relative-0123456789",
+    }
+    environ = {}
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+        environ[name] = str(tmp_path / name)
+    environ["RELATIVE_TOKEN_FILE"] = "RELATIVE_TOKEN_FILE"
+    account = tmp_path / "serviceaccount-token"
+    account.write_text("eyJhbGciOiJSUzI1NiJ9.account-0123456789")
+    monkeypatch.setattr(secret_sources, "SERVICE_ACCOUNT_TOKEN", str(account))
+    monkeypatch.chdir(tmp_path)
+    said = " ".join([*files.values(), "gcp-private-0123456789", account.read_text()])
+    assert scrubbed(said, environ) == (
+        "*** *** *** *** just-a-model-0123456789 relative-0123456789 *** ***"
+    )
 
 
 def test_strings_inside_a_json_secret_are_hidden_as_a_program_prints_them(tmp_path):
@@ -187,7 +214,7 @@ def test_rlft_scrubbed_hides_what_a_command_reads_from_a_mounted_secret(tmp_path
 
 OWN_OUTPUT = """
 import os, sys
-from rlft.trainer import redaction
+from rlft.trainer import redaction, secret_sources
 redaction.scrub_output()
 folder = sys.argv[1]
 print("key", open(folder + "/key").read())
