@@ -910,9 +910,12 @@ def run_each(
     return results
 
 
-def _mean(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return round(statistics.mean(known), 4) if len(known) == len(values) and known else None
+def _mean(values: list[float | None], mean=statistics.mean) -> float | None:
+    """`mean` of `values`, rounded; None unless every one is known (and, for the
+    geometric mean of ratios, positive: a speedup of 2 and one of 0.5 average to 1)."""
+    if not values or None in values or (mean is statistics.geometric_mean and min(values) <= 0):
+        return None
+    return round(mean(values), 4)
 
 
 def goals(
@@ -927,48 +930,37 @@ def goals(
     }
 
 
-def _geometric_mean(values: list[float | None]) -> float | None:
-    """For ratios (a speedup of 2 and one of 0.5 average to 1, not 1.25)."""
-    known = [v for v in values if v is not None]
-    ok = len(known) == len(values) and known and min(known) > 0
-    return round(statistics.geometric_mean(known), 4) if ok else None
-
-
 def over_seeds(summaries: list[dict]) -> dict:
     """The seeds' JSON lines in one: each figure's mean over the seeds (geometric for
     the ratios), rlft's accuracy minus TRL's per seed (mean and standard error), and the
     goals on the means."""
     names = list(summaries[0]["steps"])
-    accuracy = {
-        n: _mean([s["accuracy_at_equal_wall_time"].get(n) for s in summaries]) for n in names
+    seeds_accuracy = {
+        n: [s["accuracy_at_equal_wall_time"].get(n) for s in summaries] for n in names
     }
-    gaps = [
-        s["accuracy_at_equal_wall_time"]["rlft"] - s["accuracy_at_equal_wall_time"]["trl"]
-        for s in summaries
-        if None not in (s["accuracy_at_equal_wall_time"].get(n) for n in ("rlft", "trl"))
-    ]
+    accuracy = {n: _mean(values) for n, values in seeds_accuracy.items()}
+    pairs = zip(seeds_accuracy.get("rlft", []), seeds_accuracy.get("trl", []), strict=False)
+    gaps = [r - t for r, t in pairs if r is not None and t is not None]
+    gap = statistics.mean(gaps) if gaps else None
     error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None
-    speedup = _geometric_mean([s["speedup_vs_trl"] for s in summaries])
-    overhead = _geometric_mean([s["overhead_vs_bare"] for s in summaries])
+    ratio = statistics.geometric_mean
+    speedup = _mean([s["speedup_vs_trl"] for s in summaries], ratio)
+    overhead = _mean([s["overhead_vs_bare"] for s in summaries], ratio)
     log(f"\nover {len(summaries)} seeds (means):")
-    for n in names:
+    for n, values in seeds_accuracy.items():
         shown = "-" if accuracy[n] is None else f"{accuracy[n]:.3f}"
-        per_seed = " ".join(
-            f"{v:.3f}" if (v := s["accuracy_at_equal_wall_time"].get(n)) is not None else "-"
-            for s in summaries
-        )
+        per_seed = " ".join("-" if v is None else f"{v:.3f}" for v in values)
         log(f"  {n:6} accuracy at equal wall time {shown} (per seed: {per_seed})")
-    if gaps:
+    if gap is not None:
         log(
-            f"  rlft − TRL per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean "
-            f"{statistics.mean(gaps):+.3f}"
+            f"  rlft − TRL per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean {gap:+.3f}"
             + ("" if error is None else f" ± {error:.3f} (standard error)")
         )
     return {
         "seeds": [s["seed"] for s in summaries],
         "seconds": summaries[0]["seconds"],
         "speedup_vs_trl": speedup,
-        "speedup_vs_trl_median": _geometric_mean([s["speedup_vs_trl_median"] for s in summaries]),
+        "speedup_vs_trl_median": _mean([s["speedup_vs_trl_median"] for s in summaries], ratio),
         "overhead_vs_bare": overhead,
         "steps_per_s": {n: _mean([s["steps_per_s"][n] for s in summaries]) for n in names},
         "disturbed": sorted({f"{n} (seed {s['seed']})" for s in summaries for n in s["disturbed"]}),
@@ -976,7 +968,7 @@ def over_seeds(summaries: list[dict]) -> dict:
         "accuracy_at_equal_wall_time": accuracy,
         "accuracy_rlft_minus_trl": {
             "per_seed": [round(g, 4) for g in gaps],
-            "mean": round(statistics.mean(gaps), 4) if gaps else None,
+            "mean": None if gap is None else round(gap, 4),
             "standard_error": None if error is None else round(error, 4),
         },
         "per_seed": summaries,
