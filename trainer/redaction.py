@@ -269,9 +269,9 @@ def scrub_output(environ: Mapping[str, str] | None = None) -> None:
     the secrets its environment and Secret mounts hold (looked at again every
     REFRESH_SECONDS). Output written to the file descriptors directly (C libraries,
     child processes that are not `rlft`) does not pass here."""
-    secrets = secret_values(environ)
+    refresh = functools.partial(secret_values, environ)
+    secrets = refresh()
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, ScrubbedStream):
-            refresh = functools.partial(secret_values, environ)
             setattr(sys, name, ScrubbedStream(stream, secrets, refresh=refresh))
