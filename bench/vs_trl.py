@@ -110,7 +110,12 @@ points from seed to seed while the policy hovers near what this model can reach,
 run per framework ranks them by luck there. Each seed prints its table and JSON line;
 the last line is then the JSON over the seeds: each figure's mean (geometric for the
 ratios `speedup_vs_trl`, `speedup_vs_trl_median` and `overhead_vs_bare`), rlft's accuracy
-minus TRL's per seed with its mean and standard error, and `goals_met` on the means.
+minus TRL's per seed with its mean and standard error, the same gap at each of the marks
+0/25/50/75/100% (`accuracy_rlft_minus_trl_by_mark`; each seed's line has its
+`accuracy_by_mark`), and `goals_met` on the means. The marks show where the curves part:
+from a warm start near what this model reaches, all three get there within about half of
+90 s, and after that the faster framework's extra steps buy nothing measurable; a budget
+that ends before then (`--seconds 30`) compares how fast each learns.
 """
 
 from __future__ import annotations
@@ -930,19 +935,34 @@ def goals(
     }
 
 
+def _gaps(
+    seeds_accuracy: dict[str, list[float | None]],
+) -> tuple[list[float], float | None, float | None]:
+    """rlft's accuracy minus TRL's per seed (where both are known), their mean and its
+    standard error."""
+    pairs = zip(seeds_accuracy.get("rlft", []), seeds_accuracy.get("trl", []), strict=False)
+    gaps = [r - t for r, t in pairs if r is not None and t is not None]
+    gap = statistics.mean(gaps) if gaps else None
+    error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None
+    return gaps, gap, error
+
+
 def over_seeds(summaries: list[dict]) -> dict:
     """The seeds' JSON lines in one: each figure's mean over the seeds (geometric for
-    the ratios), rlft's accuracy minus TRL's per seed (mean and standard error), and the
-    goals on the means."""
+    the ratios), rlft's accuracy minus TRL's per seed (mean and standard error), the same
+    gap at each shown mark, and the goals on the means."""
     names = list(summaries[0]["steps"])
     seeds_accuracy = {
         n: [s["accuracy_at_equal_wall_time"].get(n) for s in summaries] for n in names
     }
     accuracy = {n: _mean(values) for n, values in seeds_accuracy.items()}
-    pairs = zip(seeds_accuracy.get("rlft", []), seeds_accuracy.get("trl", []), strict=False)
-    gaps = [r - t for r, t in pairs if r is not None and t is not None]
-    gap = statistics.mean(gaps) if gaps else None
-    error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None
+    gaps, gap, error = _gaps(seeds_accuracy)
+    # The same gap at each shown mark: early marks show what the faster framework's
+    # extra steps buy before every framework reaches what this model can.
+    by_mark = {
+        mark: _gaps({n: [s["accuracy_by_mark"][n].get(mark) for s in summaries] for n in names})
+        for mark in summaries[0]["accuracy_by_mark"].get("rlft", {})
+    }
     ratio = statistics.geometric_mean
     speedup = _mean([s["speedup_vs_trl"] for s in summaries], ratio)
     overhead = _mean([s["overhead_vs_bare"] for s in summaries], ratio)
@@ -956,6 +976,12 @@ def over_seeds(summaries: list[dict]) -> dict:
             f"  rlft − TRL per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean {gap:+.3f}"
             + ("" if error is None else f" ± {error:.3f} (standard error)")
         )
+    for mark, (_, mark_gap, mark_error) in by_mark.items():
+        if mark_gap is not None:
+            log(
+                f"  rlft − TRL at {mark:>4} of the budget: mean {mark_gap:+.3f}"
+                + ("" if mark_error is None else f" ± {mark_error:.3f}")
+            )
     return {
         "seeds": [s["seed"] for s in summaries],
         "seconds": summaries[0]["seconds"],
@@ -970,6 +996,13 @@ def over_seeds(summaries: list[dict]) -> dict:
             "per_seed": [round(g, 4) for g in gaps],
             "mean": None if gap is None else round(gap, 4),
             "standard_error": None if error is None else round(error, 4),
+        },
+        "accuracy_rlft_minus_trl_by_mark": {
+            mark: {
+                "mean": None if mark_gap is None else round(mark_gap, 4),
+                "standard_error": None if mark_error is None else round(mark_error, 4),
+            }
+            for mark, (_, mark_gap, mark_error) in by_mark.items()
         },
         "per_seed": summaries,
         "goals_met": goals(speedup, overhead, accuracy),
@@ -1086,6 +1119,13 @@ def report(
         "accuracy_start": round(start_accuracy, 4),
         "accuracy_at_equal_wall_time": accuracy,
         "accuracy_last_snapshot": {n: rounded(r.last_accuracy()) for n, r in results.items()},
+        "accuracy_by_mark": {
+            n: {
+                f"{int(mark * 100)}%": None if (s := r.accuracy_at(mark)) is None else s.accuracy
+                for mark in SHOWN
+            }
+            for n, r in results.items()
+        },
         "goals_met": goals(speedup, overhead, accuracy),
     }
     print(json.dumps(summary), flush=True)
