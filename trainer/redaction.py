@@ -12,6 +12,7 @@ by whoever may `kubectl logs`, and collected into log stores that keep it for mo
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import functools
 import os
@@ -69,7 +70,40 @@ _URL_MARKS = frozenset(":?&")
 _SCHEME_SO_FAR = re.compile(_SCHEME + "$")
 
 
-def _unsafe_tail(text: str, secrets: Iterable[str], words: bool) -> int:
+class Beginnings:
+    """The secrets indexed for one question: how long is the longest end of a text that
+    begins one of them (and is shorter than it)? Asked of every partial line, against
+    every value looked for: a Secret holding a certificate bundle makes each of its
+    thousands of lines one, and a loop over them cost a millisecond per flush."""
+
+    HEAD = 8
+    """Beginnings of up to this many characters are kept in a set: an end whose first
+    HEAD characters begin no secret is passed over without a search."""
+
+    def __init__(self, secrets: Iterable[str] = ()):
+        self._ordered = sorted(set(secrets))
+        self._heads = {
+            s[:k] for s in self._ordered for k in range(1, min(self.HEAD, len(s) - 1) + 1)
+        }
+        self._longest = max(map(len, self._ordered), default=0)
+
+    def longest_end(self, text: str) -> int:
+        """The length of the longest end of `text` that is the beginning of a secret
+        longer than it (0 for none)."""
+        size = len(text)
+        for length in range(min(size, self._longest - 1), 0, -1):
+            start = size - length
+            if text[start : start + self.HEAD] not in self._heads:
+                continue
+            end = text[start:]
+            # The first secret after `end` in order begins with it if any secret does.
+            at = bisect.bisect_right(self._ordered, end)
+            if at < len(self._ordered) and self._ordered[at].startswith(end):
+                return length
+        return 0
+
+
+def _unsafe_tail(text: str, secrets: Beginnings, words: bool) -> int:
     """How many characters at the end of a partial line (its whole secrets already
     hidden) wait for the rest of it: any end that begins a secret and, with `words`, the
     end of its last word that may still become a URL's credentials or a secret query
@@ -82,15 +116,7 @@ def _unsafe_tail(text: str, secrets: Iterable[str], words: bool) -> int:
             held = len(word.group())
         elif scheme := _SCHEME_SO_FAR.search(word.group()):
             held = len(scheme.group())
-    for secret in secrets:
-        window = text[-(len(secret) - 1) :] if len(secret) > 1 else ""
-        start = window.find(secret[0]) if window else -1
-        while start != -1:  # from the left: the first match is the longest
-            if secret.startswith(window[start:]):
-                held = max(held, len(window) - start)
-                break
-            start = window.find(secret[0], start + 1)
-    return held
+    return max(held, secrets.longest_end(text))
 
 
 class LineScrubber:
@@ -110,6 +136,7 @@ class LineScrubber:
         self._words = words
         self._known: set[str] = set()
         self._secrets: list[str] = []
+        self._beginnings = Beginnings()
         self._learn(secrets)
         self._refresh = refresh
         """Where the secrets come from (`secret_values`), asked again every
@@ -123,6 +150,7 @@ class LineScrubber:
             return
         self._known |= new
         self._secrets = sorted({*self._secrets, *looked_for(new)}, key=len, reverse=True)
+        self._beginnings = Beginnings(self._secrets)
 
     def _look_again(self) -> None:
         if self._refresh is None or time.monotonic() - self._refreshed < REFRESH_SECONDS:
@@ -159,7 +187,7 @@ class LineScrubber:
         # Whole secrets first: a cut inside one (a secret ending as it begins) would
         # hide it from both halves. Hidden again with what follows, `***` stays.
         pending = _without("".join(self._pending), self._secrets)
-        held = _unsafe_tail(pending, self._secrets, self._words)
+        held = _unsafe_tail(pending, self._beginnings, self._words)
         self._pending = [pending[len(pending) - held :]] if held else []
         return pending[: len(pending) - held]
 
