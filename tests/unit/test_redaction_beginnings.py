@@ -41,6 +41,16 @@ def test_the_index_finds_the_longest_end_that_begins_a_secret():
     assert found > 1000  # the cases where something waits are well covered
 
 
+def test_a_whole_secret_at_the_end_begins_only_the_longer_secrets():
+    """A secret equal to the text's end is no beginning of itself (it was hidden whole),
+    only of a longer secret; past HEAD characters, the search decides."""
+    assert Beginnings(["abcdefghij"]).longest_end("xxabcdefghij") == 0
+    assert Beginnings(["abcdefghij", "abcdefghijk"]).longest_end("abcdefghij") == 10
+    assert Beginnings(["abcdefghij"]).longest_end("xxabcdefghi") == 9
+    assert Beginnings(["abcdefghij"]).longest_end("xxabcdefgh-") == 0
+    assert Beginnings([]).longest_end("abc") == Beginnings(["", "a"]).longest_end("a") == 0
+
+
 def test_a_partial_line_ending_in_the_start_of_one_line_of_a_bundle_waits_for_the_rest():
     rng = random.Random(1)
     lines = [
