@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from rlft.trainer.secret_sources import looked_for, secret_values
+from rlft.trainer.secret_sources import looked_for, remembered, secret_values
 
 REFRESH_SECONDS = 10.0
 """How often a long-lived scrubber (a pod's `rlft scrubbed`, a process's streams) looks
@@ -142,6 +142,7 @@ class LineScrubber:
         """Where the secrets come from (`secret_values`), asked again every
         REFRESH_SECONDS: what it adds is hidden from then on, and nothing is forgotten."""
         self._refreshed = time.monotonic()
+        self._remembered = remembered()
         self._pending: list[str] = []
 
     def _learn(self, secrets: Iterable[str]) -> None:
@@ -153,9 +154,14 @@ class LineScrubber:
         self._beginnings = Beginnings(self._secrets)
 
     def _look_again(self) -> None:
-        if self._refresh is None or time.monotonic() - self._refreshed < REFRESH_SECONDS:
+        # Credentials this process read itself (`secret_sources.remember`) are asked for
+        # at once: the next line may be the error that quotes them.
+        fresh_values = remembered() != self._remembered
+        if self._refresh is None or (
+            not fresh_values and time.monotonic() - self._refreshed < REFRESH_SECONDS
+        ):
             return
-        self._refreshed = time.monotonic()
+        self._refreshed, self._remembered = time.monotonic(), remembered()
         try:
             fresh = list(self._refresh())
         except Exception:  # what is known stays hidden: scrubbing never stops output

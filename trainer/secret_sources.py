@@ -96,13 +96,33 @@ def named_as_secret(name: str) -> bool:
 
 _SEEN: set[str] = set()
 _SEEN_LOCK = threading.Lock()
+_REMEMBERED = [0]
+"""How many times `remember` learnt a new value: a scrubber that saw another count asks
+again at once, not at its next look."""
+
+
+def remember(values: Iterable[str | None]) -> None:
+    """Credentials this process read from a place no variable or mount names (a local
+    run's `spec.checkpoint.credentialsDir`, or one on a volume the operator did not
+    mount as a Secret) are its secrets from now on: its verdict and its own output hide
+    them, rotated-away ones too."""
+    new = {v.strip() for v in values if v and len(v.strip()) >= SHORTEST}
+    with _SEEN_LOCK:
+        if new - _SEEN:
+            _SEEN.update(new)
+            _REMEMBERED[0] += 1
+
+
+def remembered() -> int:
+    """The count `remember` keeps (see `_REMEMBERED`)."""
+    return _REMEMBERED[0]
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """The secrets a process holds: its environment's (by name), the files under its
     Secret mounts (`RLFT_SECRET_PATH`) and those its variables name, longest first.
-    Without `environ`, this process's own, and every value they held when asked before:
-    a rotated credential's old value may still show in an error."""
+    Without `environ`, this process's own, every value they held when asked before (a
+    rotated credential's old value may still show in an error) and what it `remember`ed."""
     own = environ is None
     environ = os.environ if environ is None else environ
     names = [*SECRET_ENV, *(environ.get(SECRET_NAMES_ENV) or "").split(",")]

@@ -253,3 +253,51 @@ def test_a_process_that_scrubs_its_own_output_reads_the_mounts(tmp_path, mounted
         assert ended.stdout == (
             "key old-token-0123456789\nnew new-token-0123456789\nverdict: old-token-0123456789\n"
         )
+
+
+REMEMBERING = """
+import io, pathlib, sys
+from rlft.trainer.redaction import ScrubbedStream, scrubbed
+from rlft.trainer.secret_sources import secret_values
+from rlft.trainer.storage.backends import S3Options
+from rlft.trainer.storage.s3 import S3Storage
+
+folder = pathlib.Path(sys.argv[1])
+out = io.StringIO()
+stream = ScrubbedStream(out, secret_values(), refresh=secret_values)
+stream.write("before any client: nothing to hide\\n")
+storage = S3Storage("s3://bucket/run", S3Options(credentials_dir=str(folder)))
+old = (folder / "aws_secret_access_key").read_text().strip()
+stream.write(f"old {old}\\n")
+(folder / "aws_secret_access_key").write_text("rotated-secret-0123456789\\n")
+assert storage._rotated()
+stream.write("new rotated-secret-0123456789\\n")
+stream.flush()
+print(out.getvalue() + scrubbed(f"verdict {old} and rotated-secret-0123456789"))
+"""
+
+
+def test_credentials_rlft_reads_from_a_folder_no_variable_names_are_secrets(tmp_path):
+    """A local run's `spec.checkpoint.credentialsDir` (or one on a volume the operator
+    did not mount as a Secret, so `RLFT_SECRET_PATH` does not name it): the process's
+    own output hides the key as soon as the S3 client has read it, not at the next look
+    10 s later, and its verdict hides the rotated-away key too."""
+    folder = tmp_path / "creds"
+    folder.mkdir()
+    (folder / "aws_access_key_id").write_text("AKIAEXAMPLE")
+    (folder / "aws_secret_access_key").write_text("first-secret-abcdef012345\n")
+    environ = {k: v for k, v in os.environ.items() if k != SECRET_PATH_ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", REMEMBERING, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=environ,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "before any client: nothing to hide",
+        "old ***",
+        "new ***",
+        "verdict *** and ***",
+    ], done.stdout

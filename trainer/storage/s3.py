@@ -29,6 +29,7 @@ from botocore.config import Config
 from botocore.loaders import create_loader
 
 from rlft.trainer.config.locations import BUCKET, NO_CREDENTIALS, holds_credentials, shown
+from rlft.trainer.secret_sources import remember
 from rlft.trainer.storage.backends import ObjectInfo, S3Options, check_key, os_error
 from rlft.trainer.storage.errors import (
     BadUriError,
@@ -186,6 +187,7 @@ class S3Storage:
             os.environ.get("AWS_SECRET_ACCESS_KEY"),
             os.environ.get("AWS_SESSION_TOKEN"),
         ]
+        remember(self._secrets)
         region = (
             options.region
             or os.environ.get("AWS_REGION")
@@ -239,6 +241,7 @@ class S3Storage:
             self._credentials = current
             secret_keys = ("aws_secret_access_key", "aws_session_token")
             self._secrets += [current.get(key) for key in secret_keys]
+            remember(self._secrets)
             self._client = self._new_client()
         return True
 
