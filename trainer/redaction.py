@@ -236,9 +236,14 @@ class ScrubbedStream:
     def _forked(self) -> None:
         """In a forked child (a reward's multiprocessing pool): a new lock, as another
         thread may have held the parent's at the fork, and none of the parent's text (the
-        parent passes it on; the child printed it again inside its own output)."""
+        parent passes it on; the child printed it again inside its own output). A
+        multiprocessing child ends by `os._exit`, which runs no atexit: what it holds of
+        its last line is passed on by its exit's finalizers instead."""
         self._lock = threading.RLock()
         self._scrubber.forget()
+        if (util := sys.modules.get("multiprocessing.util")) is not None:
+            # Its bootstrap clears the finalizers the fork copied, then runs these.
+            util.register_after_fork(self, _finish_at_exit)
 
     def _locked(self, ending: bool = False) -> bool:
         """Take the lock; while the process ends give up after a second (a daemon thread
@@ -281,6 +286,14 @@ class ScrubbedStream:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+def _finish_at_exit(stream: ScrubbedStream) -> None:
+    """In a multiprocessing child: `stream.finish` among the last of its exit's
+    finalizers (`multiprocessing.util._exit_function`, before its `os._exit`)."""
+    from multiprocessing import util
+
+    util.Finalize(None, stream.finish, exitpriority=-100)
 
 
 def _is_terminal(stream) -> bool:

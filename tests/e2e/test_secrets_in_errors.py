@@ -190,6 +190,30 @@ sys.stdout.write(":pw@host/x\\n")
     assert ended.stdout == "parent: loading child: done\nhttps://***@host/x\n", ended.stderr
 
 
+def test_a_multiprocessing_child_passes_on_what_it_held_of_its_last_line():
+    """A multiprocessing child ends by `os._exit`, which runs no atexit: the last word it
+    held back (it might have become a URL's credentials) was lost. Its exit's finalizers
+    pass it on now, scrubbed: for a Process and for a Pool's worker."""
+    code = """
+import multiprocessing
+fork = multiprocessing.get_context("fork")
+def work(end):
+    sys.stdout.write(f"child: fetched https://me{end} "); sys.stdout.flush()
+    sys.stdout.write("and ends on a word"); sys.stdout.flush()
+for end in ("", ":pw@host/x"):
+    child = fork.Process(target=work, args=(end,)); child.start(); child.join()
+pool = fork.Pool(1)
+pool.apply(work, ("?token=tok-123456",)); pool.close(); pool.join()
+print("|parent")
+"""
+    ended = run_scrubbed_python(code)
+    assert ended.stdout == (
+        "child: fetched https://me and ends on a word"
+        "child: fetched https://***@host/x and ends on a word"
+        "child: fetched https://me?token=*** and ends on a word|parent\n"
+    ), (ended.stdout, ended.stderr)
+
+
 @pytest.mark.parametrize(
     "command",
     [
