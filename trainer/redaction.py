@@ -28,7 +28,8 @@ REFRESH_SECONDS = 10.0
 """How often a long-lived scrubber (a pod's `rlft scrubbed`, a process's streams) looks
 at the environment and the Secret files again: the kubelet rewrites a mounted Secret
 when it changes (credentials rotated under `spec.checkpoint.credentialsDir`), and the new
-value is as secret as the old one, which stays hidden too."""
+value is as secret as the old one, which stays hidden too. A process's own streams also
+look at once after it `remember`ed credentials it read itself."""
 
 # A scheme starts where a run of scheme characters does (not at each `\b` inside one:
 # a long run such as `a-a-a-…` made the search quadratic).
@@ -140,7 +141,8 @@ class LineScrubber:
         self._learn(secrets)
         self._refresh = refresh
         """Where the secrets come from (`secret_values`), asked again every
-        REFRESH_SECONDS: what it adds is hidden from then on, and nothing is forgotten."""
+        REFRESH_SECONDS and at once after a `remember`: what it adds is hidden from then
+        on, and nothing is forgotten."""
         self._refreshed = time.monotonic()
         self._remembered = remembered()
         self._pending: list[str] = []
@@ -293,7 +295,15 @@ def _finish_at_exit(stream: ScrubbedStream) -> None:
     finalizers (`multiprocessing.util._exit_function`, before its `os._exit`)."""
     from multiprocessing import util
 
-    util.Finalize(None, stream.finish, exitpriority=-100)
+    def finish() -> None:
+        # The child's threads are joined only after its finalizers: one still writing
+        # could complete a secret whose first part had gone on.
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        stream.finish()
+
+    util.Finalize(None, finish, exitpriority=-100)
 
 
 def _is_terminal(stream) -> bool:

@@ -193,7 +193,8 @@ sys.stdout.write(":pw@host/x\\n")
 def test_a_multiprocessing_child_passes_on_what_it_held_of_its_last_line():
     """A multiprocessing child ends by `os._exit`, which runs no atexit: the last word it
     held back (it might have become a URL's credentials) was lost. Its exit's finalizers
-    pass it on now, scrubbed: for a Process and for a Pool's worker."""
+    pass it on now, scrubbed: for a Process and for a Pool's worker, and only once the
+    threads still writing have ended."""
     code = """
 import multiprocessing
 fork = multiprocessing.get_context("fork")
@@ -204,13 +205,21 @@ for end in ("", ":pw@host/x"):
     child = fork.Process(target=work, args=(end,)); child.start(); child.join()
 pool = fork.Pool(1)
 pool.apply(work, ("?token=tok-123456",)); pool.close(); pool.join()
+import threading, time
+def talk():  # still writing after the target returned: threads are joined after it
+    sys.stdout.write(" thread: https://me:p"); sys.stdout.flush(); time.sleep(0.5)
+    sys.stdout.write("w@host/x")
+def leave_a_thread():
+    threading.Thread(target=talk).start(); time.sleep(0.1)
+child = fork.Process(target=leave_a_thread); child.start(); child.join()
 print("|parent")
 """
     ended = run_scrubbed_python(code)
     assert ended.stdout == (
         "child: fetched https://me and ends on a word"
         "child: fetched https://***@host/x and ends on a word"
-        "child: fetched https://me?token=*** and ends on a word|parent\n"
+        "child: fetched https://me?token=*** and ends on a word"
+        " thread: https://***@host/x|parent\n"
     ), (ended.stdout, ended.stderr)
 
 
