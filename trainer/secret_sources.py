@@ -96,6 +96,16 @@ def named_as_secret(name: str) -> bool:
 
 _SEEN: set[str] = set()
 _SEEN_LOCK = threading.Lock()
+
+
+def _new_lock() -> None:
+    """In a forked child: another thread of the parent may have held the lock at the
+    fork, and nothing in the child would ever release it."""
+    global _SEEN_LOCK
+    _SEEN_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock)
 _REMEMBERED = [0]
 """How many times `remember` learnt a new value: a scrubber that saw another count asks
 again at once, not at its next look."""

@@ -190,6 +190,23 @@ sys.stdout.write(":pw@host/x\\n")
     assert ended.stdout == "parent: loading child: done\nhttps://***@host/x\n", ended.stderr
 
 
+def test_a_child_forked_while_the_secrets_were_being_remembered_still_scrubs():
+    """The parent's lock of what it has seen was held at the fork (another thread
+    remembering rotated credentials): the child's first look waited for it forever."""
+    code = """
+from rlft.trainer import redaction, secret_sources
+secret_sources._SEEN_LOCK.acquire()
+child = os.fork()
+if child == 0:
+    import signal; signal.alarm(20)  # broken, it would wait forever: it ends instead
+    secret_sources.remember(["child-secret-0123456789"])
+    print(redaction.scrubbed("child: child-secret-0123456789"), flush=True); os._exit(0)
+os.waitpid(child, 0)
+"""
+    ended = run_scrubbed_python(code)
+    assert ended.stdout == "child: ***\n", (ended.stdout, ended.stderr)
+
+
 def test_a_multiprocessing_child_passes_on_what_it_held_of_its_last_line():
     """A multiprocessing child ends by `os._exit`, which runs no atexit: the last word it
     held back (it might have become a URL's credentials) was lost. Its exit's finalizers
