@@ -935,16 +935,31 @@ def goals(
     }
 
 
-def _gaps(
-    seeds_accuracy: dict[str, list[float | None]],
-) -> tuple[list[float], float | None, float | None]:
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+@dataclass
+class Gap:
     """rlft's accuracy minus TRL's per seed (where both are known), their mean and its
     standard error."""
-    pairs = zip(seeds_accuracy.get("rlft", []), seeds_accuracy.get("trl", []), strict=False)
-    gaps = [r - t for r, t in pairs if r is not None and t is not None]
-    gap = statistics.mean(gaps) if gaps else None
-    error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None
-    return gaps, gap, error
+
+    per_seed: list[float]
+    mean: float | None
+    error: float | None
+
+    @classmethod
+    def of(cls, seeds_accuracy: dict[str, list[float | None]]) -> Gap:
+        pairs = zip(seeds_accuracy.get("rlft", []), seeds_accuracy.get("trl", []), strict=False)
+        gaps = [r - t for r, t in pairs if r is not None and t is not None]
+        error = statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else None
+        return cls(gaps, statistics.mean(gaps) if gaps else None, error)
+
+    def text(self) -> str:
+        return f"mean {self.mean:+.3f}" + ("" if self.error is None else f" ± {self.error:.3f}")
+
+    def json(self) -> dict[str, float | None]:
+        return {"mean": _rounded(self.mean), "standard_error": _rounded(self.error)}
 
 
 def over_seeds(summaries: list[dict]) -> dict:
@@ -956,11 +971,11 @@ def over_seeds(summaries: list[dict]) -> dict:
         n: [s["accuracy_at_equal_wall_time"].get(n) for s in summaries] for n in names
     }
     accuracy = {n: _mean(values) for n, values in seeds_accuracy.items()}
-    gaps, gap, error = _gaps(seeds_accuracy)
+    gap = Gap.of(seeds_accuracy)
     # The same gap at each shown mark: early marks show what the faster framework's
     # extra steps buy before every framework reaches what this model can.
     by_mark = {
-        mark: _gaps({n: [s["accuracy_by_mark"][n].get(mark) for s in summaries] for n in names})
+        mark: Gap.of({n: [s["accuracy_by_mark"][n].get(mark) for s in summaries] for n in names})
         for mark in summaries[0]["accuracy_by_mark"].get("rlft", {})
     }
     ratio = statistics.geometric_mean
@@ -971,17 +986,13 @@ def over_seeds(summaries: list[dict]) -> dict:
         shown = "-" if accuracy[n] is None else f"{accuracy[n]:.3f}"
         per_seed = " ".join("-" if v is None else f"{v:.3f}" for v in values)
         log(f"  {n:6} accuracy at equal wall time {shown} (per seed: {per_seed})")
-    if gap is not None:
-        log(
-            f"  rlft − TRL per seed: {' '.join(f'{g:+.3f}' for g in gaps)}; mean {gap:+.3f}"
-            + ("" if error is None else f" ± {error:.3f} (standard error)")
-        )
-    for mark, (_, mark_gap, mark_error) in by_mark.items():
-        if mark_gap is not None:
-            log(
-                f"  rlft − TRL at {mark:>4} of the budget: mean {mark_gap:+.3f}"
-                + ("" if mark_error is None else f" ± {mark_error:.3f}")
-            )
+    if gap.mean is not None:
+        per_seed = " ".join(f"{g:+.3f}" for g in gap.per_seed)
+        standard = "" if gap.error is None else " (standard error)"
+        log(f"  rlft − TRL per seed: {per_seed}; {gap.text()}{standard}")
+    for mark, at_mark in by_mark.items():
+        if at_mark.mean is not None:
+            log(f"  rlft − TRL at {mark:>4} of the budget: {at_mark.text()}")
     return {
         "seeds": [s["seed"] for s in summaries],
         "seconds": summaries[0]["seconds"],
@@ -993,17 +1004,10 @@ def over_seeds(summaries: list[dict]) -> dict:
         "accuracy_start": summaries[0]["accuracy_start"],
         "accuracy_at_equal_wall_time": accuracy,
         "accuracy_rlft_minus_trl": {
-            "per_seed": [round(g, 4) for g in gaps],
-            "mean": None if gap is None else round(gap, 4),
-            "standard_error": None if error is None else round(error, 4),
+            "per_seed": [round(g, 4) for g in gap.per_seed],
+            **gap.json(),
         },
-        "accuracy_rlft_minus_trl_by_mark": {
-            mark: {
-                "mean": None if mark_gap is None else round(mark_gap, 4),
-                "standard_error": None if mark_error is None else round(mark_error, 4),
-            }
-            for mark, (_, mark_gap, mark_error) in by_mark.items()
-        },
+        "accuracy_rlft_minus_trl_by_mark": {mark: g.json() for mark, g in by_mark.items()},
         "per_seed": summaries,
         "goals_met": goals(speedup, overhead, accuracy),
     }
@@ -1085,9 +1089,6 @@ def report(
     def get(name: str) -> Result | None:
         return results.get(name)
 
-    def rounded(value: float | None) -> float | None:
-        return None if value is None else round(value, 4)
-
     rlft, trl = get("rlft"), get("trl")
     speedup = rlft.steps_per_s / trl.steps_per_s if rlft and trl else None
     speedup_median = trl.median(trl.wall) / rlft.median(rlft.wall) if rlft and trl else None
@@ -1095,7 +1096,7 @@ def report(
     overhead_record = (
         rlft.median(rlft.extra["step_time"]) / bare.median(bare.wall) if rlft and bare else None
     )
-    accuracy = {n: rounded(r.window_accuracy()) for n, r in results.items()}
+    accuracy = {n: _rounded(r.window_accuracy()) for n, r in results.items()}
     summary = {
         "seed": seed,
         "seconds": seconds,
@@ -1118,7 +1119,7 @@ def report(
         "disturbed": loaded,
         "accuracy_start": round(start_accuracy, 4),
         "accuracy_at_equal_wall_time": accuracy,
-        "accuracy_last_snapshot": {n: rounded(r.last_accuracy()) for n, r in results.items()},
+        "accuracy_last_snapshot": {n: _rounded(r.last_accuracy()) for n, r in results.items()},
         "accuracy_by_mark": {
             n: {
                 f"{int(mark * 100)}%": None if (s := r.accuracy_at(mark)) is None else s.accuracy

@@ -104,7 +104,7 @@ class Beginnings:
         return 0
 
 
-def _unsafe_tail(text: str, secrets: Beginnings, words: bool) -> int:
+def _unsafe_tail(text: str, beginnings: Beginnings, words: bool) -> int:
     """How many characters at the end of a partial line (its whole secrets already
     hidden) wait for the rest of it: any end that begins a secret and, with `words`, the
     end of its last word that may still become a URL's credentials or a secret query
@@ -117,7 +117,7 @@ def _unsafe_tail(text: str, secrets: Beginnings, words: bool) -> int:
             held = len(word.group())
         elif scheme := _SCHEME_SO_FAR.search(word.group()):
             held = len(scheme.group())
-    return max(held, secrets.longest_end(text))
+    return max(held, beginnings.longest_end(text))
 
 
 class LineScrubber:
@@ -158,12 +158,12 @@ class LineScrubber:
     def _look_again(self) -> None:
         # Credentials this process read itself (`secret_sources.remember`) are asked for
         # at once: the next line may be the error that quotes them.
-        fresh_values = remembered() != self._remembered
+        count = remembered()
         if self._refresh is None or (
-            not fresh_values and time.monotonic() - self._refreshed < REFRESH_SECONDS
+            count == self._remembered and time.monotonic() - self._refreshed < REFRESH_SECONDS
         ):
             return
-        self._refreshed, self._remembered = time.monotonic(), remembered()
+        self._refreshed, self._remembered = time.monotonic(), count
         try:
             fresh = list(self._refresh())
         except Exception:  # what is known stays hidden: scrubbing never stops output
